@@ -1,0 +1,207 @@
+"""Run one row of the benchmark matrix for one system, in this process, and append one JSON
+line to the results file (format: shared/BENCHMARKS.md, "Results format").
+
+    python benchmarks/run.py --workload full-3b --system fsdp2_offload --run-id R1
+
+`--tiny` swaps in a tiny model on the CPU with no budget: a check of the harness, not a
+measurement.
+"""
+
+from __future__ import annotations
+
+import time
+
+_START = time.perf_counter()  # time to first step counts from here, imports included
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import traceback  # noqa: E402
+from datetime import datetime, timezone  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import systems  # noqa: E402
+from workloads import LORA_RANK, MODEL_SHAPES, SYSTEMS, WORKLOADS  # noqa: E402
+
+_GIB = 2**30
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--workload", required=True, choices=sorted(WORKLOADS))
+    p.add_argument("--system", required=True, choices=SYSTEMS)
+    p.add_argument("--batch", type=int, help="default: the workload's first batch size")
+    p.add_argument("--seq", type=int, help="default: the workload's sequence length")
+    p.add_argument("--budget-gib", type=float, help="default: the workload's budget")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    p.add_argument("--n-persist", type=int)
+    p.add_argument("--n-buffer", type=int)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
+    p.add_argument("--run-id", help="rows measured side by side share one (default: new)")
+    p.add_argument("--commit", help="default: git rev-parse --short HEAD")
+    p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no budget")
+    return p.parse_args(argv)
+
+
+def git_commit() -> str:
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+        )
+        if head.returncode != 0:
+            return "unknown"
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=REPO).returncode != 0
+        return head.stdout.strip() + ("-dirty" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def row_spec(args: argparse.Namespace) -> systems.RowSpec:
+    workload = WORKLOADS[args.workload]
+    if args.tiny:
+        device, model = torch.device("cpu"), "tiny"
+        batch, seq, budget = args.batch or 2, args.seq or 32, None
+    else:
+        device, model = torch.device("cuda", 0), workload.model
+        batch = args.batch or workload.batches[0]
+        seq = args.seq or workload.seq
+        budget = args.budget_gib if args.budget_gib is not None else workload.budget_gib
+    return systems.RowSpec(
+        workload=args.workload,
+        system=args.system,
+        model=model,
+        mode=workload.mode,
+        batch=batch,
+        seq=seq,
+        budget_gib=budget,
+        device=device,
+        lora_rank=LORA_RANK if workload.mode == "lora" else None,
+        lr=args.lr,
+        n_persist=args.n_persist,
+        n_buffer=args.n_buffer,
+    )
+
+
+def emulate_budget(spec: systems.RowSpec) -> None:
+    """Cap this process's CUDA caching allocator at the budget, before anything is allocated."""
+    if spec.device.type != "cuda" or spec.budget_gib is None:
+        return
+    total = torch.cuda.get_device_properties(spec.device).total_memory
+    torch.cuda.set_per_process_memory_fraction(
+        min(1.0, spec.budget_gib * _GIB / total), spec.device
+    )
+
+
+def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
+    """Build the system, run warmup + timed steps; the figures of the row."""
+    out: dict = {"status": "ok"}
+    try:
+        trainer = systems.setup(spec)
+        out.update(plan=trainer.plan, predicted_peak_gib=trainer.predicted_peak_gib)
+        out["predicted_step_s"] = trainer.predicted_step_s
+        vocab = MODEL_SHAPES[spec.model]["vocab_size"]
+        gen = torch.Generator(device=spec.device).manual_seed(0)
+        input_ids = torch.randint(vocab, (spec.batch, spec.seq), device=spec.device, generator=gen)
+        extras_sum: dict[str, float] = {}
+        for i in range(warmup + steps):
+            if i == warmup:
+                _sync(spec.device)
+                t0 = time.perf_counter()
+            loss = trainer.step(input_ids)
+            if i == 0:
+                _sync(spec.device)
+                out["time_to_first_step_s"] = round(time.perf_counter() - _START, 2)
+            if i >= warmup:
+                for k, v in trainer.extras().items():
+                    extras_sum[k] = extras_sum.get(k, 0.0) + v
+        _sync(spec.device)
+        step_s = (time.perf_counter() - t0) / steps
+        out.update(step_s=round(step_s, 4), tokens_per_s=round(spec.batch * spec.seq / step_s, 1))
+        out["loss"] = round(float(loss.detach()), 4)
+        out.update({k: round(v / steps, 4) for k, v in extras_sum.items()})
+        if not math.isfinite(out["loss"]):
+            out.update(status="error", error="loss is not finite")
+    except torch.OutOfMemoryError as e:
+        out.update(status="oom", error=_first_line(e))
+    except Exception as e:  # one clear row per failure; the traceback goes to stderr
+        traceback.print_exc()
+        oom = "out of memory" in str(e).lower()
+        out.update(status="oom" if oom else "error", error=f"{type(e).__name__}: {_first_line(e)}")
+    return out
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return (text.splitlines()[0] if text else type(e).__name__)[:500]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    spec = row_spec(args)
+    emulate_budget(spec)
+    if spec.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(spec.device)
+    commit = args.commit or os.environ.get("PROTRAIN_COMMIT") or git_commit()
+    now = datetime.now(timezone.utc)
+    run_id = args.run_id or f"{now:%Y-%m-%dT%H:%MZ}-{commit[:7]}"
+
+    result = measure(spec, args.steps, args.warmup)
+
+    cuda = spec.device.type == "cuda"
+    row = {
+        "workload": spec.workload,
+        "system": spec.system,
+        "model": spec.model,
+        "mode": spec.mode,
+        "budget_gib": spec.budget_gib,
+        "batch": spec.batch,
+        "seq": spec.seq,
+        "status": result.pop("status"),
+        "tokens_per_s": result.pop("tokens_per_s", None),
+        "step_s": result.pop("step_s", None),
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated(spec.device) / _GIB, 2)
+        if cuda
+        else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(spec.device) / _GIB, 2)
+        if cuda
+        else None,
+        "predicted_peak_gib": result.pop("predicted_peak_gib", None),
+        "predicted_step_s": result.pop("predicted_step_s", None),
+        "plan": result.pop("plan", None),
+        "gpu": torch.cuda.get_device_name(spec.device) if cuda else "cpu",
+        "run_id": run_id,
+        "commit": commit,
+        "time_to_first_step_s": result.pop("time_to_first_step_s", None),
+        **result,  # extras: loss, error, and what the system reports per step
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "torch": torch.__version__,
+        "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
+    }
+    if args.tiny:
+        row["tiny"] = True
+    out = args.out or REPO / "benchmarks" / "results" / f"{spec.workload}.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row))
+    return 1 if row["status"] == "error" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

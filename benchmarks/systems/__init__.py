@@ -1,0 +1,56 @@
+"""The systems compared: each module's `setup(spec)` builds the model and returns a `Trainer`.
+
+A system owns everything between the random batch and the finished optimizer step: where
+weights live, mixed precision, sharding and offload, and the optimizer. All of them use bf16
+compute, AdamW, global-norm clipping at 1.0 and activation checkpointing of every decoder
+layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    workload: str
+    system: str
+    model: str
+    mode: str  # "full" or "lora"
+    batch: int
+    seq: int
+    budget_gib: float | None  # None: no budget emulation
+    device: torch.device
+    lora_rank: int | None
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    n_persist: int | None = None
+    n_buffer: int | None = None
+
+
+@dataclass
+class Trainer:
+    """One training step of a system, and what the system says about itself."""
+
+    step: Callable[[torch.Tensor], torch.Tensor]  # input_ids (also labels) -> loss
+    plan: dict | None = None
+    predicted_peak_gib: float | None = None
+    predicted_step_s: float | None = None
+    extras: Callable[[], dict] = field(default=lambda: {})  # per-step figures, e.g. copy_wait_s
+
+
+_MODULES = {
+    "plain": "systems.plain",
+    "fsdp2_offload": "systems.fsdp2_offload",
+    "ds_z3_offload": "systems.deepspeed_offload",
+    "ds_z2_offload": "systems.deepspeed_offload",
+    "protrain": "systems.protrain_engine",
+}
+
+
+def setup(spec: RowSpec) -> Trainer:
+    return importlib.import_module(_MODULES[spec.system]).setup(spec)

@@ -1,0 +1,38 @@
+"""Plain PyTorch: fp32 master weights on the GPU (bf16 base for LoRA), autocast bf16,
+fused AdamW on the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from materialize import build_on_meta, materialize
+from systems import RowSpec, Trainer
+from workloads import hf_config
+
+
+def setup(spec: RowSpec) -> Trainer:
+    dtype = torch.bfloat16 if spec.mode == "lora" else torch.float32
+    model = build_on_meta(hf_config(spec.model), dtype, spec.lora_rank)
+    materialize(model, spec.device, fill_device=spec.device)
+    enable_checkpointing(model)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
+
+    def step(input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(spec.device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    return Trainer(step)
+
+
+def enable_checkpointing(model: torch.nn.Module) -> None:
+    """Hugging Face activation checkpointing of every decoder layer, non-reentrant."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()  # LoRA: frozen embeddings, checkpointed layers

@@ -1,0 +1,134 @@
+"""The models and workloads of the benchmark matrix (shared/BENCHMARKS.md), as data.
+
+Shapes are those of the public model cards; weights are random. `tiny` is a model of the
+same family small enough for a CPU test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODEL_SHAPES: dict[str, dict] = {
+    "llama1b": dict(  # Llama-3.2-1B
+        family="llama",
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama3b": dict(  # Llama-3.2-3B
+        family="llama",
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama8b": dict(  # Llama-3-8B
+        family="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
+    "qwen14b": dict(  # Qwen2.5-14B
+        family="qwen2",
+        hidden_size=5120,
+        intermediate_size=13824,
+        num_hidden_layers=48,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+    "tiny": dict(
+        family="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        rope_theta=10000.0,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    mode: str  # "full" or "lora"
+    batches: tuple[int, ...]
+    seq: int
+    budget_gib: float
+    systems: tuple[str, ...]  # the row of the matrix, protrain first
+
+
+WORKLOADS: dict[str, Workload] = {
+    "fits": Workload("llama1b", "full", (1, 8), 2048, 80, ("protrain", "plain")),
+    "full-3b": Workload(
+        "llama3b",
+        "full",
+        (4,),
+        2048,
+        24,
+        ("protrain", "plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload"),
+    ),
+    "full-8b": Workload(
+        "llama8b",
+        "full",
+        (4,),
+        2048,
+        80,
+        ("protrain", "plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload"),
+    ),
+    "lora-14b": Workload(
+        "qwen14b", "lora", (4,), 2048, 24, ("protrain", "plain", "fsdp2_offload", "ds_z3_offload")
+    ),
+}
+
+SYSTEMS = ("plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload", "protrain")
+LORA_RANK = 16
+
+
+def hf_config(model: str):
+    """A transformers config of the named shape."""
+    import transformers
+
+    shape = dict(MODEL_SHAPES[model])
+    family = shape.pop("family")
+    rope_theta = shape.pop("rope_theta")
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    config = cls(
+        **shape,
+        rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
+    config._attn_implementation = "sdpa"
+    return config
