@@ -1,0 +1,276 @@
+"""Building the tokenized training and evaluation datasets from `DataSettings`.
+
+Everything is read, checked and tokenized up front, so that a missing file or a bad row
+stops the run before training starts, with one `DataError` line (or, with `skip_bad_rows`,
+a counted skip and one warning per dataset). The result is a plain in-memory dataset of
+dicts; the training loop samples it with its own seeded sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from protrain.train.data.config import DatasetConfig, DataSettings
+from protrain.train.data.encoding import Encoded, encode_sample
+from protrain.train.data.errors import DataError
+from protrain.train.data.formats import ChatSample, parse_row
+from protrain.train.data.loading import read_rows, select_rows
+from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
+from protrain.train.data.rendering import ChatRenderer, TemplateMismatch, end_of_turn_markers
+from protrain.train.data.templates import resolve_chat_template
+
+logger = logging.getLogger("protrain.train.data")
+
+
+class TokenizedDataset(torch.utils.data.Dataset):
+    """A list of encoded samples; items are dicts with `input_ids` and `labels` (lists)."""
+
+    def __init__(self, items: list[dict[str, Any]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.items[index]
+
+
+@dataclass
+class DatasetReport:
+    """What happened to one dataset's rows; logged once per dataset."""
+
+    path: str
+    rows: int = 0
+    kept: int = 0
+    skipped: list[str] = field(default_factory=list)  # one reason per skipped row
+    truncated: int = 0
+    no_trained_tokens: int = 0
+
+    def log(self) -> None:
+        if self.skipped:
+            logger.warning(
+                "dataset %r: skipped %d bad row(s) of %d (skip_bad_rows); first: %s",
+                self.path,
+                len(self.skipped),
+                self.rows,
+                self.skipped[0],
+            )
+        if self.truncated:
+            logger.warning(
+                "dataset %r: %d sample(s) longer than sequence_len were truncated",
+                self.path,
+                self.truncated,
+            )
+        if self.no_trained_tokens:
+            logger.warning(
+                "dataset %r: %d sample(s) had no trained token (after truncation) and were dropped",
+                self.path,
+                self.no_trained_tokens,
+            )
+
+
+class DatasetEncoder:
+    """Encodes the rows of one dataset entry with its resolved template and masks."""
+
+    def __init__(
+        self, settings: DataSettings, cfg: DatasetConfig, tokenizer, processor=None
+    ) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.mask: MaskSettings = resolve_mask_settings(settings, cfg)
+        self.renderer: ChatRenderer | None = None
+        self.vision = None
+        if cfg.type == "chat":
+            spec = cfg.chat_template if cfg.chat_template is not None else settings.chat_template
+            source = processor if processor is not None else tokenizer
+            try:
+                template = resolve_chat_template(spec, source)
+            except DataError as e:
+                raise DataError(e.reason, dataset=cfg.path, field="chat_template") from e
+            self.renderer = ChatRenderer(source, template, end_of_turn_markers(tokenizer))
+            if processor is not None:
+                from protrain.train.data.vision import VisionEncoder
+
+                self.vision = VisionEncoder(
+                    settings, cfg, processor, tokenizer, self.renderer, self.mask
+                )
+
+    def encode_row(self, row: dict[str, Any], row_index: int) -> Encoded:
+        sample = parse_row(row, self.cfg, row_index)
+        if self.vision is not None and isinstance(sample, ChatSample):
+            return self.vision.encode(sample, row_index)
+        try:
+            return encode_sample(sample, self.tokenizer, self.renderer, self.mask)
+        except TemplateMismatch as e:
+            raise DataError(
+                f"{e.reason}; the loss mask cannot be placed",
+                dataset=self.cfg.path,
+                row=row_index,
+                field=f"messages[{e.index}]",
+            ) from e
+        except DataError:
+            raise
+        except Exception as e:  # template exceptions (raise_exception) and the like
+            raise DataError(
+                f"cannot render with the chat template: {type(e).__name__}: {e}",
+                dataset=self.cfg.path,
+                row=row_index,
+                field="messages",
+            ) from e
+
+
+def _truncate(enc: Encoded, sequence_len: int, report: DatasetReport) -> None:
+    if len(enc.input_ids) > sequence_len:
+        report.truncated += 1
+        enc.input_ids = enc.input_ids[:sequence_len]
+        enc.labels = enc.labels[:sequence_len]
+
+
+def encode_dataset(
+    settings: DataSettings,
+    cfg: DatasetConfig,
+    tokenizer,
+    *,
+    sequence_len: int,
+    seed: int,
+    processor=None,
+    keep_text: bool = False,
+) -> tuple[list[Encoded], DatasetReport]:
+    """All usable samples of one dataset entry, encoded, in a seed-determined order."""
+    encoder = DatasetEncoder(settings, cfg, tokenizer, processor)
+    rows = read_rows(cfg)
+    report = DatasetReport(cfg.path, rows=len(rows))
+    encoded = []
+    for row_index, row in select_rows(rows, cfg, seed=seed):
+        try:
+            enc = encoder.encode_row(row, row_index)
+        except DataError as e:
+            if not settings.skip_bad_rows:
+                raise
+            report.skipped.append(str(e))
+            continue
+        _truncate(enc, sequence_len, report)
+        if all(label == IGNORE_INDEX for label in enc.labels[1:]):
+            report.no_trained_tokens += 1
+            continue
+        if not keep_text:
+            enc.text = ""
+        encoded.append(enc)
+    report.kept = len(encoded)
+    if not encoded:
+        raise DataError(
+            f"no usable sample among {report.rows} row(s)"
+            + (
+                f" ({len(report.skipped)} skipped: first {report.skipped[0]})"
+                if report.skipped
+                else ""
+            ),
+            dataset=cfg.path,
+        )
+    return encoded, report
+
+
+def _encode_all(
+    settings: DataSettings,
+    configs: list[DatasetConfig],
+    tokenizer,
+    *,
+    sequence_len: int,
+    seed: int,
+    processor,
+) -> list[Encoded]:
+    samples: list[Encoded] = []
+    for cfg in configs:
+        encoded, report = encode_dataset(
+            settings, cfg, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor
+        )
+        report.log()
+        samples.extend(encoded)
+    return samples
+
+
+def _split_validation(
+    samples: list[Encoded], val_set_size: float, seed: int
+) -> tuple[list[Encoded], list[Encoded]]:
+    """Deterministic hold-out: the same seed always holds out the same samples."""
+    n_val = int(val_set_size) if val_set_size >= 1 else int(round(len(samples) * val_set_size))
+    if n_val <= 0:
+        return samples, []
+    if n_val >= len(samples):
+        raise DataError(
+            f"val_set_size={val_set_size} holds out {n_val} of {len(samples)} samples; "
+            "nothing would be left to train on"
+        )
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_val])
+    train = [s for i, s in enumerate(samples) if i not in held]
+    val = [s for i, s in enumerate(samples) if i in held]
+    return train, val
+
+
+def _finish(samples: list[Encoded], settings: DataSettings, sequence_len: int, seed: int):
+    items = [s.item() for s in samples]
+    if settings.sample_packing:
+        from protrain.train.data.packing import pack_items
+
+        items = pack_items(items, sequence_len=sequence_len, seed=seed)
+    return TokenizedDataset(items)
+
+
+def build_train_dataset(
+    settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
+) -> torch.utils.data.Dataset:
+    """The tokenized (and, with `sample_packing`, packed) training dataset."""
+    from protrain.train.data.preprocess import load_prepared
+
+    prepared = load_prepared(
+        settings, tokenizer, sequence_len=sequence_len, seed=seed, split="train"
+    )
+    if prepared is not None:
+        return prepared
+    samples = _encode_all(
+        settings,
+        settings.datasets,
+        tokenizer,
+        sequence_len=sequence_len,
+        seed=seed,
+        processor=processor,
+    )
+    if settings.val_set_size:
+        samples, _ = _split_validation(samples, settings.val_set_size, seed)
+    return _finish(samples, settings, sequence_len, seed)
+
+
+def build_eval_dataset(
+    settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
+) -> torch.utils.data.Dataset | None:
+    """The evaluation dataset (`eval_datasets`, or the `val_set_size` hold-out), or None."""
+    if settings.eval_datasets:
+        samples = _encode_all(
+            settings,
+            settings.eval_datasets,
+            tokenizer,
+            sequence_len=sequence_len,
+            seed=seed,
+            processor=processor,
+        )
+    elif settings.val_set_size:
+        samples = _encode_all(
+            settings,
+            settings.datasets,
+            tokenizer,
+            sequence_len=sequence_len,
+            seed=seed,
+            processor=processor,
+        )
+        _, samples = _split_validation(samples, settings.val_set_size, seed)
+    else:
+        return None
+    return _finish(samples, settings, sequence_len, seed)

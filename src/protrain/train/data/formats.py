@@ -1,0 +1,195 @@
+"""Row formats: turn a raw row into a `ChatSample`, `CompletionSample` or `TextSample`.
+
+- `chat`: `messages` (role, content), or the legacy `conversations` (from, value).
+  Content may be a string or a list of parts (`{"type": "text", "text": ...}`,
+  `{"type": "image", ...}`); an assistant message may carry `reasoning_content`.
+- `completion`: `prompt` and `completion` (and an optional `system`).
+- `text`: `text`, trained on every token.
+
+Every check names the dataset, the row and the field, so a bad row is one clear `DataError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from protrain.train.data.config import DEFAULT_ROLE_MAP, DatasetConfig
+from protrain.train.data.errors import DataError
+
+MEDIA_PART_TYPES = ("image", "video", "audio")
+
+
+@dataclass
+class ChatSample:
+    messages: list[dict[str, Any]]  # role in KNOWN_ROLES, content str or list of parts
+    images: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class CompletionSample:
+    prompt: str
+    completion: str
+    system: str | None = None
+
+
+@dataclass
+class TextSample:
+    text: str
+
+
+Sample = ChatSample | CompletionSample | TextSample
+
+
+def _message_keys(cfg: DatasetConfig, column: str) -> tuple[str, str]:
+    legacy = column == "conversations"
+    role_key = cfg.message_field_role or ("from" if legacy else "role")
+    content_key = cfg.message_field_content or ("value" if legacy else "content")
+    return role_key, content_key
+
+
+def _check_content(content: Any, dataset: str, row: int, where: str) -> Any:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or "type" not in part:
+                raise DataError(
+                    "content parts must be objects with a 'type'",
+                    dataset=dataset,
+                    row=row,
+                    field=f"{where}[{j}]",
+                )
+            if part["type"] == "text" and not isinstance(part.get("text"), str):
+                raise DataError(
+                    "a text part needs a string 'text'",
+                    dataset=dataset,
+                    row=row,
+                    field=f"{where}[{j}]",
+                )
+            if part["type"] not in ("text", *MEDIA_PART_TYPES):
+                raise DataError(
+                    f"unknown content part type {part['type']!r}; allowed: text, {', '.join(MEDIA_PART_TYPES)}",
+                    dataset=dataset,
+                    row=row,
+                    field=f"{where}[{j}]",
+                )
+        return content
+    raise DataError(
+        f"content must be a string or a list of parts, got {type(content).__name__}",
+        dataset=dataset,
+        row=row,
+        field=where,
+    )
+
+
+def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatSample:
+    dataset = cfg.path
+    if cfg.field_messages is not None:
+        column = cfg.field_messages
+        if column not in row:
+            raise DataError(
+                f"missing; the row has {sorted(row)}", dataset=dataset, row=row_index, field=column
+            )
+    elif "messages" in row:
+        column = "messages"
+    elif "conversations" in row:
+        column = "conversations"
+    else:
+        raise DataError(
+            f"a chat row needs 'messages' or 'conversations'; the row has {sorted(row)}",
+            dataset=dataset,
+            row=row_index,
+            field="messages",
+        )
+    turns = row[column]
+    if not isinstance(turns, list):
+        raise DataError(
+            f"must be a list of messages, got {type(turns).__name__}",
+            dataset=dataset,
+            row=row_index,
+            field=column,
+        )
+    if not turns:
+        raise DataError("empty conversation", dataset=dataset, row=row_index, field=column)
+    role_key, content_key = _message_keys(cfg, column)
+    role_map = {**DEFAULT_ROLE_MAP, **(cfg.roles or {})}
+    messages = []
+    for i, turn in enumerate(turns):
+        where = f"{column}[{i}]"
+        if not isinstance(turn, dict):
+            raise DataError(
+                "a message must be an object", dataset=dataset, row=row_index, field=where
+            )
+        if role_key not in turn:
+            raise DataError(
+                f"missing role key {role_key!r}", dataset=dataset, row=row_index, field=where
+            )
+        if content_key not in turn:
+            raise DataError(
+                f"missing content key {content_key!r}", dataset=dataset, row=row_index, field=where
+            )
+        raw_role = turn[role_key]
+        role = role_map.get(raw_role) if isinstance(raw_role, str) else None
+        if role is None:
+            raise DataError(
+                f"unknown role {raw_role!r}; known: {sorted(role_map)} (map others with `roles:`)",
+                dataset=dataset,
+                row=row_index,
+                field=f"{where}.{role_key}",
+            )
+        content = turn[content_key]
+        if content is None and role == "assistant":
+            content = ""
+        message: dict[str, Any] = {
+            "role": role,
+            "content": _check_content(content, dataset, row_index, f"{where}.{content_key}"),
+        }
+        reasoning = turn.get(cfg.message_field_reasoning)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        for extra in ("tool_calls", "name", "tool_call_id"):
+            if turn.get(extra) is not None:
+                message[extra] = turn[extra]
+        messages.append(message)
+    if not any(m["role"] != "system" for m in messages):
+        raise DataError(
+            "conversation has no user or assistant message",
+            dataset=dataset,
+            row=row_index,
+            field=column,
+        )
+    images = row.get(cfg.field_images) or []
+    if not isinstance(images, list):
+        images = [images]
+    return ChatSample(messages=messages, images=images)
+
+
+def _string_field(row: dict[str, Any], key: str, cfg: DatasetConfig, row_index: int) -> str:
+    if key not in row:
+        raise DataError(
+            f"missing; the row has {sorted(row)}", dataset=cfg.path, row=row_index, field=key
+        )
+    value = row[key]
+    if not isinstance(value, str):
+        raise DataError(
+            f"must be a string, got {type(value).__name__}",
+            dataset=cfg.path,
+            row=row_index,
+            field=key,
+        )
+    return value
+
+
+def parse_row(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> Sample:
+    """Parse one raw row in the format `cfg.type` names; raises `DataError` on a bad row."""
+    if cfg.type == "chat":
+        return parse_chat(row, cfg, row_index)
+    if cfg.type == "completion":
+        system = row.get(cfg.field_system)
+        return CompletionSample(
+            prompt=_string_field(row, cfg.field_prompt, cfg, row_index),
+            completion=_string_field(row, cfg.field_completion, cfg, row_index),
+            system=system if isinstance(system, str) and system else None,
+        )
+    return TextSample(text=_string_field(row, cfg.field_text, cfg, row_index))

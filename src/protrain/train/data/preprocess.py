@@ -1,0 +1,144 @@
+"""Tokenize once and cache: `protrain preprocess CONFIG`, and reuse by `build_train_dataset`.
+
+The cache lives under `dataset_prepared_path/<fingerprint>/` where the fingerprint hashes
+everything the tokenized data depends on: the data settings, the tokenizer (name, vocabulary
+size, special tokens, template), `sequence_len`, the seed, and the size and modification time
+of each local data file. A changed input gives a new folder, never a stale cache.
+Text-only data is stored with `datasets.save_to_disk` (Arrow, memory-mapped); data with media
+tensors with `torch.save`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protrain.train.data.config import DataSettings
+
+logger = logging.getLogger("protrain.train.data")
+
+_FORMAT_VERSION = 1
+
+
+class ArrowItems(torch.utils.data.Dataset):
+    """Items read back from a `datasets` folder."""
+
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        return self.ds[index]
+
+
+def _file_stamps(settings: DataSettings) -> list[Any]:
+    stamps = []
+    for cfg in [*settings.datasets, *settings.eval_datasets]:
+        path = Path(cfg.path).expanduser()
+        files = sorted(path.rglob("*")) if path.is_dir() else [path]
+        for f in files:
+            if f.is_file():
+                st = f.stat()
+                stamps.append([str(f), st.st_size, st.st_mtime_ns])
+    return stamps
+
+
+def fingerprint(settings: DataSettings, tokenizer, *, sequence_len: int, seed: int) -> str:
+    data_keys = DataSettings.model_fields.keys()
+    payload = {
+        "version": _FORMAT_VERSION,
+        "settings": settings.model_dump(
+            mode="json", include=set(data_keys) - {"dataset_prepared_path"}
+        ),
+        "tokenizer": [
+            getattr(tokenizer, "name_or_path", ""),
+            len(tokenizer),
+            sorted(map(str, getattr(tokenizer, "all_special_tokens", []))),
+            str(getattr(tokenizer, "chat_template", "")),
+        ],
+        "sequence_len": sequence_len,
+        "seed": seed,
+        "files": _file_stamps(settings),
+    }
+    blob = json.dumps(payload, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _save(dataset: torch.utils.data.Dataset, folder: Path) -> None:
+    items = [dataset[i] for i in range(len(dataset))]
+    has_media = any(isinstance(v, torch.Tensor) for item in items for v in item.values())
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(folder.name + ".tmp")
+    if has_media:
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save(items, tmp / "items.pt")
+    else:
+        import datasets
+
+        datasets.Dataset.from_list(items).save_to_disk(str(tmp))
+    tmp.rename(folder)  # the folder appears whole or not at all
+
+
+def _load(folder: Path) -> torch.utils.data.Dataset:
+    from protrain.train.data.dataset import TokenizedDataset
+
+    if (folder / "items.pt").exists():
+        return TokenizedDataset(torch.load(folder / "items.pt", weights_only=True))
+    import datasets
+
+    return ArrowItems(datasets.load_from_disk(str(folder)))
+
+
+def load_prepared(
+    settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, split: str
+) -> torch.utils.data.Dataset | None:
+    """The cached split if `dataset_prepared_path` holds one for exactly these inputs."""
+    if not settings.dataset_prepared_path:
+        return None
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    folder = Path(settings.dataset_prepared_path).expanduser() / fp / split
+    if not folder.exists():
+        return None
+    logger.info("using prepared %s data from %s", split, folder)
+    return _load(folder)
+
+
+def preprocess(
+    settings: DataSettings,
+    tokenizer,
+    *,
+    sequence_len: int,
+    seed: int,
+    output_path: str | Path | None = None,
+    processor=None,
+) -> Path:
+    """Tokenize the training (and evaluation) data and write it; returns the cache folder."""
+    from protrain.train.data.dataset import build_eval_dataset, build_train_dataset
+
+    root = output_path or settings.dataset_prepared_path
+    if root is None:
+        raise ValueError("preprocess: set dataset_prepared_path (or pass output_path)")
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    folder = Path(root).expanduser() / fp
+    uncached = settings.model_copy(update={"dataset_prepared_path": None})
+    splits = {
+        "train": build_train_dataset(
+            uncached, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor
+        ),
+        "eval": build_eval_dataset(
+            uncached, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor
+        ),
+    }
+    for split, dataset in splits.items():
+        if dataset is None or (folder / split).exists():
+            continue
+        _save(dataset, folder / split)
+        logger.info("wrote %d prepared %s samples to %s", len(dataset), split, folder / split)
+    return folder

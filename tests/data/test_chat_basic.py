@@ -1,0 +1,246 @@
+"""The minimal chat path: JSONL rows, the tokenizer's ChatML template, assistant-only masks."""
+
+from __future__ import annotations
+
+import pytest
+
+from protrain.train.data import (
+    IGNORE_INDEX,
+    DataError,
+    DataSettings,
+    build_collator,
+    build_eval_dataset,
+    build_train_dataset,
+    describe_masking,
+    render_inspection,
+)
+from protrain.train.data.templates import CHATML
+
+from .helpers import byte_tokenizer, expected_labels, write_jsonl
+
+CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+
+@pytest.fixture
+def chatml_tok():
+    return byte_tokenizer(
+        CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>", chat_template=CHATML
+    )
+
+
+def _settings(path, **kw) -> DataSettings:
+    return DataSettings(datasets=[{"path": str(path), **kw.pop("ds", {})}], **kw)
+
+
+CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"role": "user", "content": "Bye"},
+    {"role": "assistant", "content": "See you."},
+]
+
+
+def _chatml_pieces(eos_trained=(True, True)):
+    return [
+        ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n", False),
+        ("<|im_start|>assistant\n", False),
+        ("Hello!", True),
+        ("<|im_end|>", eos_trained[0]),
+        ("\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n", False),
+        ("See you.", True),
+        ("<|im_end|>", eos_trained[1]),
+        ("\n", False),
+    ]
+
+
+def test_messages_assistant_only(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    ds = build_train_dataset(_settings(path), chatml_tok, sequence_len=512, seed=0)
+    _, ids, labels = expected_labels(chatml_tok, _chatml_pieces())
+    assert len(ds) == 1
+    assert ds[0]["input_ids"] == ids
+    assert ds[0]["labels"] == labels
+
+
+def test_legacy_conversations(tmp_path, chatml_tok):
+    legacy = [
+        {
+            "from": {"user": "human", "assistant": "gpt"}.get(m["role"], m["role"]),
+            "value": m["content"],
+        }
+        for m in CONVO
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"conversations": legacy}])
+    ds = build_train_dataset(_settings(path), chatml_tok, sequence_len=512, seed=0)
+    _, ids, labels = expected_labels(chatml_tok, _chatml_pieces())
+    assert ds[0]["input_ids"] == ids and ds[0]["labels"] == labels
+
+
+@pytest.mark.parametrize(
+    "mode,eos",
+    [("turn", (True, True)), ("last", (False, True)), ("none", (False, False))],
+)
+def test_train_on_eos(tmp_path, chatml_tok, mode, eos):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    ds = build_train_dataset(
+        _settings(path, train_on_eos=mode), chatml_tok, sequence_len=512, seed=0
+    )
+    assert ds[0]["labels"] == expected_labels(chatml_tok, _chatml_pieces(eos))[2]
+
+
+def test_train_on_eos_all_trains_untrained_turn_ends(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO[1:3]}])
+    ds = build_train_dataset(
+        _settings(path, train_on_eos="all"), chatml_tok, sequence_len=512, seed=0
+    )
+    pieces = [
+        ("<|im_start|>user\nHi", False),
+        ("<|im_end|>", True),
+        ("\n<|im_start|>assistant\n", False),
+        ("Hello!<|im_end|>", True),
+        ("\n", False),
+    ]
+    assert ds[0]["labels"] == expected_labels(chatml_tok, pieces)[2]
+
+
+def test_roles_to_train_and_train_on_inputs(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO[1:3]}])
+    ds = build_train_dataset(
+        _settings(path, roles_to_train=["user", "assistant"]), chatml_tok, sequence_len=512, seed=0
+    )
+    pieces = [
+        ("<|im_start|>user\n", False),
+        ("Hi<|im_end|>", True),
+        ("\n<|im_start|>assistant\n", False),
+        ("Hello!<|im_end|>", True),
+        ("\n", False),
+    ]
+    assert ds[0]["labels"] == expected_labels(chatml_tok, pieces)[2]
+    ds = build_train_dataset(
+        _settings(path, train_on_inputs=True), chatml_tok, sequence_len=512, seed=0
+    )
+    assert ds[0]["labels"] == ds[0]["input_ids"]
+
+
+def test_per_dataset_override(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO[1:3]}])
+    settings = _settings(path, ds={"train_on_eos": "none"}, train_on_eos="turn")
+    ds = build_train_dataset(settings, chatml_tok, sequence_len=512, seed=0)
+    pieces = [
+        ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n", False),
+        ("Hello!", True),
+        ("<|im_end|>\n", False),
+    ]
+    assert ds[0]["labels"] == expected_labels(chatml_tok, pieces)[2]
+    (line,) = describe_masking(settings)
+    assert "train_on_eos=none" in line and "assistant" in line and str(path) in line
+
+
+# --- bad data -----------------------------------------------------------------------------
+
+
+def _build(path, tok, **kw):
+    return build_train_dataset(_settings(path, **kw), tok, sequence_len=512, seed=0)
+
+
+def test_missing_file(tmp_path, chatml_tok):
+    with pytest.raises(DataError) as e:
+        _build(tmp_path / "nope.jsonl", chatml_tok)
+    assert "nope.jsonl" in str(e.value) and "does not exist" in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "row,field,words",
+    [
+        ({"text": "hi"}, "messages", "needs 'messages' or 'conversations'"),
+        ({"messages": []}, "messages", "empty conversation"),
+        (
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            "messages[0].role",
+            "unknown role 'wizard'",
+        ),
+        ({"messages": [{"role": "user"}]}, "messages[0]", "missing content key"),
+        (
+            {"conversations": [{"from": "human", "value": "a"}, {"from": "alien", "value": "b"}]},
+            "conversations[1].from",
+            "unknown role",
+        ),
+    ],
+)
+def test_bad_rows(tmp_path, chatml_tok, row, field, words):
+    good = {"messages": CONVO}
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, good, row])
+    with pytest.raises(DataError) as e:
+        _build(path, chatml_tok)
+    msg = str(e.value)
+    assert "row 2" in msg and f"field {field!r}" in msg and words in msg and str(path) in msg
+
+
+def test_skip_bad_rows_counts_and_warns_once(tmp_path, chatml_tok, caplog):
+    good = {"messages": CONVO}
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, {"messages": []}, good, {"x": 1}])
+    with caplog.at_level("WARNING", logger="protrain.train.data"):
+        ds = _build(path, chatml_tok, skip_bad_rows=True)
+    assert len(ds) == 2
+    warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warnings) == 1 and "skipped 2 bad row(s) of 4" in warnings[0].getMessage()
+
+
+def test_no_chat_template(tmp_path):
+    tok = byte_tokenizer(CHATML_SPECIALS, eos="<|im_end|>")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    with pytest.raises(DataError, match="chat_template"):
+        _build(path, tok)
+    ds = _build(path, tok, chat_template="chatml")
+    assert ds[0]["labels"] == expected_labels(tok, _chatml_pieces())[2]
+
+
+# --- collation, eval split, inspection ------------------------------------------------------
+
+
+def test_collator_pads_and_masks(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}, {"messages": CONVO[1:3]}])
+    ds = _build(path, chatml_tok)
+    batch = build_collator(chatml_tok, sequence_len=512, packing=False, pad_to_multiple_of=8)(
+        [ds[0], ds[1]]
+    )
+    n0, n1 = len(ds[0]["input_ids"]), len(ds[1]["input_ids"])
+    width = batch["input_ids"].shape[1]
+    assert width % 8 == 0 and width >= max(n0, n1)
+    assert batch["attention_mask"][1].tolist() == [1] * n1 + [0] * (width - n1)
+    assert batch["labels"][1, n1:].eq(IGNORE_INDEX).all()
+    assert batch["input_ids"][1, n1:].eq(chatml_tok.pad_token_id).all()
+    assert batch["labels"][0].tolist()[:n0] == ds[0]["labels"]
+
+
+def test_val_set_size_is_deterministic(tmp_path, chatml_tok):
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": f"a{i}"},
+            ]
+        }
+        for i in range(10)
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    settings = _settings(path, val_set_size=0.2)
+    train = build_train_dataset(settings, chatml_tok, sequence_len=512, seed=3)
+    val = build_eval_dataset(settings, chatml_tok, sequence_len=512, seed=3)
+    assert len(train) == 8 and len(val) == 2
+    train_ids = {tuple(x["input_ids"]) for x in train}
+    assert not any(tuple(x["input_ids"]) in train_ids for x in val)
+    again = build_eval_dataset(settings, chatml_tok, sequence_len=512, seed=3)
+    assert [x["input_ids"] for x in again] == [x["input_ids"] for x in val]
+    assert build_eval_dataset(_settings(path), chatml_tok, sequence_len=512, seed=3) is None
+
+
+def test_inspection_marks_trained_spans(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    text = render_inspection(_settings(path), chatml_tok, sequence_len=512, n_samples=1)
+    assert "[[Hello!<|im_end|>]]" in text and "[[See you.<|im_end|>]]" in text
+    assert "<|im_start|>user\nHi<|im_end|>" in text
+    colored = render_inspection(_settings(path), chatml_tok, sequence_len=512, color=True)
+    assert "\x1b[32mHello!<|im_end|>\x1b[0m" in colored
