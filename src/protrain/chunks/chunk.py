@@ -1,0 +1,119 @@
+"""One chunk: a byte buffer on the compute device, its host copy, and its parameters' slots.
+
+Every parameter placed in a chunk becomes a permanent view into the chunk's device buffer
+(``param.data`` is set once, at wrap time). Releasing an offloaded chunk frees the buffer's
+storage (``untyped_storage().resize_(0)``) and gathering it allocates the storage again and
+copies the host bytes in.
+
+[Note: why storage is resized instead of swapped between pool buffers]
+Autograd saves views of parameters for backward (``F.linear`` saves ``weight.t()``), and such
+a view keeps pointing at the storage object it was made from. If a released chunk were
+re-gathered into a different buffer, the saved view would read whatever now lives in the old
+buffer. Resizing the one storage object per chunk in place (as FSDP does) keeps every saved
+view valid after a re-gather. The pool of ``n_buffer`` buffers is therefore a count of chunks
+resident at once; the memory itself comes from the caching allocator, which hands the freed,
+equal-size blocks straight back.
+
+The chunk's state changes in one place, :meth:`Chunk._set_state`.
+"""
+
+from __future__ import annotations
+
+import enum
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from protrain.chunks.layout import ChunkSpec, ParamPlacement
+
+
+class ChunkState(enum.Enum):
+    ON_HOST = "on_host"  # offloaded chunk, never gathered since wrap or since its last update
+    IN_FLIGHT = "in_flight"  # host-to-device copy issued on the gather stream
+    RESIDENT = "resident"  # device bytes valid (persistent chunks are always here)
+    RELEASED = "released"  # device storage freed after use; the host copy is the truth
+
+
+_ALLOWED = {
+    ChunkState.ON_HOST: {ChunkState.IN_FLIGHT},
+    ChunkState.IN_FLIGHT: {ChunkState.RESIDENT, ChunkState.RELEASED},
+    ChunkState.RESIDENT: {ChunkState.RELEASED},
+    ChunkState.RELEASED: {ChunkState.IN_FLIGHT, ChunkState.ON_HOST},
+}
+
+
+@dataclass(eq=False)
+class ParamSlot:
+    """One parameter's storage in every place it lives.
+
+    ``device_view``: the parameter's bytes in the chunk's device buffer (``param.data``).
+    ``host_view``: the same bytes in the host copy (offloaded chunks only).
+    ``master``: fp32 master weight (trainable only; on the device for persistent chunks, on the
+    host for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across micro-batches,
+    next to it. ``grad_staging``: pinned host landing place of a low-precision gradient copied
+    from the device (offloaded trainable only).
+    """
+
+    param: torch.nn.Parameter
+    placement: ParamPlacement
+    chunk: int
+    index: int  # position in the optimizer's parameter order (trainable) else -1
+    orig_dtype: torch.dtype
+    orig_device: torch.device
+    device_view: torch.Tensor
+    host_view: torch.Tensor | None = None
+    master: torch.Tensor | None = None
+    grad_acc: torch.Tensor | None = None
+    grad_staging: torch.Tensor | None = None
+    has_grad: bool = False  # a gradient was accumulated since the last zero_grad
+    grad_norm: torch.Tensor | None = None  # norm of grad_acc after the latest accumulation
+    accumulate_future: Future | None = None  # host accumulation of the latest gradient
+
+    @property
+    def name(self) -> str:
+        return self.placement.names[0]
+
+
+class Chunk:
+    def __init__(self, spec: ChunkSpec, chunk_size_bytes: int, device: torch.device):
+        self.spec = spec
+        self.index = spec.index
+        self.persistent = spec.persistent
+        self.nbytes = chunk_size_bytes
+        self.used_bytes = max((p.offset_bytes + p.nbytes for p in spec.placements), default=0)
+        self.device_buffer = torch.empty(chunk_size_bytes, dtype=torch.uint8, device=device)
+        self.host_buffer: torch.Tensor | None = None  # set by the manager for offloaded chunks
+        self.slots: list[ParamSlot] = []
+        self.state = ChunkState.RESIDENT if self.persistent else ChunkState.ON_HOST
+        self.users = 0  # modules between their forward pre- and post-hook
+        self.gathered_event = None  # gather stream event: host-to-device copy done
+        self.update_future: Future | None = None  # host optimizer step writing the host copy
+
+    def drop_build_storage(self) -> None:
+        """After the parameter views are made: an offloaded chunk starts with no device bytes."""
+        if not self.persistent:
+            self.device_buffer.untyped_storage().resize_(0)
+
+    @property
+    def trainable_slots(self) -> list[ParamSlot]:
+        return [s for s in self.slots if s.master is not None]
+
+    def view(self, buffer: torch.Tensor, placement: ParamPlacement) -> torch.Tensor:
+        raw = buffer[placement.offset_bytes : placement.offset_bytes + placement.nbytes]
+        return raw.view(placement.dtype).view(placement.shape)
+
+    def _set_state(self, new: ChunkState) -> None:
+        if self.persistent:
+            raise RuntimeError(f"chunk {self.index} is persistent; its state never changes")
+        if new not in _ALLOWED[self.state]:
+            raise RuntimeError(f"chunk {self.index}: illegal transition {self.state} -> {new}")
+        if new is ChunkState.IN_FLIGHT:
+            self.device_buffer.untyped_storage().resize_(self.nbytes)
+        elif new in (ChunkState.RELEASED, ChunkState.ON_HOST) and self.state is not new:
+            if self.device_buffer.untyped_storage().nbytes():
+                self.device_buffer.untyped_storage().resize_(0)
+        self.state = new
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.index}, {self.state.value}, {len(self.slots)} params)"

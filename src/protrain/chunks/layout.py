@@ -1,0 +1,201 @@
+"""Chunk layout: which parameter lives at which byte offset of which chunk.
+
+The layout is a plain value computed from a list of parameters in execution order. It moves
+nothing; :mod:`protrain.chunks.manager` builds storage from it.
+
+Parameters are packed greedily, in order, into equal-size chunks of bytes; a parameter that
+does not fit in the rest of the current chunk starts the next one. One chunk may hold
+tensors of several dtypes (each placed at an offset aligned to ``ALIGN_BYTES``). A parameter
+shared by several modules (tied embeddings) is placed once, under all of its names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# Offsets are multiples of this, so that every view is aligned for vectorized kernels.
+ALIGN_BYTES = 64
+# Candidate chunk sizes tried when none is given: the largest parameter times 1, 1 + 1/16, ...
+# up to 2. Larger chunks waste fewer bytes at the end of each chunk but move in coarser steps.
+_CANDIDATE_STEPS = 16
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+@dataclass
+class ParamPlacement:
+    """One parameter's place in a chunk (in the compute dtype it is stored in)."""
+
+    names: list[str]
+    chunk: int
+    offset_bytes: int
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class ChunkSpec:
+    index: int
+    persistent: bool
+    placements: list[ParamPlacement] = field(default_factory=list)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(p.nbytes for p in self.placements)
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p.names[0] for p in self.placements]
+
+
+@dataclass
+class ChunkLayout:
+    """Where every parameter lives. A plain value: knobs and per-chunk contents."""
+
+    chunk_size_bytes: int
+    n_persist: int
+    n_buffer: int
+    chunks: list[ChunkSpec]
+    compute_dtype: torch.dtype
+    device: str
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def n_offloaded(self) -> int:
+        return self.n_chunks - self.n_persist
+
+    @property
+    def wasted_bytes(self) -> int:
+        return self.n_chunks * self.chunk_size_bytes - sum(c.used_bytes for c in self.chunks)
+
+    def __str__(self) -> str:
+        mib = 1 << 20
+        lines = [
+            f"ChunkLayout: {self.n_chunks} chunks of {self.chunk_size_bytes / mib:.2f} MiB "
+            f"on {self.device}, compute {str(self.compute_dtype).removeprefix('torch.')}; "
+            f"n_persist={self.n_persist}, n_buffer={self.n_buffer}, "
+            f"wasted {self.wasted_bytes / mib:.2f} MiB"
+        ]
+        for c in self.chunks:
+            names = c.param_names
+            shown = ", ".join(names[:3]) + (
+                f", ... ({len(names)} params)" if len(names) > 3 else ""
+            )
+            where = "persistent" if c.persistent else "offloaded"
+            lines.append(
+                f"  chunk {c.index:3d} {where:10s} {c.used_bytes / mib:9.2f} MiB used: {shown}"
+            )
+        return "\n".join(lines)
+
+
+def _pack(sizes: list[int], chunk_size_bytes: int) -> list[tuple[int, int]]:
+    """(chunk index, offset) for each size, greedy in order."""
+    out, chunk, used = [], 0, 0
+    for n in sizes:
+        if used and _align(used) + n > chunk_size_bytes:
+            chunk, used = chunk + 1, 0
+        off = _align(used)
+        out.append((chunk, off))
+        used = off + n
+    return out
+
+
+def choose_chunk_size(sizes: list[int]) -> int:
+    """Chunk size that wastes the fewest bytes among the candidates (ties: the smaller)."""
+    largest = _align(max(sizes))
+    best, best_waste = largest, None
+    for k in range(_CANDIDATE_STEPS + 1):
+        size = _align(largest + largest * k // _CANDIDATE_STEPS)
+        n_chunks = _pack(sizes, size)[-1][0] + 1
+        waste = n_chunks * size - sum(sizes)
+        if best_waste is None or waste < best_waste:
+            best, best_waste = size, waste
+    return best
+
+
+def storage_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
+    """Floating parameters are stored in the compute dtype; others (quantized) as they are."""
+    return compute_dtype if param.is_floating_point() else param.dtype
+
+
+def plan_layout(
+    named_params: list[tuple[list[str], torch.nn.Parameter]],
+    *,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+    n_persist: int | None,
+    n_buffer: int | None,
+    chunk_size_bytes: int | None,
+    min_buffers: int = 1,
+) -> ChunkLayout:
+    """Pack parameters (in execution order, each once, with all its names) into chunks.
+
+    ``min_buffers`` is the number of offloaded chunks some single module needs at once; the
+    knobs are checked against it here, before anything is moved.
+    """
+    if not named_params:
+        raise ValueError("protrain.wrap: the model has no parameters to place in chunks")
+    sizes = [p.numel() * storage_dtype(p, compute_dtype).itemsize for _, p in named_params]
+    largest = max(sizes)
+    if chunk_size_bytes is None:
+        chunk_size_bytes = choose_chunk_size(sizes)
+    elif not isinstance(chunk_size_bytes, int) or chunk_size_bytes < largest:
+        raise ValueError(
+            f"chunk_size_bytes={chunk_size_bytes!r} is too small: it must be an int of at least "
+            f"{largest} bytes, the largest parameter in the compute dtype"
+        )
+    packed = _pack(sizes, chunk_size_bytes)
+    n_chunks = packed[-1][0] + 1
+    if n_persist is None:
+        n_persist = n_chunks
+    if not isinstance(n_persist, int) or not 0 <= n_persist <= n_chunks:
+        raise ValueError(
+            f"n_persist={n_persist!r} is not allowed: it must be an int from 0 to {n_chunks}, "
+            f"the number of chunks of {chunk_size_bytes} bytes this model packs into"
+        )
+    n_offloaded = n_chunks - n_persist
+    needed = min(n_offloaded, max(min_buffers, 2))
+    if n_buffer is None:
+        n_buffer = min(n_offloaded, max(needed, 3))
+    if not isinstance(n_buffer, int) or n_buffer < needed or n_buffer < 0:
+        raise ValueError(
+            f"n_buffer={n_buffer!r} is not allowed: with {n_offloaded} offloaded chunks it must "
+            f"be an int of at least {needed} (one module needs {min_buffers} offloaded chunk(s) "
+            f"at once, and backward needs 2 when 2 or more chunks are offloaded)"
+        )
+    n_buffer = min(n_buffer, n_offloaded)
+
+    chunks = [ChunkSpec(index=i, persistent=i < n_persist) for i in range(n_chunks)]
+    for (names, p), (ci, off) in zip(named_params, packed):
+        chunks[ci].placements.append(
+            ParamPlacement(
+                names=list(names),
+                chunk=ci,
+                offset_bytes=off,
+                numel=p.numel(),
+                shape=tuple(p.shape),
+                dtype=storage_dtype(p, compute_dtype),
+                trainable=p.requires_grad,
+            )
+        )
+    return ChunkLayout(
+        chunk_size_bytes=chunk_size_bytes,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        chunks=chunks,
+        compute_dtype=compute_dtype,
+        device=str(device),
+    )

@@ -1,0 +1,275 @@
+"""Hybrid AdamW: one optimizer object over parameters that live in chunks on two devices.
+
+Inside it, PyTorch's own fused AdamW does every update (``torch.optim.AdamW(fused=True)``):
+one instance over the fp32 masters of all persistent chunks, on the compute device, and one
+instance per offloaded chunk over that chunk's fp32 masters, on the host. Nothing of Adam is
+written here; this class only decides when each instance steps and copies the updated
+masters back into the low-precision storage the model computes with.
+
+To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
+parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
+torch's, and ``load_state_dict`` takes that format back.
+
+[Note: overlap and exact clipping]
+Global-norm clipping needs the norm over every gradient before any parameter changes, so no
+update can start before the last backward ends. The host updates therefore overlap the *next
+forward*: ``step`` enqueues one task per offloaded chunk on the CPU worker, in forward order,
+and returns; the gather of a chunk in the next forward waits only for that chunk's task.
+The norm stays cheap because the worker takes each offloaded gradient's 2-norm right after
+accumulating it, during backward; ``clip_grad_norm_`` only combines per-parameter norms and
+scales the persistent gradients on the device, and the clip coefficient is applied to the
+offloaded gradients inside their step task, with the same multiplication torch does, so the
+result equals ``torch.nn.utils.clip_grad_norm_`` followed by ``AdamW.step``.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from protrain.chunks.chunk import Chunk, ParamSlot
+from protrain.chunks.manager import ChunkManager
+
+_HYPER = ("lr", "betas", "eps", "weight_decay")
+
+
+class HybridAdamW(torch.optim.Optimizer):
+    def __init__(
+        self,
+        param_groups: list[dict],
+        manager: ChunkManager,
+        worker: ThreadPoolExecutor,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        close_fn=None,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self._ready = False
+        super().__init__(param_groups, defaults)
+        self._manager = manager
+        self._worker = worker
+        self._close_fn = close_fn
+        self._clip_coef: torch.Tensor | None = None
+        slot_of = {s.param: s for s in manager.slots() if s.master is not None}
+        self._slots: list[ParamSlot] = [slot_of[p] for g in self.param_groups for p in g["params"]]
+        self._group_of = {
+            id(slot_of[p]): gi for gi, g in enumerate(self.param_groups) for p in g["params"]
+        }
+        persistent = [s for s in self._slots if manager.chunks[s.chunk].persistent]
+        self._device_opt = self._inner(persistent)
+        self._host_opts = {
+            c.index: self._inner(c.trainable_slots) for c in manager.offloaded if c.trainable_slots
+        }
+        self._ready = True
+
+    def _inner(self, slots: list[ParamSlot]):
+        """A fused torch AdamW over the masters of ``slots``; inner group -> outer group."""
+        if not slots:
+            return None
+        groups, group_map = [], []
+        for gi, g in enumerate(self.param_groups):
+            masters = [s.master for s in slots if self._group_of[id(s)] == gi]
+            if masters:
+                groups.append({"params": masters, **{k: g[k] for k in _HYPER}})
+                group_map.append(gi)
+        return torch.optim.AdamW(groups, fused=True), group_map
+
+    def add_param_group(self, param_group: dict) -> None:
+        if self._ready:
+            raise NotImplementedError(
+                "protrain: parameter groups are fixed at wrap time; pass param_groups to wrap()"
+            )
+        super().add_param_group(param_group)
+
+    # ---- gradients ----------------------------------------------------------------------
+
+    def _wait_accumulations(self) -> None:
+        for s in self._slots:
+            if s.accumulate_future is not None:
+                t0 = time.perf_counter()
+                s.accumulate_future.result()
+                self._manager.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """Global-norm clipping over all gradients, wherever they live (as torch's)."""
+        self._check_open()
+        self._wait_accumulations()
+        device = self._manager.device
+        norms = []
+        for s in self._slots:
+            if not s.has_grad:
+                continue
+            if self._manager.chunks[s.chunk].persistent:
+                norms.append(torch.linalg.vector_norm(s.grad_acc, norm_type))
+            elif float(norm_type) == 2.0 and s.grad_norm is not None:
+                norms.append(s.grad_norm.to(device))
+            else:
+                norms.append(torch.linalg.vector_norm(s.grad_acc, norm_type).to(device))
+        if not norms:
+            return torch.tensor(0.0, device=device)
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        if error_if_nonfinite and (total.isnan() or total.isinf()):
+            raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}")
+        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for s in self._slots:
+            if s.has_grad and self._manager.chunks[s.chunk].persistent:
+                s.grad_acc.mul_(clip_coef)
+        self._clip_coef = clip_coef
+        return total
+
+    # ---- step ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
+        clip_coef = self._clip_coef
+        self._clip_coef = None
+        manager = self._manager
+
+        if self._device_opt is not None:
+            opt, group_map = self._device_opt
+            stepped = _attach_grads([s for s in self._slots if manager.chunks[s.chunk].persistent])
+            if stepped:
+                _set_hyper(opt, group_map, hyper)
+                opt.step()
+                for s in stepped:
+                    s.device_view.copy_(s.master)
+
+        manager.release_all()  # device copies of offloaded chunks are about to be stale
+        host_coef = None if clip_coef is None else clip_coef.to("cpu")
+        order = list(manager.forward_order)
+        order += [c.index for c in manager.offloaded if c.index not in order]
+        for ci in order:
+            chunk = manager.chunks[ci]
+            if ci not in self._host_opts:
+                continue
+            with_grad = [s for s in chunk.trainable_slots if s.has_grad]
+            if not with_grad:
+                continue
+            chunk.update_future = self._worker.submit(
+                _step_host_chunk, chunk, self._host_opts[ci], hyper, with_grad, host_coef
+            )
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clip_coef = None
+        for s in self._slots:
+            s.has_grad = False
+            s.param.grad = None
+
+    # ---- state --------------------------------------------------------------------------
+
+    def synchronize(self) -> None:
+        """Wait for every host task (accumulations and updates) and raise their errors."""
+        self._check_open()
+        self._worker.submit(lambda: None).result()
+        self._wait_accumulations()
+        for c in self._manager.offloaded:
+            if c.update_future is not None:
+                c.update_future.result()
+
+    def _opt_of(self, s: ParamSlot):
+        if self._manager.chunks[s.chunk].persistent:
+            return self._device_opt[0]
+        return self._host_opts[s.chunk][0]
+
+    def state_dict(self) -> dict:
+        self.synchronize()
+        state = {}
+        for i, s in enumerate(self._slots):
+            st = self._opt_of(s).state.get(s.master)
+            if st:
+                state[i] = {
+                    k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                    for k, v in st.items()
+                }
+        groups, start = [], 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(start, start + len(g["params"])))
+            start += len(g["params"])
+            groups.append(d)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.synchronize()
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(sg["params"]) != len(g["params"]) for sg, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "optimizer state_dict does not match: its parameter groups have sizes "
+                f"{[len(g['params']) for g in saved_groups]}, this optimizer's "
+                f"{[len(g['params']) for g in self.param_groups]}"
+            )
+        for g, sg in zip(self.param_groups, saved_groups):
+            g.update({k: v for k, v in sg.items() if k != "params"})
+        ordered = [pid for sg in saved_groups for pid in sg["params"]]
+        for s, pid in zip(self._slots, ordered):
+            opt = self._opt_of(s)
+            st = state_dict["state"].get(pid, state_dict["state"].get(str(pid)))
+            if not st:
+                opt.state.pop(s.master, None)
+                continue
+            opt.state[s.master] = {
+                k: (v.to(s.master.device, torch.float32, copy=True) if torch.is_tensor(v) else v)
+                for k, v in st.items()
+            }
+
+    def close(self) -> None:
+        """Close the whole engine (see :func:`protrain.close`)."""
+        if self._close_fn is not None:
+            self._close_fn()
+
+    def _release(self) -> None:
+        self._device_opt, self._host_opts, self._slots = None, {}, []
+        self._closed = True
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise RuntimeError("protrain: this optimizer's engine is closed")
+
+
+def _attach_grads(slots: list[ParamSlot]) -> list[ParamSlot]:
+    with_grad = []
+    for s in slots:
+        s.master.grad = s.grad_acc if s.has_grad else None
+        if s.has_grad:
+            with_grad.append(s)
+    return with_grad
+
+
+def _set_hyper(opt: torch.optim.Optimizer, group_map: list[int], hyper: list[dict]) -> None:
+    for inner, gi in zip(opt.param_groups, group_map):
+        inner.update(hyper[gi])
+
+
+@torch.no_grad()
+def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef) -> None:
+    """Runs on the CPU worker: clip, AdamW over the chunk's masters, write the host copy."""
+    if chunk.gathered_event is not None:
+        chunk.gathered_event.synchronize()  # the last copy-in has read the host copy
+    opt, group_map = opt_and_map
+    stepping = set(map(id, with_grad))
+    for s in chunk.trainable_slots:
+        s.master.grad = s.grad_acc if id(s) in stepping else None
+    if clip_coef is not None:
+        for s in with_grad:
+            s.grad_acc.mul_(clip_coef)
+    _set_hyper(opt, group_map, hyper)
+    opt.step()
+    for s in with_grad:
+        s.host_view.copy_(s.master)

@@ -1,0 +1,312 @@
+"""The engine's public API: ``protrain.wrap`` and the calls that go with it.
+
+Ownership, in one place:
+
+- ``wrap(model, ...)`` returns ``(model, optimizer, layout)``. The model is the very module
+  passed in, its parameters now views into chunk storage and its modules carrying hooks.
+  The :class:`Engine` behind it holds every resource (chunk storage on the device, the
+  pinned host arena, streams, the CPU worker thread, the hooks); it is reachable as
+  ``model._protrain_engine``.
+- ``protrain.close(model)`` (or ``optimizer.close()``, the same call) gives every resource
+  back and leaves a plain module: each parameter holds its trained value (the fp32 master for
+  trainable ones) in its original dtype on its original device, with no hooks. The optimizer
+  is unusable afterwards. Wrapping a wrapped model is an error; wrapping after close works.
+- ``protrain.state_dict(model)`` returns a normal state dict with the model's own names
+  (trainable parameters as their fp32 masters, frozen ones in the dtype they had, buffers),
+  on the CPU; ``protrain.load_state_dict(model, sd)`` writes one back into masters, host copies
+  and device copies. Use these for checkpoints and exports while wrapped.
+
+The training step is plain PyTorch::
+
+    loss = model(**batch).loss; loss.backward()      # repeat for gradient accumulation
+    optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from torch import nn
+
+from protrain.chunks.layout import ChunkLayout, plan_layout
+from protrain.chunks.manager import ChunkManager
+from protrain.optim.hybrid_adamw import HybridAdamW
+from protrain.runtime.grad_offload import GradSink
+from protrain.runtime.hooks import RuntimeHooks
+
+__all__ = ["wrap", "close", "state_dict", "load_state_dict", "Engine"]
+
+log = logging.getLogger(__name__)
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+class Engine:
+    """Everything one ``wrap`` call created; :meth:`close` gives it all back."""
+
+    def __init__(self, model, manager, hooks, worker, optimizer, layout):
+        self.model = model
+        self.manager = manager
+        self.hooks = hooks
+        self.worker = worker
+        self.optimizer = optimizer
+        self.layout = layout
+        self.closed = False
+
+    def _slot_by_id(self):
+        return {id(s.param): s for s in self.manager.slots()}
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        self._check_open()
+        self.optimizer.synchronize()
+        slots = self._slot_by_id()
+        out = {}
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            s = slots.get(id(t))
+            if s is None:
+                out[name] = t.detach().to("cpu", copy=True)
+            elif s.master is not None:
+                out[name] = s.master.to("cpu", copy=True)
+            else:
+                src = s.host_view if s.host_view is not None else s.device_view
+                out[name] = src.to("cpu", s.orig_dtype, copy=True)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+        self._check_open()
+        self.optimizer.synchronize()
+        self.manager.release_all()
+        slots = self._slot_by_id()
+        own = self.model.state_dict(keep_vars=True)
+        missing = sorted(set(own) - set(sd))
+        unexpected = sorted(set(sd) - set(own))
+        if strict and (missing or unexpected):
+            raise KeyError(
+                f"protrain.load_state_dict: missing keys {missing[:10]}, "
+                f"unexpected keys {unexpected[:10]}"
+            )
+        for name, value in sd.items():
+            t = own.get(name)
+            if t is None:
+                continue
+            if tuple(value.shape) != tuple(t.shape):
+                raise ValueError(
+                    f"protrain.load_state_dict: {name} has shape {tuple(value.shape)}, "
+                    f"the model's is {tuple(t.shape)}"
+                )
+            s = slots.get(id(t))
+            if s is None:
+                t.data.copy_(value)
+                continue
+            if s.master is not None:
+                s.master.copy_(value)
+            (s.host_view if s.host_view is not None else s.device_view).copy_(value)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("protrain: this engine is closed")
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self.optimizer.synchronize()
+        finally:
+            self.hooks.remove()
+            with torch.no_grad():
+                for s in self.manager.slots():
+                    if s.master is not None:
+                        src = s.master
+                    else:
+                        src = s.host_view if s.host_view is not None else s.device_view
+                    s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
+                    s.param.grad = None
+            self.worker.shutdown(wait=True)
+            self.manager.close()
+            self.optimizer._release()
+            if getattr(self.model, "_protrain_engine", None) is self:
+                del self.model._protrain_engine
+            self.closed = True
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _params_in_order(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter once, with all its names, in module registration order.
+
+    Registration order is execution order for the models this engine targets (embeddings,
+    blocks, final norm, head); where it is not, only prefetch locality suffers: the runtime
+    gathers whatever a module needs, and prefetches in the chunk order it observed in the
+    first forward.
+    """
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(names[k], params[k]) for k in params]
+
+
+def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> list[dict]:
+    if param_groups is None:
+        return [{"params": list(trainable)}]
+    groups, seen = [], set()
+    names = {id(p): n for n, p in model.named_parameters()}
+    for i, g in enumerate(param_groups):
+        if "params" not in g:
+            raise ValueError(f"param_groups[{i}] has no 'params' key")
+        ps = list(g["params"])
+        for p in ps:
+            if id(p) not in names:
+                raise ValueError(f"param_groups[{i}] holds a tensor that is not a model parameter")
+            if not p.requires_grad:
+                raise ValueError(
+                    f"param_groups[{i}] holds {names[id(p)]}, which does not require grad"
+                )
+            if id(p) in seen:
+                raise ValueError(f"{names[id(p)]} appears in more than one parameter group")
+            seen.add(id(p))
+        groups.append({**g, "params": ps})
+    left_out = [names[id(p)] for p in trainable if id(p) not in seen]
+    if left_out:
+        raise ValueError(
+            f"parameters {left_out[:5]} require grad but are in no parameter group; "
+            "add them to a group or set requires_grad=False"
+        )
+    return groups
+
+
+def _buffers_needed(model: nn.Module, layout: ChunkLayout) -> int:
+    """Most offloaded chunks any single module needs at once (its own parameters)."""
+    chunk_of = {}
+    for c in layout.chunks:
+        if not c.persistent:
+            for pl in c.placements:
+                for n in pl.names:
+                    chunk_of[n] = c.index
+    need = 0
+    for mname, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
+        need = max(need, len(ids - {None}))
+    return need
+
+
+def wrap(
+    model: nn.Module,
+    n_persist: int | None = None,
+    n_buffer: int | None = None,
+    device: torch.device | str | None = None,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    param_groups: list[dict] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_size_bytes: int | None = None,
+) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
+    """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
+
+    ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
+    chunks resident at once (None: a small default, at least what one module needs).
+    ``compute_dtype``: float32 (default on CPU) or bfloat16 (default on CUDA); trainable
+    parameters keep fp32 masters and fp32 optimizer state either way.
+    Every knob is checked before anything is moved; a bad one raises ``ValueError``.
+    """
+    if getattr(model, "_protrain_engine", None) is not None:
+        raise RuntimeError(
+            "protrain.wrap: this model is already wrapped; call protrain.close(model) first"
+        )
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if compute_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"compute_dtype={compute_dtype} is not supported: use torch.float32 or "
+            "torch.bfloat16 (float16 needs loss scaling, which the engine does not do yet)"
+        )
+    params = _params_in_order(model)
+    meta = [names[0] for names, p in params if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"protrain.wrap: parameters {meta[:3]} are on the meta device; materialize them "
+            "(e.g. model.to_empty(device='cpu') and initialize) before wrapping"
+        )
+    trainable = [p for _, p in params if p.requires_grad]
+    groups = _normalize_groups(model, param_groups, trainable)
+    layout = plan_layout(
+        params,
+        compute_dtype=compute_dtype,
+        device=device,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        chunk_size_bytes=chunk_size_bytes,
+    )
+    need = _buffers_needed(model, layout)
+    if need > layout.n_buffer:
+        if n_buffer is not None:
+            raise ValueError(
+                f"n_buffer={n_buffer} is not allowed: a module of this model needs {need} "
+                f"offloaded chunks at once; use n_buffer >= {need}"
+            )
+        layout.n_buffer = need
+
+    trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
+    manager = ChunkManager(layout, params, device, trainable_index)
+    model.to(device)  # buffers; parameters are already views of device storage
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-host-adam")
+    sink = GradSink(manager, worker)
+    hooks = RuntimeHooks(model, manager, sink)
+    optimizer = HybridAdamW(
+        groups, manager, worker, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+    )
+    engine = Engine(model, manager, hooks, worker, optimizer, layout)
+    optimizer._close_fn = engine.close
+    model._protrain_engine = engine
+    log.info("protrain.wrap: %s", layout)
+    return model, optimizer, layout
+
+
+def _engine(model: nn.Module) -> Engine:
+    engine = getattr(model, "_protrain_engine", None)
+    if engine is None:
+        raise RuntimeError("protrain: this model is not wrapped (or was closed)")
+    return engine
+
+
+def close(model: nn.Module) -> nn.Module:
+    """Give back every resource of the engine wrapping ``model``; return the plain model."""
+    _engine(model).close()
+    return model
+
+
+def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full-precision state dict of a wrapped model, with the model's own names, on the CPU."""
+    return _engine(model).state_dict()
+
+
+def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a state dict (e.g. from :func:`state_dict`) into a wrapped model."""
+    _engine(model).load_state_dict(sd, strict=strict)
+
+
+class _CallableModule(types.ModuleType):
+    """``protrain.wrap`` names both this module and the function; importing the submodule
+    makes Python bind the package attribute to the module, so the module forwards calls."""
+
+    def __call__(self, *args, **kwargs):
+        return wrap(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
