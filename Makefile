@@ -1,0 +1,41 @@
+# Set-up and everyday commands. `make run` and `make test` work on a fresh machine: they
+# create .venv, install PyTorch (the CPU build where no NVIDIA GPU is present, so that no
+# multi-GB CUDA build is pulled), then this package, then run.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+ifeq ($(HAS_GPU),1)
+TORCH_SPEC ?= torch>=2.6
+else
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?= $(if $(wildcard /etc/xdg/pip),,--index-url https://download.pytorch.org/whl/cpu)
+endif
+
+.PHONY: install run test lint format clean
+
+$(BIN)/protrain: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(BIN)/protrain
+
+install: $(BIN)/protrain
+
+run: install
+	$(BIN)/protrain train
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks scripts
+	$(BIN)/ruff format --check src tests benchmarks scripts
+
+format: install
+	$(BIN)/ruff format src tests benchmarks scripts
+	$(BIN)/ruff check --fix src tests benchmarks scripts
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from protrain.cli import main
+
+sys.exit(main())

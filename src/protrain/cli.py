@@ -1,0 +1,132 @@
+"""`protrain` command line: train, preprocess, inspect-data.
+
+Mistakes in the user's input (config, data, output directory) are printed as one line
+starting with `error:` and exit with status 2; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+EXIT_USER_ERROR = 2
+
+
+def _version() -> str:
+    try:
+        return version("protrain")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from protrain.train.data import DataError
+    from protrain.train.errors import ConfigError, OutputDirError
+
+    return (ConfigError, DataError, OutputDirError)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="protrain", description="Memory-aware fine-tuning of LLMs and VLMs."
+    )
+    parser.add_argument("--version", action="version", version=f"protrain {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add_config_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "config",
+            nargs="?",
+            default=None,
+            help="YAML config; without one, the embedded quickstart",
+        )
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a config key, e.g. --set learning_rate=1e-4 --set model.dtype=bfloat16",
+        )
+
+    p_train = sub.add_parser("train", help="train a model from a YAML config")
+    add_config_args(p_train)
+    p_train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in output_dir",
+    )
+
+    p_pre = sub.add_parser("preprocess", help="tokenize the datasets and cache them")
+    add_config_args(p_pre)
+
+    p_inspect = sub.add_parser(
+        "inspect-data", help="print rendered samples with the trained tokens marked"
+    )
+    add_config_args(p_inspect)
+    p_inspect.add_argument("-n", "--num-samples", type=int, default=3)
+    p_inspect.add_argument("--color", action="store_true", help="mark trained tokens in colour")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except _user_errors() as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace) -> int:
+    from protrain.train.config import load_config
+    from protrain.train.log import setup_logging
+
+    setup_logging()
+    cfg = load_config(args.config, args.overrides)
+    if args.command == "train":
+        from protrain.train.loop import train
+
+        result = train(cfg, resume=args.resume)
+        print(f"done: {result.steps} steps; model written to {result.final_dir}")
+        return 0
+
+    from protrain.train.modeling import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    if args.command == "preprocess":
+        from protrain.train.data import preprocess
+
+        path = preprocess(
+            cfg,
+            tokenizer,
+            sequence_len=cfg.sequence_len,
+            seed=cfg.seed,
+            output_path=cfg.dataset_prepared_path,
+        )
+        print(f"tokenized datasets written to {path}")
+        return 0
+    if args.command == "inspect-data":
+        from protrain.train.data import render_inspection
+
+        print(
+            render_inspection(
+                cfg,
+                tokenizer,
+                sequence_len=cfg.sequence_len,
+                n_samples=args.num_samples,
+                color=args.color,
+            )
+        )
+        return 0
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

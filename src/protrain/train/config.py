@@ -1,0 +1,279 @@
+"""The training config: one pydantic schema for the YAML file of `protrain train`.
+
+Keys are flat at the top level, like axolotl's, where the meaning is the same
+(`sequence_len`, `micro_batch_size`, `gradient_accumulation_steps`, `learning_rate`, ...);
+the model, the adapter, evaluation and memory have their own sections. The data keys
+(`datasets`, `chat_template`, `train_on_inputs`, ...) come from `protrain.train.data`.
+
+Every validation error names the key, the bad value and what is allowed, and a misspelled
+key gets the closest known key as a suggestion. Nothing here loads a model or touches disk
+beyond reading the YAML file.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from protrain.train.data import DataSettings
+from protrain.train.errors import ConfigError
+
+QUICKSTART_DIR = Path(__file__).resolve().parent / "quickstart"
+QUICKSTART_CONFIG = QUICKSTART_DIR / "config.yaml"
+
+# transformers.SchedulerType values that need no extra arguments beyond warmup and length.
+LR_SCHEDULERS = (
+    "linear",
+    "cosine",
+    "cosine_with_restarts",
+    "polynomial",
+    "constant",
+    "constant_with_warmup",
+    "inverse_sqrt",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+)
+
+
+class StrictModel(BaseModel):
+    """Base of every config section: unknown keys are errors, values are re-validated on set."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(StrictModel):
+    name_or_path: str = Field(
+        "tiny", description="Hub id, local directory, or `tiny` (built-in random Llama)."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer hub id or directory; defaults to the model's."
+    )
+    revision: str | None = None
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Dtype of the trained weights (the master copy)."
+    )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
+    trust_remote_code: bool = False
+
+
+class AdapterConfig(StrictModel):
+    type: Literal["none", "lora", "qlora", "dora"] = "none"
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    bits: Literal[4, 8] = Field(4, description="Base-weight bits for qlora.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        # `adapter: lora` is shorthand for `adapter: {type: lora}`.
+        if isinstance(value, str):
+            return {"type": value}
+        return value
+
+    @property
+    def enabled(self) -> bool:
+        return self.type != "none"
+
+
+class EvalConfig(StrictModel):
+    """When to evaluate. The evaluation data is `val_set_size` or `eval_datasets`."""
+
+    steps: int | None = Field(None, gt=0, description="Evaluate every N optimizer steps.")
+    max_batches: int | None = Field(None, gt=0, description="Cap on micro-batches per evaluation.")
+
+
+class MemoryConfig(StrictModel):
+    """How the engine places model states; owned by `protrain.wrap`.
+
+    With no knob set, training runs on plain PyTorch. Setting `n_persist` or `n_buffer`
+    turns on the chunked engine with those knobs.
+    """
+
+    auto: bool = Field(False, description="Search the fastest plan that fits the budgets.")
+    gpu_budget: ByteSize | None = None
+    cpu_budget: ByteSize | None = None
+    n_persist: int | None = Field(None, ge=0, description="Chunks kept on the GPU.")
+    n_buffer: int | None = Field(None, ge=1, description="GPU buffers for offloaded chunks.")
+    chunk_size: ByteSize | None = Field(None, description="Chunk size; default: least waste.")
+
+    @model_validator(mode="after")
+    def _auto_available(self) -> MemoryConfig:
+        if self.auto:
+            raise ValueError(
+                "memory.auto: automatic planning is not available in this version; "
+                "set memory.n_persist and memory.n_buffer explicitly"
+            )
+        return self
+
+    @property
+    def engine_enabled(self) -> bool:
+        return self.n_persist is not None or self.n_buffer is not None
+
+
+class TrainConfig(DataSettings):
+    """The whole YAML file. Data keys are inherited from `DataSettings`."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+
+    sequence_len: int = Field(512, gt=0)
+    micro_batch_size: int = Field(1, gt=0)
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    num_epochs: int = Field(1, gt=0)
+    max_steps: int | None = Field(None, gt=0, description="Overrides num_epochs when set.")
+
+    learning_rate: float = Field(2e-4, gt=0.0)
+    lr_scheduler: Literal[LR_SCHEDULERS] = "cosine"  # type: ignore[valid-type]
+    warmup_steps: int | None = Field(None, ge=0)
+    warmup_ratio: float | None = Field(None, ge=0.0, lt=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="null turns clipping off.")
+
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
+        "auto", description="Autocast dtype; auto = bf16 on a GPU that has it, else no."
+    )
+    gradient_checkpointing: bool = False
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    seed: int = 42
+
+    output_dir: str = "outputs/run"
+    save_steps: int | None = Field(None, gt=0)
+    save_total_limit: int | None = Field(None, gt=0)
+    logging_steps: int = Field(10, gt=0)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainConfig:
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.adapter.type == "qlora" and self.memory.engine_enabled:
+            raise ValueError(
+                "adapter.type: qlora with the chunked engine (memory.n_persist/n_buffer) is "
+                "not supported yet; use lora, or remove the memory knobs"
+            )
+        return self
+
+
+# --------------------------------------------------------------------------------------
+# Loading and error messages
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML config (the quickstart's when `path` is None), apply `key=value` overrides
+    and validate. Raises ConfigError with one readable message."""
+    path = Path(path) if path is not None else QUICKSTART_CONFIG
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}"
+        )
+    if path == QUICKSTART_CONFIG:
+        _resolve_quickstart_paths(raw)
+    for item in overrides or []:
+        apply_override(raw, item)
+    return validate_config(raw, source=str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str = "config") -> TrainConfig:
+    try:
+        return TrainConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, TrainConfig, raw, source)) from None
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one `--set a.b.c=value`; the value is parsed as a YAML scalar or list."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set learning_rate=1e-4")
+    key, _, text = item.partition("=")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _resolve_quickstart_paths(raw: dict[str, Any]) -> None:
+    # The embedded config names its data relative to the package, wherever it is installed.
+    for dataset in raw.get("datasets") or []:
+        if isinstance(dataset, dict) and "path" in dataset:
+            dataset["path"] = str(QUICKSTART_DIR / dataset["path"])
+
+
+def format_validation_error(
+    exc: ValidationError, schema: type[BaseModel], raw: dict[str, Any], source: str
+) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"]]
+        key = ".".join(loc) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            allowed = _fields_at(schema, err["loc"][:-1])
+            hint = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
+            suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
+            lines.append(
+                f"{source}: unknown key {key!r}{suggestion} (allowed here: {', '.join(allowed)})"
+            )
+            continue
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "value_error" and not err["loc"]:
+            lines.append(f"{source}: {message}")
+            continue
+        value = err.get("input")
+        shown = f"{value!r}" if not isinstance(value, dict | list) else type(value).__name__
+        lines.append(f"{source}: {key} = {shown} is not allowed: {message}")
+    return "\n".join(lines)
+
+
+def _fields_at(schema: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names of the (nested) model that `loc` points into."""
+    model: Any = schema
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = getattr(model, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        model = _model_in(field.annotation)
+        if model is None:
+            return []
+    return sorted(getattr(model, "model_fields", {}))
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if get_origin(annotation) is not None or get_args(annotation):
+        for arg in get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None

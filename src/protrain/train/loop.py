@@ -1,0 +1,306 @@
+"""The training loop of `protrain train`, one story from config to exported model.
+
+1. check the output directory, log the resolved config, seed everything;
+2. tokenizer and data, validated in full before anything is written;
+3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
+   engine (`protrain.wrap`) when the `memory:` section asks for it; the LR scheduler;
+4. resume from the latest checkpoint when asked;
+5. the loop: gradient accumulation over micro-batches, global-norm clipping, optimizer and
+   scheduler steps, metrics, evaluation and checkpoints;
+6. export: Hugging Face format for full fine-tuning, a PEFT adapter directory otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import yaml
+from tqdm.auto import tqdm
+
+from protrain.train import checkpoint as ckpt
+from protrain.train.config import TrainConfig
+from protrain.train.data import (
+    build_collator,
+    build_eval_dataset,
+    build_train_dataset,
+    describe_masking,
+)
+from protrain.train.errors import ConfigError, OutputDirError
+from protrain.train.log import logger, setup_logging
+from protrain.train.loss import count_trained_tokens
+from protrain.train.metrics import MetricsWriter
+from protrain.train.modeling import build_model, build_tiny_base, load_tokenizer, resolve_device
+from protrain.train.sampling import MicroBatchStream, StreamPosition
+from protrain.train.trainable import Trainable, make_trainable
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)  # one per optimizer step run here
+
+
+def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
+    setup_logging()
+    output_dir = Path(cfg.output_dir)
+    resume_from = _check_output_dir(output_dir, resume)
+    logger.info("resolved config:\n%s", _yaml(cfg))
+    _seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    autocast_dtype = _autocast_dtype(cfg.mixed_precision, device)
+
+    # -- 2. tokenizer and data: every row is checked here, before any output is written
+    tokenizer = load_tokenizer(cfg)
+    for line in describe_masking(cfg):
+        logger.info(line)
+    train_data = build_train_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
+    eval_data = build_eval_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
+    collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
+    stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
+    total_steps = _total_steps(cfg, stream)
+    logger.info(
+        "data: %d training rows%s; %d optimizer steps of %d x %d micro-batches",
+        len(train_data),
+        f", {len(eval_data)} evaluation rows" if eval_data is not None else "",
+        total_steps,
+        cfg.gradient_accumulation_steps,
+        cfg.micro_batch_size,
+    )
+
+    # -- 3. model, optimizer (plain or chunked engine), scheduler
+    built = build_model(cfg, tokenizer)
+    trainable = make_trainable(built.model, cfg, device, autocast_dtype)
+    scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
+
+    # -- 4. resume
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(_yaml(cfg))
+    position, step, tokens_seen = StreamPosition(), 0, 0
+    if resume_from is not None:
+        state = ckpt.load_checkpoint(resume_from)
+        trainable.load_model_state(state.model_state)
+        trainable.optimizer.load_state_dict(state.optimizer_state)
+        scheduler.load_state_dict(state.scheduler_state)
+        ckpt.restore_rng(state)
+        step = state.step
+        position = StreamPosition(**state.trainer_state["position"])
+        tokens_seen = state.trainer_state["tokens_seen"]
+        logger.info("resumed from %s at step %d", resume_from, step)
+
+    # -- 5. the loop
+    metrics = MetricsWriter(output_dir)
+    result = TrainResult(output_dir=output_dir, final_dir=output_dir / "final", steps=step)
+    batches = stream.iterate(position)
+    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=None)
+    # Throughput counts training time only, not evaluation or checkpoint saves.
+    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+    tokens_logged = 0  # tokens of the current window already added to tokens_seen
+    try:
+        while step < total_steps:
+            step_start = time.perf_counter()
+            micro = []
+            for _ in range(cfg.gradient_accumulation_steps):
+                position, rows = next(batches)
+                micro.append(collate([train_data[i] for i in rows]))
+            n_trained = sum(count_trained_tokens(b["labels"]) for b in micro)
+            step_loss = 0.0
+            for batch in micro:
+                loss_sum = trainable.forward_loss_sum(batch)
+                trainable.backward(loss_sum / max(n_trained, 1))
+                step_loss += loss_sum.item()
+                window_tokens += _n_tokens(batch)
+            grad_norm = trainable.clip_grad_norm(cfg.max_grad_norm)
+            trainable.optimizer_step()
+            scheduler.step()
+            step += 1
+            loss = step_loss / max(n_trained, 1)
+            result.losses.append(loss)
+            window_loss += loss
+            window_steps += 1
+            window_time += time.perf_counter() - step_start
+            tokens_seen += window_tokens - tokens_logged
+            tokens_logged = window_tokens
+            progress.update(1)
+
+            if step % cfg.logging_steps == 0 or step == total_steps:
+                record = {
+                    "epoch": round(stream.fractional_epoch(position), 4),
+                    "loss": window_loss / window_steps,
+                    "lr": scheduler.get_last_lr()[0],
+                    "grad_norm": grad_norm,
+                    "tokens_per_s": window_tokens / max(window_time, 1e-9),
+                    "tokens_seen": tokens_seen,
+                }
+                if device.type == "cuda":
+                    record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                metrics.write(step, record)
+                progress.set_postfix(
+                    loss=f"{record['loss']:.4f}",
+                    lr=f"{record['lr']:.2e}",
+                    tok_s=f"{record['tokens_per_s']:.0f}",
+                )
+                progress.write(_format_log(step, total_steps, record))
+                window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+                tokens_logged = 0
+
+            if (
+                eval_data is not None
+                and cfg.eval.steps
+                and (step % cfg.eval.steps == 0 or step == total_steps)
+            ):
+                eval_loss = evaluate(trainable, eval_data, collate, cfg)
+                metrics.write(step, {"eval_loss": eval_loss})
+                progress.write(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
+
+            if cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps):
+                path = ckpt.save_checkpoint(
+                    output_dir,
+                    step,
+                    model_state=trainable.model_state(),
+                    optimizer_state=trainable.optimizer.state_dict(),
+                    scheduler_state=scheduler.state_dict(),
+                    trainer_state={"position": vars(position), "tokens_seen": tokens_seen},
+                    save_total_limit=cfg.save_total_limit,
+                )
+                logger.info("saved %s", path)
+    finally:
+        progress.close()
+        metrics.close()
+
+    # -- 6. export
+    result.steps = step
+    export(trainable, built, cfg, result.final_dir)
+    trainable.close()
+    logger.info("exported the trained model to %s", result.final_dir)
+    return result
+
+
+@torch.no_grad()
+def evaluate(trainable: Trainable, data, collate, cfg: TrainConfig) -> float:
+    """Mean token loss over the evaluation rows (in order, micro-batch by micro-batch)."""
+    trainable.model.eval()
+    total, n_tokens = 0.0, 0
+    size = cfg.micro_batch_size
+    for i, start in enumerate(range(0, len(data), size)):
+        if cfg.eval.max_batches is not None and i >= cfg.eval.max_batches:
+            break
+        batch = collate([data[j] for j in range(start, min(start + size, len(data)))])
+        total += trainable.forward_loss_sum(batch).item()
+        n_tokens += count_trained_tokens(batch["labels"])
+    trainable.model.train()
+    return total / max(n_tokens, 1)
+
+
+def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> None:
+    """Write the model atomically: Hugging Face format, or a PEFT adapter directory."""
+    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model = trainable.export_model()
+    model.save_pretrained(tmp, safe_serialization=True)
+    built.tokenizer.save_pretrained(tmp)
+    if cfg.adapter.enabled and built.is_tiny:
+        # The built-in base exists nowhere else: ship it beside the adapter. It is the
+        # frozen random init, which the run's seed rebuilds exactly.
+        build_tiny_base(cfg).save_pretrained(tmp / "base_model", safe_serialization=True)
+        built.tokenizer.save_pretrained(tmp / "base_model")
+    if final_dir.exists():
+        shutil.rmtree(final_dir)
+    tmp.rename(final_dir)
+
+
+# --------------------------------------------------------------------------------------
+
+
+def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
+    """Refuse to overwrite earlier work; with `resume`, return the checkpoint to load."""
+    if resume:
+        removed = ckpt.remove_partial_saves(output_dir)
+        for p in removed:
+            logger.warning("removed %s, an unfinished checkpoint save", p)
+        latest = ckpt.latest_checkpoint(output_dir)
+        if latest is None:
+            raise OutputDirError(
+                f"--resume: no checkpoint-* directory in output_dir {str(output_dir)!r} to resume from"
+            )
+        return latest
+    if ckpt.list_checkpoints(output_dir) or (output_dir / "final").exists():
+        raise OutputDirError(
+            f"output_dir {str(output_dir)!r} already holds a training run; pass --resume to "
+            "continue it, or choose another output_dir"
+        )
+    return None
+
+
+def _total_steps(cfg: TrainConfig, stream: MicroBatchStream) -> int:
+    if cfg.max_steps is not None:
+        return cfg.max_steps
+    per_epoch = max(stream.micro_batches_per_epoch // cfg.gradient_accumulation_steps, 1)
+    return per_epoch * cfg.num_epochs
+
+
+def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
+    from transformers import get_scheduler
+
+    if cfg.warmup_steps is not None:
+        warmup = cfg.warmup_steps
+    else:
+        warmup = math.ceil((cfg.warmup_ratio or 0.0) * total_steps)
+    return get_scheduler(
+        cfg.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
+    )
+
+
+def _autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+    if mixed_precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if mixed_precision == "no":
+        return None
+    if device.type != "cuda":
+        raise ConfigError(
+            f"mixed_precision = {mixed_precision!r} is not allowed on {device}: use no or auto"
+        )
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _yaml(cfg: TrainConfig) -> str:
+    return yaml.safe_dump(json.loads(cfg.model_dump_json()), sort_keys=False)
+
+
+def _n_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Real (non-padding) tokens of a micro-batch."""
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return batch["input_ids"].numel()
+
+
+def _format_log(step: int, total: int, record: dict[str, Any]) -> str:
+    parts = [
+        f"step {step}/{total}",
+        f"loss {record['loss']:.4f}",
+        f"lr {record['lr']:.3e}",
+        f"grad_norm {record['grad_norm']:.3f}" if record["grad_norm"] is not None else "",
+        f"{record['tokens_per_s']:.0f} tok/s",
+    ]
+    if "gpu_peak_gib" in record:
+        parts.append(f"gpu {record['gpu_peak_gib']:.2f} GiB")
+    return " | ".join(p for p in parts if p)

@@ -1,0 +1,179 @@
+"""Build the model, its tokenizer and its adapters from the config.
+
+`tiny` is a built-in random-init Llama-architecture model (quickstart/model.json) with the
+project's own ChatML tokenizer: nothing is downloaded. Anything else is a hub id or a local
+directory loaded through `transformers`; remote code runs only when the user sets
+`model.trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from protrain.train.config import QUICKSTART_DIR, AdapterConfig, TrainConfig
+from protrain.train.errors import ConfigError
+from protrain.train.log import logger, warn_once
+
+TINY = "tiny"
+TINY_MODEL_CONFIG = QUICKSTART_DIR / "model.json"
+TINY_TOKENIZER_DIR = QUICKSTART_DIR / "tokenizer"
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module  # a PreTrainedModel, or a peft PeftModel around one
+    tokenizer: object
+    is_tiny: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"device = {name!r} is not allowed: no CUDA GPU is present (use cpu or auto)"
+        )
+    return device
+
+
+def load_tokenizer(cfg: TrainConfig):
+    from transformers import AutoTokenizer
+
+    source = cfg.model.tokenizer or (
+        str(TINY_TOKENIZER_DIR) if cfg.model.name_or_path == TINY else cfg.model.name_or_path
+    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except OSError as exc:
+        raise ConfigError(
+            f"model.tokenizer: cannot load a tokenizer from {source!r}: {exc}"
+        ) from None
+    if tokenizer.pad_token is None:
+        warn_once(f"tokenizer of {source!r} has no pad token; using its EOS token for padding")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
+    """The model in the config's dtype, on the CPU, with adapters attached when asked."""
+    dtype = DTYPES[cfg.model.dtype]
+    is_tiny = cfg.model.name_or_path == TINY
+    if is_tiny:
+        model = _build_tiny(cfg, dtype)
+    else:
+        model = _load_pretrained(cfg, dtype)
+    model.config.use_cache = False
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if cfg.adapter.enabled:
+        model = attach_adapter(model, cfg.adapter)
+    return BuiltModel(model=model, tokenizer=tokenizer, is_tiny=is_tiny)
+
+
+def build_tiny_base(cfg: TrainConfig) -> nn.Module:
+    """The built-in `tiny` model as initialized for this run (before any training)."""
+    return _build_tiny(cfg, DTYPES[cfg.model.dtype])
+
+
+def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.adapter.type == "qlora":
+        raise ConfigError(
+            "adapter.type = 'qlora' is not allowed with model.name_or_path = 'tiny': "
+            "quantization needs pretrained weights (a hub id or a local directory)"
+        )
+    spec = json.loads(TINY_MODEL_CONFIG.read_text())
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+        )
+    return model
+
+
+def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = dict(
+        dtype=dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        revision=cfg.model.revision,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
+    if cfg.adapter.type == "qlora":
+        kwargs["quantization_config"] = _bnb_config(cfg.adapter)
+        kwargs["device_map"] = {"": torch.cuda.current_device()}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, **kwargs)
+    except OSError as exc:
+        raise ConfigError(
+            f"model.name_or_path = {cfg.model.name_or_path!r}: cannot load it ({exc})"
+        ) from None
+    if cfg.adapter.type == "qlora":
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(
+            model, use_gradient_checkpointing=cfg.gradient_checkpointing
+        )
+    return model
+
+
+def _bnb_config(adapter: AdapterConfig):
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "adapter.type = 'qlora' needs bitsandbytes: pip install 'protrain[qlora]'"
+        ) from None
+    if not torch.cuda.is_available():
+        raise ConfigError("adapter.type = 'qlora' needs a CUDA GPU; none is present")
+    from transformers import BitsAndBytesConfig
+
+    if adapter.bits == 8:
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
+def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=adapter.r,
+        lora_alpha=adapter.alpha,
+        lora_dropout=adapter.dropout,
+        target_modules=adapter.target_modules,
+        use_dora=adapter.type == "dora",
+        task_type="CAUSAL_LM",
+    )
+    try:
+        model = get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ConfigError(f"adapter.target_modules = {adapter.target_modules!r}: {exc}") from None
+    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_all = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "adapter %s r=%d: %s of %s parameters trainable (%.2f%%)",
+        adapter.type,
+        adapter.r,
+        f"{n_train:,}",
+        f"{n_all:,}",
+        100.0 * n_train / max(n_all, 1),
+    )
+    return model

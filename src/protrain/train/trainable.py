@@ -1,0 +1,235 @@
+"""What the training loop trains: a model with its optimizer, on plain PyTorch or the engine.
+
+The loop calls the same few methods either way (`forward_loss_sum`, `backward`,
+`clip_grad_norm`, `optimizer_step`, `model_state`, ...), so it never branches on how model
+states are placed. `PlainTrainable` is ordinary PyTorch: the model on one device and
+`torch.optim.AdamW`. `EngineTrainable` hands the model to `protrain.wrap`, which places
+parameters, gradients and optimizer states in chunks between the GPU and the host.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from protrain.train.config import TrainConfig
+from protrain.train.log import logger
+from protrain.train.loss import causal_lm_loss_sum
+
+
+def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices, not biases or norm weights (the Hugging Face Trainer's rule)."""
+    decay, no_decay = [], []
+    for _, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if param.ndim >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+class Trainable(abc.ABC):
+    """The model and optimizer the loop trains; subclasses place the model states."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None):
+        self.model = model
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.names = trainable_names(model)
+
+    def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of token losses of one micro-batch (labels are never passed to the model, so
+        that the loss is computed once, here, in fp32)."""
+        labels = batch["labels"]
+        inputs = {
+            k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "labels"
+        }
+        with self._autocast():
+            logits = self.model(**inputs).logits
+        return causal_lm_loss_sum(logits, labels)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    @abc.abstractmethod
+    def clip_grad_norm(self, max_norm: float | None) -> float | None:
+        """Clip the global gradient norm to `max_norm` (None: no clipping); return the norm."""
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> None:
+        """Apply the optimizer update and clear the gradients."""
+
+    @abc.abstractmethod
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """Trainable parameters by name, full precision, for checkpoints."""
+
+    @abc.abstractmethod
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load what `model_state` returned."""
+
+    @abc.abstractmethod
+    def export_model(self) -> nn.Module:
+        """The model with its trained weights, ready for `save_pretrained`."""
+
+    def close(self) -> None:  # noqa: B027 (plain PyTorch holds nothing to give back)
+        """Give back what the placement holds (the engine's buffers, threads and hooks)."""
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _check_state_names(self, state: dict[str, torch.Tensor]) -> None:
+        missing = sorted(set(self.names) - set(state))
+        unexpected = sorted(set(state) - set(self.names))
+        if missing or unexpected:
+            raise ValueError(
+                "checkpoint does not match the model: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+
+
+class PlainTrainable(Trainable):
+    """Plain PyTorch: every model state on `device`, `torch.optim.AdamW`."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ):
+        model = model.to(device)
+        model.train()
+        super().__init__(model, device, autocast_dtype)
+        self.optimizer = torch.optim.AdamW(
+            optimizer_param_groups(model, cfg.weight_decay),
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            fused=_fused_supported(model),
+        )
+        self.scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def clip_grad_norm(self, max_norm: float | None) -> float | None:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm is None:
+            return None
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        return {name: params[name].detach() for name in self.names}
+
+    @torch.no_grad()
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self._check_state_names(state)
+        params = dict(self.model.named_parameters())
+        for name in self.names:
+            params[name].copy_(state[name])
+
+    def export_model(self) -> nn.Module:
+        return self.model
+
+
+class EngineTrainable(Trainable):
+    """The chunked engine: `protrain.wrap` places parameters, gradients and optimizer states."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ):
+        import protrain
+
+        model.train()
+        super().__init__(model, device, None)  # the engine computes in `compute_dtype` itself
+        mem = cfg.memory
+        self.model, self.optimizer, self.layout = protrain.wrap(
+            model,
+            n_persist=mem.n_persist,
+            n_buffer=mem.n_buffer,
+            device=device,
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
+            param_groups=optimizer_param_groups(model, cfg.weight_decay),
+            compute_dtype=autocast_dtype or torch.float32,
+            chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
+        )
+        logger.info("memory layout:\n%s", self.layout)
+
+    def clip_grad_norm(self, max_norm: float | None) -> float | None:
+        if max_norm is None:
+            return None
+        return float(self.optimizer.clip_grad_norm_(max_norm))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        import protrain
+
+        full = protrain.state_dict(self.model)
+        return {name: full[name] for name in self.names}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        import protrain
+
+        self._check_state_names(state)
+        protrain.load_state_dict(self.model, state)
+
+    def export_model(self) -> nn.Module:
+        import protrain
+
+        return protrain.unwrap(self.model)
+
+    def close(self) -> None:
+        import protrain
+
+        protrain.close(self.model)
+
+
+def make_trainable(
+    model: nn.Module, cfg: TrainConfig, device: torch.device, autocast_dtype: torch.dtype | None
+) -> Trainable:
+    if cfg.memory.engine_enabled:
+        return EngineTrainable(model, cfg, device, autocast_dtype)
+    return PlainTrainable(model, cfg, device, autocast_dtype)
+
+
+def _fused_supported(model: nn.Module) -> bool | None:
+    # Fused AdamW runs on CUDA and on the CPU (torch >= 2.4) for floating-point params.
+    return (
+        True if all(p.is_floating_point() for p in model.parameters() if p.requires_grad) else None
+    )

@@ -1,0 +1,93 @@
+import pytest
+
+from protrain.train.config import TrainConfig, load_config, validate_config
+from protrain.train.errors import ConfigError
+
+from .helpers import tiny_config, write_config
+
+
+def test_quickstart_config_loads():
+    cfg = load_config(None)
+    assert cfg.model.name_or_path == "tiny"
+    assert cfg.datasets[0].path.endswith("quickstart/data/chat.jsonl")
+
+
+def test_misspelled_key_names_the_closest_key(tmp_path):
+    raw = tiny_config(tmp_path)
+    raw["learning_rat"] = 1e-4
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    message = str(err.value)
+    assert "unknown key 'learning_rat'" in message
+    assert "did you mean 'learning_rate'?" in message
+
+
+def test_misspelled_nested_key(tmp_path):
+    raw = tiny_config(tmp_path, adapter={"type": "lora", "rank": 8})
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert "unknown key 'adapter.rank'" in str(err.value)
+    assert "r, " in str(err.value)  # lists what is allowed there
+
+
+def test_negative_learning_rate_names_key_value_and_rule(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny_config(tmp_path, learning_rate=-0.1))
+    assert (
+        str(err.value)
+        == "config: learning_rate = -0.1 is not allowed: Input should be greater than 0"
+    )
+
+
+def test_bad_literal_lists_allowed_values(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny_config(tmp_path, lr_scheduler="cosin"))
+    assert "lr_scheduler = 'cosin'" in str(err.value)
+    assert "'cosine'" in str(err.value)
+
+
+def test_overrides_are_parsed_as_yaml(tmp_path):
+    path = write_config(tmp_path, tiny_config(tmp_path))
+    cfg = load_config(path, ["learning_rate=5e-4", "adapter.type=lora", "adapter.r=4"])
+    assert cfg.learning_rate == 5e-4
+    assert cfg.adapter.type == "lora" and cfg.adapter.r == 4
+
+
+def test_bad_override_syntax(tmp_path):
+    path = write_config(tmp_path, tiny_config(tmp_path))
+    with pytest.raises(ConfigError, match="expected key=value"):
+        load_config(path, ["learning_rate"])
+
+
+def test_adapter_shorthand_and_defaults(tmp_path):
+    cfg = validate_config(tiny_config(tmp_path, adapter="lora"))
+    assert cfg.adapter.type == "lora" and cfg.adapter.r == 8
+
+
+def test_warmup_steps_and_ratio_exclusive(tmp_path):
+    with pytest.raises(ConfigError, match="warmup_steps or warmup_ratio"):
+        validate_config(tiny_config(tmp_path, warmup_steps=2, warmup_ratio=0.1))
+
+
+def test_memory_budget_units(tmp_path):
+    cfg = validate_config(
+        tiny_config(tmp_path, memory={"n_persist": 1, "n_buffer": 2, "gpu_budget": "24GiB"})
+    )
+    assert int(cfg.memory.gpu_budget) == 24 * 2**30
+    assert cfg.memory.engine_enabled
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_yaml_is_read_safely(tmp_path):
+    path = tmp_path / "evil.yaml"
+    path.write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(path)
+
+
+def test_schema_defaults_are_valid():
+    TrainConfig()

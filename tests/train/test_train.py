@@ -1,0 +1,149 @@
+"""End-to-end training on the tiny model: falling loss, export, resume, atomic checkpoints."""
+
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import load_file
+
+from protrain.train.config import validate_config
+from protrain.train.loop import train
+from protrain.train.metrics import read_metrics
+
+from .helpers import tiny_config, write_config
+
+
+def final_weights(run_dir, name="model.safetensors"):
+    return load_file(run_dir / "final" / name)
+
+
+def test_loss_falls_and_export_loads_and_generates(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = validate_config(
+        tiny_config(
+            tmp_path,
+            max_steps=30,
+            learning_rate=3e-3,
+            micro_batch_size=8,
+            gradient_accumulation_steps=1,
+            val_set_size=0.05,
+            eval={"steps": 15},
+        )
+    )
+    result = train(cfg)
+    assert len(result.losses) == 30
+    assert sum(result.losses[-5:]) / 5 < 0.6 * sum(result.losses[:5]) / 5
+    records = read_metrics(result.output_dir)
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))
+    assert [r["step"] for r in records if "eval_loss" in r] == [15, 30]
+
+    tok = AutoTokenizer.from_pretrained(result.final_dir)
+    model = AutoModelForCausalLM.from_pretrained(result.final_dir)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of Peru?"}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == prompt["input_ids"].shape[1] + 8 or out[0, -1] == tok.eos_token_id
+
+
+def test_lora_exports_a_peft_adapter_with_its_tiny_base(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    cfg = validate_config(tiny_config(tmp_path, max_steps=3, adapter={"type": "lora", "r": 4}))
+    result = train(cfg)
+    assert (result.final_dir / "adapter_config.json").exists()
+    base = AutoModelForCausalLM.from_pretrained(result.final_dir / "base_model")
+    model = PeftModel.from_pretrained(base, result.final_dir)
+    ids = torch.tensor([[1, 5, 6, 7]])
+    assert model(input_ids=ids).logits.shape == (1, 4, 512)
+
+
+def _run_resumed(tmp_path, overrides):
+    """10 steps straight, and 5 steps + resume + 5 steps; return both."""
+    straight = train(validate_config(tiny_config(tmp_path / "a", save_steps=5, **overrides)))
+    cfg_b = validate_config(tiny_config(tmp_path / "b", save_steps=5, **overrides))
+    first = train(cfg_b)
+    # Forget everything after step 5, as if the first run had stopped there.
+    import shutil
+
+    shutil.rmtree(first.output_dir / "checkpoint-10")
+    shutil.rmtree(first.final_dir)
+    resumed = train(cfg_b, resume=True)
+    return straight, first, resumed
+
+
+def test_resume_is_exact_full_finetuning(tmp_path):
+    straight, first, resumed = _run_resumed(tmp_path, {})
+    assert resumed.losses == straight.losses[5:]
+    a, b = final_weights(straight.output_dir), final_weights(resumed.output_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_resume_is_exact_lora_with_dropout(tmp_path):
+    # Dropout makes the result depend on the restored RNG state.
+    overrides = {"adapter": {"type": "lora", "r": 4, "dropout": 0.1}}
+    straight, _, resumed = _run_resumed(tmp_path, overrides)
+    assert resumed.losses == straight.losses[5:]
+    a = final_weights(straight.output_dir, "adapter_model.safetensors")
+    b = final_weights(resumed.output_dir, "adapter_model.safetensors")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_save_total_limit_prunes_old_checkpoints(tmp_path):
+    result = train(
+        validate_config(tiny_config(tmp_path, max_steps=6, save_steps=2, save_total_limit=2))
+    )
+    names = sorted(p.name for p in result.output_dir.iterdir() if p.name.startswith("checkpoint-"))
+    assert names == ["checkpoint-4", "checkpoint-6"]
+
+
+CRASHING_RUN = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    import protrain.train.checkpoint as ckpt
+    from protrain.cli import main
+
+    real_save = ckpt._save_tensors
+
+    def save_then_die(path, tensors):
+        real_save(path, tensors)
+        if ".tmp-checkpoint-4" in str(path) and path.name == "model.safetensors":
+            os._exit(9)  # killed in the middle of writing checkpoint 4
+
+    ckpt._save_tensors = save_then_die
+    sys.exit(main(["train", sys.argv[1]]))
+    """
+)
+
+
+def test_kill_during_save_keeps_previous_checkpoint_and_resume_continues(tmp_path):
+    overrides = dict(max_steps=6, save_steps=2)
+    straight = train(validate_config(tiny_config(tmp_path / "a", **overrides)))
+
+    raw = tiny_config(tmp_path / "b", **overrides)
+    path = write_config(tmp_path, raw)
+    proc = subprocess.run(
+        [sys.executable, "-c", CRASHING_RUN, str(path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 9, proc.stderr
+    run_dir = tmp_path / "b" / "run"
+    assert (run_dir / "checkpoint-2" / "state.json").exists()
+    assert not (run_dir / "checkpoint-4").exists()
+    assert (run_dir / ".tmp-checkpoint-4").exists()
+
+    resumed = train(validate_config(raw), resume=True)
+    assert not (run_dir / ".tmp-checkpoint-4").exists()
+    assert resumed.losses == straight.losses[2:]
+    a, b = final_weights(straight.output_dir), final_weights(resumed.output_dir)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
