@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-persist", type=int)
     p.add_argument("--n-buffer", type=int)
     p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
     p.add_argument("--run-id", help="rows measured side by side share one (default: new)")
     p.add_argument("--commit", help="default: git rev-parse --short HEAD")
@@ -87,6 +88,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         device=device,
         lora_rank=LORA_RANK if workload.mode == "lora" else None,
         lr=args.lr,
+        max_grad_norm=args.max_grad_norm or None,
         n_persist=args.n_persist,
         n_buffer=args.n_buffer,
     )
@@ -188,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         "commit": commit,
         "time_to_first_step_s": result.pop("time_to_first_step_s", None),
         **result,  # extras: loss, error, and what the system reports per step
+        "max_grad_norm": spec.max_grad_norm,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,

@@ -2,8 +2,8 @@
 
 A system owns everything between the random batch and the finished optimizer step: where
 weights live, mixed precision, sharding and offload, and the optimizer. All of them use bf16
-compute, AdamW, global-norm clipping at 1.0 and activation checkpointing of every decoder
-layer.
+compute, AdamW, global-norm clipping (`max_grad_norm`, 1.0 unless turned off) and
+activation checkpointing of every decoder layer.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ class RowSpec:
     lora_rank: int | None
     lr: float = 1e-5
     weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0  # None: no clipping
     n_persist: int | None = None
     n_buffer: int | None = None
 

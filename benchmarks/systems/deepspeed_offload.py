@@ -1,4 +1,5 @@
-"""DeepSpeed baselines on one rank, bf16, AdamW (DeepSpeed's CPU Adam), clipping at 1.0.
+"""DeepSpeed baselines on one rank: bf16, AdamW (DeepSpeed's CPU Adam), clipping at
+`max_grad_norm`.
 
 `ds_z3_offload`: ZeRO-3 with parameters and optimizer state offloaded to pinned host
 memory; the model is built under `zero.Init` (through transformers' `HfDeepSpeedConfig`)
@@ -26,7 +27,7 @@ def ds_config(spec: RowSpec) -> dict:
     return {
         "train_micro_batch_size_per_gpu": spec.batch,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": 1.0,
+        "gradient_clipping": spec.max_grad_norm or 0.0,
         "bf16": {"enabled": True},
         "zero_optimization": zero,
         "optimizer": {

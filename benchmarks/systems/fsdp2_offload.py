@@ -58,7 +58,8 @@ def setup(spec: RowSpec) -> Trainer:
     def step(input_ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if spec.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss

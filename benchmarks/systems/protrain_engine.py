@@ -42,7 +42,8 @@ def setup(spec: RowSpec) -> Trainer:
     def step(input_ids: torch.Tensor) -> torch.Tensor:
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
-        optimizer.clip_grad_norm_(1.0)
+        if spec.max_grad_norm is not None:
+            optimizer.clip_grad_norm_(spec.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         return loss

@@ -1,0 +1,102 @@
+"""The benchmark harness end to end on the CPU with a tiny model (no timing is checked)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import report  # noqa: E402
+
+ROW_KEYS = [
+    "workload", "system", "model", "mode", "budget_gib", "batch", "seq", "status",
+    "tokens_per_s", "step_s", "peak_alloc_gib", "peak_reserved_gib", "predicted_peak_gib",
+    "predicted_step_s", "plan", "gpu", "run_id", "commit", "time_to_first_step_s",
+]  # fmt: skip
+
+
+def _run(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(BENCH / "run.py"), "--tiny", "--steps", "1", "--warmup", "1",
+         "--out", str(tmp_path / "rows.jsonl"), "--run-id", "test-run", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def plain_row(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    tmp_path = tmp_path_factory.mktemp("bench")
+    proc = _run(tmp_path, "--workload", "fits", "--system", "plain")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = (tmp_path / "rows.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0]), tmp_path
+
+
+def test_plain_row_has_the_results_format(plain_row: tuple[dict, Path]) -> None:
+    row, _ = plain_row
+    assert list(row)[: len(ROW_KEYS)] == ROW_KEYS
+    assert row["status"] == "ok"
+    assert (row["workload"], row["system"], row["model"], row["mode"]) == (
+        "fits", "plain", "tiny", "full",
+    )  # fmt: skip
+    assert row["run_id"] == "test-run"
+    assert row["gpu"] == "cpu" and row["budget_gib"] is None
+    assert row["tokens_per_s"] > 0 and row["step_s"] > 0 and row["time_to_first_step_s"] > 0
+    assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["seq"] / row["step_s"], 1e-2)
+
+
+def test_missing_deepspeed_or_engine_is_an_error_row(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        proc = _run(tmp_path, "--workload", "full-3b", "--system", "ds_z2_offload")
+        row = json.loads((tmp_path / "rows.jsonl").read_text())
+        assert proc.returncode == 1
+        assert row["status"] == "error" and "DeepSpeed is not installed" in row["error"]
+    else:
+        pytest.skip("DeepSpeed is installed here")
+
+
+def test_report_of_the_row(plain_row: tuple[dict, Path]) -> None:
+    _, tmp_path = plain_row
+    text = subprocess.run(
+        [sys.executable, str(BENCH / "report.py"), str(tmp_path / "rows.jsonl")],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "### fits: tiny full, batch 2 x 32, no budget" in text
+    assert "| plain | ok |" in text
+
+
+def _row(system: str, run_id: str, tokens_per_s: float | None, status: str = "ok") -> dict:
+    return {
+        "workload": "full-3b", "system": system, "model": "llama3b", "mode": "full",
+        "budget_gib": 24, "batch": 4, "seq": 2048, "status": status,
+        "tokens_per_s": tokens_per_s, "step_s": None if tokens_per_s is None else 8192 / tokens_per_s,
+        "peak_alloc_gib": 14.0, "peak_reserved_gib": 15.0, "predicted_peak_gib": None,
+        "predicted_step_s": None, "plan": None, "gpu": "NVIDIA H200", "run_id": run_id,
+        "commit": "abc", "time_to_first_step_s": 10.0,
+    }  # fmt: skip
+
+
+def test_report_ratios_stay_within_a_run() -> None:
+    rows = [
+        _row("protrain", "A", 9000.0),
+        _row("fsdp2_offload", "A", 4500.0),
+        _row("plain", "A", None, status="oom"),
+        _row("ds_z3_offload", "B", 1000.0),  # another run: never a ratio with run A
+    ]
+    text = report.report(rows)
+    run_a = text.split("run `A`")[1].split("###")[0]
+    protrain_line = next(line for line in run_a.splitlines() if line.startswith("| protrain"))
+    assert "2.00x fsdp2_offload" in protrain_line
+    assert "plain oom" in protrain_line
+    assert "ds_z3_offload" not in protrain_line
+    assert text.count("### full-3b") == 2
