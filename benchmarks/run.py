@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
+        "cpu_threads": torch.get_num_threads(),
         "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
     }
     if args.tiny:

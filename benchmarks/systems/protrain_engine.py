@@ -56,7 +56,7 @@ def setup(spec: RowSpec) -> Trainer:
 
 def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]:
     plan = dict(knobs)
-    for name in ("n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_chunks", "chunk_bytes"):
+    for name in ("n_persist", "n_buffer", "n_swap", "n_checkpoint", "n_chunks", "chunk_size_bytes"):
         value = getattr(layout, name, None)
         if isinstance(value, int):
             plan[name] = value
