@@ -18,6 +18,7 @@ def byte_tokenizer(
     eos: str | None = None,
     pad: str | None = None,
     chat_template: str | None = None,
+    extra_special_tokens: dict[str, str] | None = None,
 ) -> PreTrainedTokenizerFast:
     """One token per byte, plus the given special tokens as single tokens.
 
@@ -29,7 +30,9 @@ def byte_tokenizer(
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, extra_special_tokens=extra_special_tokens or {}
+    )
     specials = [t for t in special_tokens]
     for t in (bos, eos, pad):
         if t and t not in specials:

@@ -22,6 +22,10 @@ from protrain.train.data.formats import ChatSample, parse_row
 from protrain.train.data.loading import read_rows, select_rows
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
 from protrain.train.data.rendering import ChatRenderer, TemplateMismatch, end_of_turn_markers
+from protrain.train.data.role_boundaries import (
+    Boundary,
+    labels_by_boundaries,
+)
 from protrain.train.data.templates import resolve_chat_template
 
 logger = logging.getLogger("protrain.train.data")
@@ -49,6 +53,7 @@ class DatasetReport:
     kept: int = 0
     skipped: list[str] = field(default_factory=list)  # one reason per skipped row
     truncated: int = 0
+    too_long_media: int = 0
     no_trained_tokens: int = 0
 
     def log(self) -> None:
@@ -65,6 +70,13 @@ class DatasetReport:
                 "dataset %r: %d sample(s) longer than sequence_len were truncated",
                 self.path,
                 self.truncated,
+            )
+        if self.too_long_media:
+            logger.warning(
+                "dataset %r: %d sample(s) with media were longer than sequence_len and dropped "
+                "(media tokens cannot be truncated); raise sequence_len or shrink the images",
+                self.path,
+                self.too_long_media,
             )
         if self.no_trained_tokens:
             logger.warning(
@@ -86,6 +98,7 @@ class DatasetEncoder:
         self.mask: MaskSettings = resolve_mask_settings(settings, cfg)
         self.renderer: ChatRenderer | None = None
         self.vision = None
+        self.boundaries: list[Boundary] | None = None
         if cfg.type == "chat":
             spec = cfg.chat_template if cfg.chat_template is not None else settings.chat_template
             source = processor if processor is not None else tokenizer
@@ -105,6 +118,8 @@ class DatasetEncoder:
         sample = parse_row(row, self.cfg, row_index)
         if self.vision is not None and isinstance(sample, ChatSample):
             return self.vision.encode(sample, row_index)
+        if self.boundaries is not None and isinstance(sample, ChatSample):
+            return self._encode_by_boundaries(sample, row_index)
         try:
             return encode_sample(sample, self.tokenizer, self.renderer, self.mask)
         except TemplateMismatch as e:
@@ -124,12 +139,34 @@ class DatasetEncoder:
                 field="messages",
             ) from e
 
+    def _encode_by_boundaries(self, sample: ChatSample, row_index: int) -> Encoded:
+        try:
+            text = self.renderer.render(sample.messages)
+        except Exception as e:  # template exceptions (raise_exception) and the like
+            raise DataError(
+                f"cannot render with the chat template: {type(e).__name__}: {e}",
+                dataset=self.cfg.path,
+                row=row_index,
+                field="messages",
+            ) from e
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
+        return Encoded(ids, labels, text)
 
-def _truncate(enc: Encoded, sequence_len: int, report: DatasetReport) -> None:
-    if len(enc.input_ids) > sequence_len:
-        report.truncated += 1
-        enc.input_ids = enc.input_ids[:sequence_len]
-        enc.labels = enc.labels[:sequence_len]
+
+def _truncate(enc: Encoded, sequence_len: int, report: DatasetReport) -> bool:
+    """Cut a text sample to `sequence_len`; False for a media sample that is too long."""
+    if len(enc.input_ids) <= sequence_len:
+        return True
+    if any(isinstance(v, torch.Tensor) for v in enc.extras.values()):
+        report.too_long_media += 1  # its media tokens cannot be cut from their pixels
+        return False
+    report.truncated += 1
+    enc.input_ids = enc.input_ids[:sequence_len]
+    enc.labels = enc.labels[:sequence_len]
+    for key, value in enc.extras.items():
+        enc.extras[key] = value[:sequence_len]
+    return True
 
 
 def encode_dataset(
@@ -155,7 +192,8 @@ def encode_dataset(
                 raise
             report.skipped.append(str(e))
             continue
-        _truncate(enc, sequence_len, report)
+        if not _truncate(enc, sequence_len, report):
+            continue
         if all(label == IGNORE_INDEX for label in enc.labels[1:]):
             report.no_trained_tokens += 1
             continue

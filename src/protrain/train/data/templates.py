@@ -3,8 +3,8 @@
 The built-in templates are the Jinja of each family's published chat template, limited to
 what training data needs (messages, system prompts, reasoning, images; no tool schemas).
 Where a family's template has a quirk that the loss masks must survive, it is kept:
-Gemma folds the system prompt into the first user turn, Mistral puts it into the last user
-turn, Qwen2.5 inserts a default system prompt, Qwen3 renders `<think>` blocks only after the
+Gemma folds the system prompt into the first user turn, Mistral (v3) puts it into the last
+user turn, Qwen2.5 inserts a default system prompt, Qwen3 renders `<think>` blocks only after the
 last user query.
 """
 
@@ -123,40 +123,71 @@ GEMMA = (
     "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
 )
 
-MISTRAL = (
-    "{%- if messages[0]['role'] == 'system' %}"
-    "{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
-    "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
-    "{%- set ns = namespace(last_user=-1) %}"
-    "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
-    "{{- bos_token }}"
-    "{%- for message in loop_messages %}"
-    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
-    "{{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}"
-    "{%- endif %}"
-    "{%- if message['role'] == 'user' %}"
-    "{%- if loop.index0 == ns.last_user and system_message is defined %}"
-    "{{- '[INST] ' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST] ' + message['content'] + '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- ' ' + message['content'] + eos_token }}"
-    "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-)
 
-MISTRAL_V7_TEKKEN = (
-    "{{- bos_token }}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'system' %}{{- '[SYSTEM_PROMPT]' + message['content'] + '[/SYSTEM_PROMPT]' }}"
-    "{%- elif message['role'] == 'user' %}"
-    "{%- if message['content'] is string %}{{- '[INST]' + message['content'] + '[/INST]' }}"
-    "{%- else %}{{- '[INST]' }}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'image' %}{{- '[IMG]' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
-    "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
-    "{%- elif message['role'] == 'assistant' %}{{- message['content'] + eos_token }}"
-    "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
-    "{%- endif %}"
-    "{%- endfor %}"
+def _mistral_last_user_system(sep: str) -> str:
+    """Mistral v3 format: the system prompt goes into the last user turn; `sep` after markers."""
+    return (
+        "{%- if messages[0]['role'] == 'system' %}"
+        "{%- set system_message = messages[0]['content'] %}{%- set loop_messages = messages[1:] %}"
+        "{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+        "{%- set ns = namespace(last_user=-1) %}"
+        "{%- for message in loop_messages %}{%- if message['role'] == 'user' %}"
+        "{%- set ns.last_user = loop.index0 %}{%- endif %}{%- endfor %}"
+        "{{- bos_token }}"
+        "{%- for message in loop_messages %}"
+        "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{- raise_exception('After the optional system message, conversation roles must alternate user/assistant/user/assistant/...') }}"
+        "{%- endif %}"
+        "{%- if message['role'] == 'user' %}"
+        "{%- if loop.index0 == ns.last_user and system_message is defined %}"
+        f"{{{{- '[INST]{sep}' + system_message + '\\n\\n' + message['content'] + '[/INST]' }}}}"
+        f"{{%- else %}}{{{{- '[INST]{sep}' + message['content'] + '[/INST]' }}}}{{%- endif %}}"
+        f"{{%- elif message['role'] == 'assistant' %}}{{{{- '{sep}' + message['content'] + eos_token }}}}"
+        "{%- else %}{{- raise_exception('Only user and assistant roles are supported, with the exception of an initial optional system message!') }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+    )
+
+
+def _mistral_system_prompt(sep: str) -> str:
+    """Mistral v7 format: `[SYSTEM_PROMPT]` turns; images as `[IMG]` (Pixtral)."""
+    return (
+        "{{- bos_token }}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'system' %}"
+        f"{{{{- '[SYSTEM_PROMPT]{sep}' + message['content'] + '[/SYSTEM_PROMPT]' }}}}"
+        "{%- elif message['role'] == 'user' %}"
+        f"{{%- if message['content'] is string %}}{{{{- '[INST]{sep}' + message['content'] + '[/INST]' }}}}"
+        f"{{%- else %}}{{{{- '[INST]{sep}' }}}}{{%- for part in message['content'] %}}"
+        "{%- if part['type'] == 'image' %}{{- '[IMG]' }}{%- elif part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+        "{%- endfor %}{{- '[/INST]' }}{%- endif %}"
+        f"{{%- elif message['role'] == 'assistant' %}}{{{{- '{sep}' + message['content'] + eos_token }}}}"
+        "{%- else %}{{- raise_exception('Only user, system and assistant roles are supported!') }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+    )
+
+
+# SentencePiece Mistral tokenizers want a space after the markers; Tekken ones none.
+MISTRAL = _mistral_last_user_system(" ")
+MISTRAL_TEKKEN = _mistral_last_user_system("")
+MISTRAL_V7 = _mistral_system_prompt(" ")
+MISTRAL_V7_TEKKEN = _mistral_system_prompt("")
+
+QWEN2_VL = (
+    "{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
 BUILTIN_TEMPLATES: dict[str, str] = {
@@ -168,8 +199,11 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "gemma": GEMMA,
     "gemma3": GEMMA,
     "mistral": MISTRAL,
+    "mistral_tekken": MISTRAL_TEKKEN,
+    "mistral_v7": MISTRAL_V7,
     "mistral_v7_tekken": MISTRAL_V7_TEKKEN,
     "pixtral": MISTRAL_V7_TEKKEN,
+    "qwen2_vl": QWEN2_VL,
 }
 
 

@@ -1,3 +1,295 @@
-"""Vision-language rows: processor rendering, media tensors, masks by role boundaries."""
+"""Vision-language rows: images, the processor, and masks on the processor's tokens.
+
+A row's images come from its `images` column (paths, relative to the dataset file, or PIL
+images) and from image parts of its messages (`{"type": "image", "image"|"path": ...}`); a
+part without its own source takes the next image of the column, and a row whose messages
+name no image gets its images at the start of the first user turn (a LLaVA-style `<image>`
+in the text marks the place instead). Every path is checked before anything is tokenized.
+
+The chat is rendered by the processor's template (or the `chat_template` override) and
+handed to the processor, which expands each image placeholder into the model's media
+tokens. Masks are then found on those tokens by role boundaries (`role_boundaries`); for
+processors of families without built-in boundaries, the masks of the rendered text are
+aligned onto the expanded tokens instead. Media tokens and padding are never trained.
+"""
 
 from __future__ import annotations
+
+import difflib
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from protrain.train.data.config import MANAGED_PROCESSOR_KWARGS, DatasetConfig, DataSettings
+from protrain.train.data.encoding import Encoded, encode_chat
+from protrain.train.data.errors import DataError
+from protrain.train.data.formats import ChatSample
+from protrain.train.data.masks import IGNORE_INDEX, MaskSettings
+from protrain.train.data.rendering import ChatRenderer, TemplateMismatch
+from protrain.train.data.role_boundaries import (
+    boundaries_for,
+    labels_by_boundaries,
+    media_token_ids,
+)
+
+logger = logging.getLogger("protrain.train.data")
+
+_IMAGE_KEYS = ("image", "path", "url", "image_url")
+
+
+def processor_from_pretrained_kwargs(settings: DataSettings) -> dict[str, Any]:
+    """`processor_kwargs` minus the keys the project manages itself (warned and ignored)."""
+    kwargs = dict(settings.processor_kwargs)
+    for key in MANAGED_PROCESSOR_KWARGS:
+        if key in kwargs:
+            logger.warning(
+                "processor_kwargs.%s=%r is ignored: protrain sets %s itself (use the top-level key)",
+                key,
+                kwargs[key],
+                key,
+            )
+            del kwargs[key]
+    return kwargs
+
+
+def load_processor(
+    settings: DataSettings,
+    name_or_path: str,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+):
+    """The processor named by `processor_type` (default: AutoProcessor) for a model."""
+    import transformers
+
+    cls_name = settings.processor_type or "AutoProcessor"
+    cls = getattr(transformers, cls_name, None)
+    if cls is None or not hasattr(cls, "from_pretrained"):
+        raise DataError(
+            f"processor_type {cls_name!r} is not a processor class of transformers "
+            "(e.g. AutoProcessor, Qwen2VLProcessor)",
+            field="processor_type",
+        )
+    return cls.from_pretrained(
+        name_or_path,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        **processor_from_pretrained_kwargs(settings),
+    )
+
+
+def _dataset_root(cfg: DatasetConfig) -> Path:
+    path = Path(cfg.path).expanduser()
+    return path if path.is_dir() else path.parent
+
+
+class VisionEncoder:
+    """Encodes chat rows with images through a processor."""
+
+    def __init__(
+        self,
+        settings: DataSettings,
+        cfg: DatasetConfig,
+        processor,
+        tokenizer,
+        renderer: ChatRenderer,
+        mask: MaskSettings,
+    ) -> None:
+        self.cfg = cfg
+        self.processor = processor
+        self.tokenizer = tokenizer
+        self.renderer = renderer
+        self.mask = mask
+        self.root = _dataset_root(cfg)
+        self.boundaries = boundaries_for(
+            settings.role_boundaries, processor, renderer.template, tokenizer
+        )
+        self.never_trained = media_token_ids(tokenizer, processor)
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is not None and pad != tokenizer.eos_token_id:
+            self.never_trained.add(pad)
+
+    # --- images -------------------------------------------------------------------------------
+
+    def _load_image(self, source: Any, row: int, field: str):
+        from PIL import Image
+
+        if isinstance(source, Image.Image):
+            return source.convert("RGB")
+        if isinstance(source, dict):
+            if source.get("bytes"):
+                import io
+
+                return Image.open(io.BytesIO(source["bytes"])).convert("RGB")
+            source = source.get("path")
+        if not isinstance(source, str) or not source:
+            raise DataError(
+                f"an image must be a path or an image, got {type(source).__name__}",
+                dataset=self.cfg.path,
+                row=row,
+                field=field,
+            )
+        if source.startswith(("http://", "https://")):
+            raise DataError(
+                f"image URL {source!r}: download images first; only local files are read",
+                dataset=self.cfg.path,
+                row=row,
+                field=field,
+            )
+        path = Path(source).expanduser()
+        if not path.is_absolute() and (self.root / path).exists():
+            path = self.root / path
+        if not path.exists():
+            raise DataError(
+                f"image file {source!r} does not exist (looked in {self.root} and the working folder)",
+                dataset=self.cfg.path,
+                row=row,
+                field=field,
+            )
+        try:
+            with Image.open(path) as im:
+                return im.convert("RGB")
+        except Exception as e:  # PIL raises several types for unreadable files
+            raise DataError(
+                f"cannot read image {str(path)!r}: {e}", dataset=self.cfg.path, row=row, field=field
+            ) from e
+
+    def _place_images(self, sample: ChatSample, row: int) -> tuple[list[dict[str, Any]], list[Any]]:
+        """Messages with bare `{"type": "image"}` parts, and the images in their order."""
+        column = list(sample.images)
+        images: list[Any] = []
+        messages: list[dict[str, Any]] = []
+        next_from_column = 0
+        n_parts = 0
+        for i, message in enumerate(sample.messages):
+            content = message["content"]
+            if isinstance(content, str) and "<image>" in content and column:
+                pieces = content.split("<image>")
+                content = []
+                for k, piece in enumerate(pieces):
+                    if k:
+                        content.append({"type": "image"})
+                    if piece.strip():
+                        content.append({"type": "text", "text": piece})
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    kind = part["type"]
+                    if kind in ("video", "audio"):
+                        raise DataError(
+                            f"{kind} parts are not supported yet; only images are",
+                            dataset=self.cfg.path,
+                            row=row,
+                            field=f"messages[{i}].content[{j}]",
+                        )
+                    if kind != "image":
+                        parts.append(part)
+                        continue
+                    n_parts += 1
+                    source = next((part[k] for k in _IMAGE_KEYS if part.get(k)), None)
+                    if source is None:
+                        if next_from_column >= len(column):
+                            raise DataError(
+                                f"message {i} has more image parts than the row has images ({len(column)})",
+                                dataset=self.cfg.path,
+                                row=row,
+                                field=self.cfg.field_images,
+                            )
+                        source = column[next_from_column]
+                        field = f"{self.cfg.field_images}[{next_from_column}]"
+                        next_from_column += 1
+                    else:
+                        field = f"messages[{i}].content[{j}]"
+                    images.append(self._load_image(source, row, field))
+                    parts.append({"type": "image"})
+                content = parts
+            messages.append({**message, "content": content})
+        if n_parts == 0 and column:
+            first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+            if first_user is None:
+                raise DataError(
+                    "the row has images but no user message to put them in",
+                    dataset=self.cfg.path,
+                    row=row,
+                    field=self.cfg.field_images,
+                )
+            images = [
+                self._load_image(src, row, f"{self.cfg.field_images}[{k}]")
+                for k, src in enumerate(column)
+            ]
+            content = messages[first_user]["content"]
+            text_parts = (
+                [{"type": "text", "text": content}] if isinstance(content, str) else content
+            )
+            messages[first_user] = {
+                **messages[first_user],
+                "content": [{"type": "image"} for _ in column] + text_parts,
+            }
+        elif next_from_column < len(column):
+            raise DataError(
+                f"the row has {len(column)} images but its messages use {next_from_column}",
+                dataset=self.cfg.path,
+                row=row,
+                field=self.cfg.field_images,
+            )
+        return messages, images
+
+    # --- encoding -----------------------------------------------------------------------------
+
+    def encode(self, sample: ChatSample, row: int) -> Encoded:
+        messages, images = self._place_images(sample, row)
+        try:
+            text = self.renderer.render(messages)
+        except Exception as e:  # the template's own raise_exception and the like
+            raise DataError(
+                f"cannot render with the chat template: {type(e).__name__}: {e}",
+                dataset=self.cfg.path,
+                row=row,
+                field="messages",
+            ) from e
+        call: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
+        if images:
+            call["images"] = images
+        try:
+            out = self.processor(**call)
+        except Exception as e:  # processors raise ValueError, TypeError... for bad input
+            raise DataError(
+                f"the processor rejected the row: {type(e).__name__}: {e}",
+                dataset=self.cfg.path,
+                row=row,
+                field=self.cfg.field_images if images else "messages",
+            ) from e
+        ids = out["input_ids"][0].tolist()
+        if self.boundaries is not None:
+            labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
+        else:
+            labels = self._aligned_labels(ChatSample(messages, []), ids, row)
+        extras: dict[str, Any] = {}
+        for key, value in out.items():
+            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() == 2 and value.shape == (1, len(ids)):
+                extras[key] = value[0].tolist()  # per token, collated like input_ids
+            else:
+                extras[key] = value
+        return Encoded(ids, labels, text, extras)
+
+    def _aligned_labels(self, sample: ChatSample, ids: list[int], row: int) -> list[int]:
+        """Masks of the rendered text, carried onto the expanded tokens by sequence alignment."""
+        try:
+            text_enc = encode_chat(sample, self.tokenizer, self.renderer, self.mask)
+        except TemplateMismatch as e:
+            raise DataError(
+                f"{e.reason}; the loss mask cannot be placed",
+                dataset=self.cfg.path,
+                row=row,
+                field=f"messages[{e.index}]",
+            ) from e
+        labels = [IGNORE_INDEX] * len(ids)
+        matcher = difflib.SequenceMatcher(None, text_enc.input_ids, ids, autojunk=False)
+        for a, b, size in matcher.get_matching_blocks():
+            for k in range(size):
+                labels[b + k] = text_enc.labels[a + k]
+        return [IGNORE_INDEX if t in self.never_trained else lab for t, lab in zip(ids, labels)]
