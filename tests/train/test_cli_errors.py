@@ -74,3 +74,15 @@ def test_resume_without_checkpoint(tmp_path):
     path = write_config(tmp_path, tiny_config(tmp_path))
     proc = run_cli("train", str(path), "--resume")
     assert_one_line_error(proc, "no checkpoint")
+
+
+def test_inspect_data_marks_trained_spans():
+    proc = run_cli("inspect-data", "-n", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "<|im_start|>assistant\n[[" in proc.stdout
+    assert "<|im_end|>]]" in proc.stdout
+
+
+def test_version():
+    proc = run_cli("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("protrain ")

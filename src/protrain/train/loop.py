@@ -145,11 +145,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
                 if device.type == "cuda":
                     record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 metrics.write(step, record)
-                progress.set_postfix(
-                    loss=f"{record['loss']:.4f}",
-                    lr=f"{record['lr']:.2e}",
-                    tok_s=f"{record['tokens_per_s']:.0f}",
-                )
+                postfix = {
+                    "loss": f"{record['loss']:.4f}",
+                    "lr": f"{record['lr']:.2e}",
+                    "tok_s": f"{record['tokens_per_s']:.0f}",
+                }
+                if "gpu_peak_gib" in record:
+                    postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
+                progress.set_postfix(postfix)
                 progress.write(_format_log(step, total_steps, record))
                 window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
                 tokens_logged = 0
