@@ -22,6 +22,17 @@ from protrain.train.data.masks import IGNORE_INDEX
 _TOKEN_KEYS = ("input_ids", "labels", "position_ids", "attention_mask")
 
 
+def token_extra_keys(item: dict[str, Any]) -> list[str]:
+    """Other per-token keys of an item (e.g. `token_type_ids` of Gemma 3 image tokens).
+
+    They are plain lists as long as `input_ids`; media tensors are `torch.Tensor`s.
+    """
+    n = len(item["input_ids"])
+    return [
+        k for k, v in item.items() if k not in _TOKEN_KEYS and isinstance(v, list) and len(v) == n
+    ]
+
+
 def _as_list(x: Any) -> list[int]:
     return x.tolist() if isinstance(x, torch.Tensor) else list(x)
 
@@ -39,14 +50,30 @@ def pad_token_id(tokenizer) -> int:
     return 0 if pad is None else pad
 
 
+def _cat_padded(values: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate along dim 0; tensors that differ in later dims are zero-padded to the max."""
+    shape = [max(v.shape[d] for v in values) for d in range(1, values[0].dim())]
+    padded = []
+    for v in values:
+        if list(v.shape[1:]) != shape:
+            pad: list[int] = []
+            for d in reversed(range(1, v.dim())):
+                pad += [0, shape[d - 1] - v.shape[d]]
+            v = torch.nn.functional.pad(v, pad)
+        padded.append(v)
+    return torch.cat(padded, dim=0)
+
+
 def _media(items: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Media tensors of VLM rows, concatenated along the first dimension."""
-    keys = [k for k in items[0] if k not in _TOKEN_KEYS]
+    """Media tensors of VLM rows (pixel values, grids, sizes), concatenated along dim 0."""
+    keys = sorted(
+        {k for item in items for k, v in item.items() if isinstance(v, torch.Tensor)}
+        - set(_TOKEN_KEYS)
+    )
     out = {}
     for key in keys:
-        values = [item[key] for item in items if item.get(key) is not None]
-        if values and all(isinstance(v, torch.Tensor) for v in values):
-            out[key] = torch.cat(values, dim=0)
+        values = [item[key] for item in items if isinstance(item.get(key), torch.Tensor)]
+        out[key] = _cat_padded(values)
     return out
 
 
@@ -83,18 +110,31 @@ class Collator:
         input_ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+        extra_keys = token_extra_keys(items[0])
+        extras = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in extra_keys}
         for i, (row, item) in enumerate(zip(rows, items)):
             n = len(row)
             input_ids[i, :n] = torch.tensor(row, dtype=torch.long)
             labels[i, :n] = torch.tensor(_as_list(item["labels"]), dtype=torch.long)
             attention_mask[i, :n] = 1
-        return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+            for k in extra_keys:
+                extras[k][i, :n] = torch.tensor(item[k], dtype=torch.long)
+        return {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            **extras,
+        }
 
     def _flatten(self, items: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
         ids: list[int] = []
         labels: list[int] = []
         positions: list[int] = []
+        extra_keys = token_extra_keys(items[0])
+        extras: dict[str, list[int]] = {k: [] for k in extra_keys}
         for item in items:
+            for k in extra_keys:
+                extras[k] += _as_list(item[k])
             item_ids = _as_list(item["input_ids"])
             item_labels = _as_list(item["labels"])
             item_pos = _positions(item)
@@ -109,10 +149,13 @@ class Collator:
         ids += [self.pad_id] * n_pad
         labels += [IGNORE_INDEX] * n_pad
         positions += list(range(n_pad))
+        for k in extra_keys:
+            extras[k] += [0] * n_pad
         return {
             "input_ids": torch.tensor([ids], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
             "position_ids": torch.tensor([positions], dtype=torch.long),
+            **{k: torch.tensor([v], dtype=torch.long) for k, v in extras.items()},
         }
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from protrain.train.data.collate import _TOKEN_KEYS, _as_list
+from protrain.train.data.collate import _as_list, _cat_padded, token_extra_keys
 
 
 def plan_bins(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
@@ -46,17 +46,21 @@ def pack_items(
     packs = []
     for members in plan_bins(lengths, sequence_len, seed):
         members.sort()  # samples keep their dataset order inside a pack
+        extra_keys = token_extra_keys(items[members[0]])
         pack: dict[str, Any] = {"input_ids": [], "labels": [], "position_ids": []}
+        pack.update({k: [] for k in extra_keys})
         media: dict[str, list[torch.Tensor]] = {}
         for i in members:
             item = items[i]
             pack["input_ids"] += _as_list(item["input_ids"])
             pack["labels"] += _as_list(item["labels"])
             pack["position_ids"] += list(range(lengths[i]))
+            for key in extra_keys:
+                pack[key] += _as_list(item[key])
             for key, value in item.items():
-                if key not in _TOKEN_KEYS and isinstance(value, torch.Tensor):
+                if isinstance(value, torch.Tensor):
                     media.setdefault(key, []).append(value)
         for key, values in media.items():
-            pack[key] = torch.cat(values, dim=0)
+            pack[key] = _cat_padded(values)
         packs.append(pack)
     return packs

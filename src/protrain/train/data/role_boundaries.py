@@ -251,10 +251,18 @@ def boundaries_for(settings_boundaries, processor, template, tokenizer) -> list[
                 key,
             )
         return None
-    specs = FAMILY_BOUNDARIES[family]()
+    return family_boundaries(family, tokenizer)
+
+
+def family_boundaries(family: str, tokenizer) -> list[Boundary]:
+    """A family's built-in boundaries, less roles whose markers the tokenizer lacks."""
     vocab = tokenizer.get_vocab()
-    usable = [s for s in specs if all(m in vocab for m in _SPECIAL_LOOKING.findall(s.start))]
-    return resolve_boundaries(usable, tokenizer, f"built-in {family} role boundaries")
+    specs = [
+        s
+        for s in FAMILY_BOUNDARIES[family]()
+        if all(m in vocab for m in _SPECIAL_LOOKING.findall(s.start))
+    ]
+    return resolve_boundaries(specs, tokenizer, f"built-in {family} role boundaries")
 
 
 def media_token_ids(tokenizer, processor=None) -> set[int]:
