@@ -39,7 +39,8 @@ def bad_data_file(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "case", ["misspelled_key", "negative_lr", "missing_dataset", "row_without_fields"]
+    "case",
+    ["misspelled_key", "negative_lr", "missing_dataset", "row_without_fields", "engine_knob"],
 )
 def test_bad_config_fails_cleanly(tmp_path, case):
     raw = tiny_config(tmp_path)
@@ -53,9 +54,12 @@ def test_bad_config_fails_cleanly(tmp_path, case):
     elif case == "missing_dataset":
         raw["datasets"] = [{"path": str(tmp_path / "nope.jsonl"), "type": "chat"}]
         needles = ("nope.jsonl",)
-    else:
+    elif case == "row_without_fields":
         raw["datasets"] = [{"path": str(bad_data_file(tmp_path)), "type": "chat"}]
         needles = ("bad.jsonl", "row 1")
+    else:
+        raw["memory"] = {"n_persist": 1000, "n_buffer": 2}
+        needles = ("memory", "n_persist=1000")
     path = write_config(tmp_path, raw)
     proc = run_cli("train", str(path))
     assert_one_line_error(proc, *needles)

@@ -1,9 +1,11 @@
 """End-to-end training on the tiny model: falling loss, export, resume, atomic checkpoints."""
 
+import shutil
 import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -70,8 +72,6 @@ def _run_resumed(tmp_path, overrides):
     cfg_b = validate_config(tiny_config(tmp_path / "b", save_steps=5, **overrides))
     first = train(cfg_b)
     # Forget everything after step 5, as if the first run had stopped there.
-    import shutil
-
     shutil.rmtree(first.output_dir / "checkpoint-10")
     shutil.rmtree(first.final_dir)
     resumed = train(cfg_b, resume=True)
@@ -147,3 +147,24 @@ def test_kill_during_save_keeps_previous_checkpoint_and_resume_continues(tmp_pat
     a, b = final_weights(straight.output_dir), final_weights(resumed.output_dir)
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_engine_matches_plain_pytorch_and_resumes_exactly(tmp_path):
+    """The loop through the chunked engine (everything offloaded) computes what plain
+    PyTorch computes, and its checkpoints resume exactly."""
+    plain = train(validate_config(tiny_config(tmp_path / "plain", max_steps=6)))
+    memory = {"n_persist": 0, "n_buffer": 2, "chunk_size": "256KiB"}
+    cfg = validate_config(tiny_config(tmp_path / "a", max_steps=6, save_steps=3, memory=memory))
+    straight = train(cfg)
+    assert straight.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
+    a, b = final_weights(plain.output_dir), final_weights(straight.output_dir)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+    shutil.rmtree(straight.output_dir / "checkpoint-6")
+    shutil.rmtree(straight.final_dir)
+    resumed = train(cfg, resume=True)
+    assert resumed.losses == straight.losses[3:]
+    c = final_weights(resumed.output_dir)
+    for k in b:
+        assert torch.equal(b[k], c[k]), k

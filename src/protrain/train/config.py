@@ -158,6 +158,11 @@ class TrainConfig(DataSettings):
     def _check_combinations(self) -> TrainConfig:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.mixed_precision == "fp16" and self.memory.engine_enabled:
+            raise ValueError(
+                "mixed_precision = 'fp16' is not allowed with the chunked engine "
+                "(memory.n_persist/n_buffer): use bf16 or no"
+            )
         if self.adapter.type == "qlora" and self.memory.engine_enabled:
             raise ValueError(
                 "adapter.type: qlora with the chunked engine (memory.n_persist/n_buffer) is "

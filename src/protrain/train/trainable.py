@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from protrain.train.config import TrainConfig
+from protrain.train.errors import ConfigError
 from protrain.train.log import logger
 from protrain.train.loss import causal_lm_loss_sum
 
@@ -173,19 +174,23 @@ class EngineTrainable(Trainable):
         model.train()
         super().__init__(model, device, None)  # the engine computes in `compute_dtype` itself
         mem = cfg.memory
-        self.model, self.optimizer, self.layout = protrain.wrap(
-            model,
-            n_persist=mem.n_persist,
-            n_buffer=mem.n_buffer,
-            device=device,
-            lr=cfg.learning_rate,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_epsilon,
-            weight_decay=cfg.weight_decay,
-            param_groups=optimizer_param_groups(model, cfg.weight_decay),
-            compute_dtype=autocast_dtype or torch.float32,
-            chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
-        )
+        try:
+            self.model, self.optimizer, self.layout = protrain.wrap(
+                model,
+                n_persist=mem.n_persist,
+                n_buffer=mem.n_buffer,
+                device=device,
+                lr=cfg.learning_rate,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_epsilon,
+                weight_decay=cfg.weight_decay,
+                param_groups=optimizer_param_groups(model, cfg.weight_decay),
+                compute_dtype=autocast_dtype or torch.float32,
+                chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
+            )
+        except ValueError as exc:  # a knob that cannot work for this model
+            raise ConfigError(f"memory: {exc}") from None
+        self._closed = False
         logger.info("memory layout:\n%s", self.layout)
 
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
@@ -207,17 +212,19 @@ class EngineTrainable(Trainable):
         import protrain
 
         self._check_state_names(state)
-        protrain.load_state_dict(self.model, state)
+        protrain.load_state_dict(self.model, state, strict=False)
 
     def export_model(self) -> nn.Module:
-        import protrain
-
-        return protrain.unwrap(self.model)
+        """Close the engine: the model becomes a plain module holding the trained weights."""
+        self.close()
+        return self.model
 
     def close(self) -> None:
         import protrain
 
-        protrain.close(self.model)
+        if not self._closed:
+            protrain.close(self.model)
+            self._closed = True
 
 
 def make_trainable(
