@@ -32,7 +32,7 @@ def load(paths: list[Path]) -> list[dict]:
 
 def group_key(row: dict) -> tuple:
     return (row["run_id"], row["workload"], row["model"], row["mode"], row["budget_gib"],
-            row["batch"], row["seq"], row["gpu"])  # fmt: skip
+            row["batch"], row["seq"], row["gpu"], row.get("max_grad_norm", "not recorded"))  # fmt: skip
 
 
 def _num(value, digits: int) -> str:
@@ -88,10 +88,11 @@ def report(rows: list[dict]) -> str:
         groups[group_key(row)].append(row)
     parts = []
     for key, group in groups.items():
-        run_id, workload, model, mode, budget, batch, seq, gpu = key
+        run_id, workload, model, mode, budget, batch, seq, gpu, max_grad_norm = key
         budget_text = "no budget" if budget is None else f"{budget:g} GiB budget"
+        clip_text = "no clipping" if max_grad_norm is None else f"clipping {max_grad_norm}"
         parts.append(
-            f"### {workload}: {model} {mode}, batch {batch} x {seq}, {budget_text}\n\n"
+            f"### {workload}: {model} {mode}, batch {batch} x {seq}, {budget_text}, {clip_text}\n\n"
             f"run `{run_id}` on {gpu}, commit {group[0].get('commit', '?')}\n\n{table(group)}"
         )
         errors = [f"- {r['system']}: {r['error']}" for r in group if r.get("error")]

@@ -71,7 +71,7 @@ def test_report_of_the_row(plain_row: tuple[dict, Path]) -> None:
         [sys.executable, str(BENCH / "report.py"), str(tmp_path / "rows.jsonl")],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    assert "### fits: tiny full, batch 2 x 32, no budget" in text
+    assert "### fits: tiny full, batch 2 x 32, no budget, clipping 1.0" in text
     assert "| plain | ok |" in text
 
 

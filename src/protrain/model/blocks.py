@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 from torch import nn
@@ -161,7 +161,7 @@ def _assign_parameters(
     owned_blocks = []
     for block in blocks:
         names = []
-        for p in _unique_parameters(block.module):
+        for p in block.module.parameters():
             if id(p) not in owner:
                 owner.add(id(p))
                 names.append(canonical[id(p)])
@@ -173,10 +173,6 @@ def _assign_parameters(
 def _whole_model_layout(model: nn.Module) -> BlockLayout:
     names = tuple(name for name, _ in model.named_parameters())
     return BlockLayout([Block("", model, "", 0, names)], [], [""], "whole_model")
-
-
-def _unique_parameters(module: nn.Module) -> Iterator[nn.Parameter]:
-    return (p for _, p in module.named_parameters())
 
 
 def _get(model: nn.Module, path: str) -> nn.Module:
