@@ -9,13 +9,14 @@ builders), `preprocess` (cache), `inspect` (`protrain inspect-data`), `masking_i
 
 from protrain.train.data.collate import build_collator
 from protrain.train.data.config import DatasetConfig, DataSettings, RoleBoundary
-from protrain.train.data.dataset import build_eval_dataset, build_train_dataset
+from protrain.train.data.dataset import build_eval_dataset, build_train_dataset, check_settings
 from protrain.train.data.errors import DataError
 from protrain.train.data.inspect import render_inspection
 from protrain.train.data.masking_info import describe_masking
 from protrain.train.data.masks import IGNORE_INDEX
 from protrain.train.data.preprocess import preprocess
 from protrain.train.data.templates import BUILTIN_TEMPLATES
+from protrain.train.data.vision import load_processor
 
 __all__ = [
     "BUILTIN_TEMPLATES",
@@ -27,7 +28,9 @@ __all__ = [
     "build_collator",
     "build_eval_dataset",
     "build_train_dataset",
+    "check_settings",
     "describe_masking",
+    "load_processor",
     "preprocess",
     "render_inspection",
 ]

@@ -111,6 +111,8 @@ class Collator:
         labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
         extra_keys = token_extra_keys(items[0])
+        if "position_ids" in items[0]:
+            extra_keys.append("position_ids")  # packed items padded anyway: keep their positions
         extras = {k: torch.zeros((len(rows), width), dtype=torch.long) for k in extra_keys}
         for i, (row, item) in enumerate(zip(rows, items)):
             n = len(row)
@@ -118,7 +120,7 @@ class Collator:
             labels[i, :n] = torch.tensor(_as_list(item["labels"]), dtype=torch.long)
             attention_mask[i, :n] = 1
             for k in extra_keys:
-                extras[k][i, :n] = torch.tensor(item[k], dtype=torch.long)
+                extras[k][i, :n] = torch.tensor(_as_list(item[k]), dtype=torch.long)
         return {
             "input_ids": input_ids,
             "labels": labels,

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from protrain.train.data.collate import token_extra_keys
 from protrain.train.data.config import DatasetConfig, DataSettings
 from protrain.train.data.encoding import Encoded, encode_sample
 from protrain.train.data.errors import DataError
@@ -32,16 +33,27 @@ logger = logging.getLogger("protrain.train.data")
 
 
 class TokenizedDataset(torch.utils.data.Dataset):
-    """A list of encoded samples; items are dicts with `input_ids` and `labels` (lists)."""
+    """Encoded samples; items are dicts with `input_ids` and `labels` (lists of ints), plus
+    `position_ids` when packed and media tensors for VLM rows.
+
+    Per-token lists are held as int32 tensors (a Python list of ints costs about nine times
+    as much memory) and given back as lists.
+    """
 
     def __init__(self, items: list[dict[str, Any]]) -> None:
-        self.items = items
+        self._tokens: list[dict[str, torch.Tensor]] = []
+        self._others: list[dict[str, Any]] = []
+        for item in items:
+            keys = {"input_ids", "labels", "position_ids", *token_extra_keys(item)} & item.keys()
+            self._tokens.append({k: torch.tensor(item[k], dtype=torch.int32) for k in keys})
+            self._others.append({k: v for k, v in item.items() if k not in keys})
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self._tokens)
 
     def __getitem__(self, index: int) -> dict[str, Any]:
-        return self.items[index]
+        tokens = {k: v.tolist() for k, v in self._tokens[index].items()}
+        return {**tokens, **self._others[index]}
 
 
 @dataclass
@@ -262,6 +274,13 @@ def _finish(samples: list[Encoded], settings: DataSettings, sequence_len: int, s
     return TokenizedDataset(items)
 
 
+def check_settings(settings: DataSettings, tokenizer, processor=None) -> None:
+    """What can be checked before any data is read: each dataset's chat template resolves,
+    and every `role_boundaries` marker encodes with this tokenizer. Raises `DataError`."""
+    for cfg in [*settings.datasets, *settings.eval_datasets]:
+        DatasetEncoder(settings, cfg, tokenizer, processor)
+
+
 def build_train_dataset(
     settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
 ) -> torch.utils.data.Dataset:
@@ -290,6 +309,15 @@ def build_eval_dataset(
     settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
 ) -> torch.utils.data.Dataset | None:
     """The evaluation dataset (`eval_datasets`, or the `val_set_size` hold-out), or None."""
+    from protrain.train.data.preprocess import load_prepared
+
+    if not settings.eval_datasets and not settings.val_set_size:
+        return None
+    prepared = load_prepared(
+        settings, tokenizer, sequence_len=sequence_len, seed=seed, split="eval"
+    )
+    if prepared is not None:
+        return prepared
     if settings.eval_datasets:
         samples = _encode_all(
             settings,

@@ -1,0 +1,164 @@
+"""Packing, padding-free collation, the preprocess cache, and config validation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from protrain.train.data import (
+    IGNORE_INDEX,
+    DataSettings,
+    build_collator,
+    build_train_dataset,
+    preprocess,
+)
+from protrain.train.data.packing import plan_bins
+from protrain.train.data.preprocess import load_prepared
+
+from .helpers import byte_tokenizer, write_jsonl
+
+CHATML_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+
+
+@pytest.fixture
+def tok():
+    return byte_tokenizer(CHATML_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>")
+
+
+def _rows(n: int) -> list[dict]:
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": "q" * (1 + i % 7)},
+                {"role": "assistant", "content": f"a{i}"},
+            ]
+        }
+        for i in range(n)
+    ]
+
+
+def _settings(path, **kw) -> DataSettings:
+    return DataSettings(datasets=[{"path": str(path)}], chat_template="chatml", **kw)
+
+
+def test_plan_bins_fits_and_is_seeded():
+    lengths = [5, 9, 3, 7, 2, 8, 4, 6, 1, 10]
+    bins = plan_bins(lengths, 12, seed=0)
+    assert sorted(i for b in bins for i in b) == list(range(10))
+    assert all(sum(lengths[i] for i in b) <= 12 for b in bins)
+    assert bins == plan_bins(lengths, 12, seed=0)
+    assert len(bins) == 5  # 55 tokens in bins of 12: the best possible
+
+
+def test_packed_items_restart_positions(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", _rows(12))
+    plain = build_train_dataset(_settings(path), tok, sequence_len=128, seed=0)
+    packed = build_train_dataset(
+        _settings(path, sample_packing=True), tok, sequence_len=128, seed=0
+    )
+    assert len(packed) < len(plain)
+    assert sum(len(p["input_ids"]) for p in packed) == sum(len(x["input_ids"]) for x in plain)
+    originals = {tuple(x["input_ids"]): x["labels"] for x in plain}
+    for pack in packed:
+        assert len(pack["input_ids"]) <= 128
+        starts = [k for k, p in enumerate(pack["position_ids"]) if p == 0] + [
+            len(pack["input_ids"])
+        ]
+        assert starts[0] == 0
+        for a, b in zip(starts, starts[1:]):
+            assert pack["position_ids"][a:b] == list(range(b - a))
+            assert originals[tuple(pack["input_ids"][a:b])] == pack["labels"][a:b]
+    again = build_train_dataset(_settings(path, sample_packing=True), tok, sequence_len=128, seed=0)
+    assert [p["input_ids"] for p in again] == [p["input_ids"] for p in packed]
+
+
+def test_padding_free_collation(tok):
+    items = [
+        {"input_ids": [5, 6, 7], "labels": [5, 6, 7], "position_ids": [0, 1, 2]},
+        {
+            "input_ids": [8, 9, 10, 11],
+            "labels": [IGNORE_INDEX, 9, 10, 11],
+            "position_ids": [0, 1, 0, 1],
+        },
+    ]
+    batch = build_collator(tok, sequence_len=16, packing=True, pad_to_multiple_of=4)(items)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 10, 11, tok.pad_token_id]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1, 0, 1, 0]]
+    # the first token of each sample is never a target: nothing before it belongs to its sample
+    assert batch["labels"].tolist() == [
+        [IGNORE_INDEX, 6, 7, IGNORE_INDEX, 9, IGNORE_INDEX, 11, IGNORE_INDEX]
+    ]
+    assert "attention_mask" not in batch
+    unpacked = [{"input_ids": [1, 2], "labels": [1, 2]}, {"input_ids": [3], "labels": [3]}]
+    flat = build_collator(tok, sequence_len=16, packing=True)(unpacked)
+    assert flat["position_ids"].tolist() == [[0, 1, 0]]
+    assert flat["labels"].tolist() == [[IGNORE_INDEX, 2, IGNORE_INDEX]]
+
+
+def test_padded_collation_accepts_tensors(tok):
+    items = [{"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([IGNORE_INDEX, 2, 3])}]
+    batch = build_collator(tok, sequence_len=8, packing=False)(items)
+    assert batch["input_ids"].tolist() == [[1, 2, 3]] and batch["attention_mask"].tolist() == [
+        [1, 1, 1]
+    ]
+
+
+def test_preprocess_then_reuse(tmp_path, tok):
+    path = write_jsonl(tmp_path / "c.jsonl", _rows(6))
+    settings = _settings(path, dataset_prepared_path=str(tmp_path / "prepared"), val_set_size=2)
+    folder = preprocess(settings, tok, sequence_len=64, seed=1, output_path=None)
+    assert (folder / "train").exists() and (folder / "eval").exists()
+    cached = load_prepared(settings, tok, sequence_len=64, seed=1, split="train")
+    fresh = build_train_dataset(_settings(path, val_set_size=2), tok, sequence_len=64, seed=1)
+    assert [cached[i]["input_ids"] for i in range(len(cached))] == [
+        fresh[i]["input_ids"] for i in range(len(fresh))
+    ]
+    assert len(build_train_dataset(settings, tok, sequence_len=64, seed=1)) == len(fresh)
+    # another sequence_len or seed is another cache entry
+    assert load_prepared(settings, tok, sequence_len=32, seed=1, split="train") is None
+    assert load_prepared(settings, tok, sequence_len=64, seed=2, split="train") is None
+
+
+# --- config validation: the message names the key, the value and what is allowed ------------
+
+
+@pytest.mark.parametrize(
+    "raw,words",
+    [
+        (
+            {"train_on_eos": "sometimes"},
+            ["train_on_eos", "sometimes", "'turn'", "'last'", "'all'", "'none'"],
+        ),
+        (
+            {"roles_to_train": ["assistant", "narrator"]},
+            ["roles_to_train", "narrator", "allowed roles"],
+        ),
+        ({"chat_template": "chatmlx"}, ["chat_template", "chatmlx", "chatml", "Jinja"]),
+        ({"datasets": [{"path": "x", "type": "dialog"}]}, ["datasets.0.type", "dialog", "'chat'"]),
+        (
+            {"datasets": [{"path": "x", "fields": 1}]},
+            ["datasets.0.fields", "Extra inputs are not permitted"],
+        ),
+        (
+            {"role_boundaries": [{"role": "assistant", "end": None}]},
+            ["role_boundaries.0.start", "Field required"],
+        ),
+        (
+            {"role_boundaries": [{"role": "bot", "start": "x", "end": None}]},
+            ["role_boundaries.0.role", "bot"],
+        ),
+        ({"val_set_size": 2.5}, ["val_set_size", "2.5"]),
+    ],
+)
+def test_config_errors_name_key_value_and_allowed(raw, words):
+    with pytest.raises(ValidationError) as e:
+        DataSettings(**raw)
+    msg = str(e.value)
+    for w in words:
+        assert w in msg, (w, msg)
+
+
+def test_empty_role_boundaries_stays_an_explicit_list():
+    assert DataSettings(role_boundaries=[]).role_boundaries == []
+    assert DataSettings().role_boundaries is None
