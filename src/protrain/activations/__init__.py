@@ -1,0 +1,24 @@
+"""Activation memory: a policy per block (keep, checkpoint, swap, offload-checkpoint), tiled
+MLP and chunked loss for long sequences, and the saved-bytes formula the plan uses.
+
+One concept per file: ``policy`` (the policies and the placement rule), ``checkpoint``,
+``swap`` (with ``transfer``, the host copies on copy streams), ``offload_checkpoint``,
+``apply`` (putting policies on a model), ``tiled_mlp``, ``chunked_loss``, ``estimate``.
+"""
+
+from protrain.activations.apply import ActivationHandle, apply_activation_policies
+from protrain.activations.chunked_loss import chunked_causal_lm_loss_sum
+from protrain.activations.policy import ActivationPolicy, as_policies, place_policies
+from protrain.activations.swap import ActivationSwapper
+from protrain.activations.tiled_mlp import apply_tiled_mlp
+
+__all__ = [
+    "ActivationHandle",
+    "ActivationPolicy",
+    "ActivationSwapper",
+    "apply_activation_policies",
+    "apply_tiled_mlp",
+    "as_policies",
+    "chunked_causal_lm_loss_sum",
+    "place_policies",
+]

@@ -1,0 +1,122 @@
+"""Tiled MLP: each block's MLP computed over sequence tiles.
+
+The MLP of a decoder layer makes intermediate tensors ``intermediate_size / hidden_size``
+times (3 to 5 times) larger than its input, and keeps several of them for backward. Here the
+MLP's forward is called on tiles of ``tile_tokens`` positions along the sequence dimension
+(dim -2 of a ``(..., seq, hidden)`` input), each tile under a non-reentrant checkpoint: in
+forward only one tile's intermediates exist at a time, and in backward each tile is
+recomputed when its gradient arrives and freed before the next (autograd runs the nodes of
+the most recent tile first). The MLP is token-wise, so the result is the same function;
+gradients of its weights are summed over tiles by autograd before they are accumulated, so
+hooks on parameter gradients (the chunk runtime's gradient offload, FSDP's reduce-scatter)
+still fire once per backward.
+
+[Note: tiles under torch.distributed]
+No collective is issued here, with or without a process group: ranks may even tile
+different sequence lengths. Tiles call the MLP's original ``forward`` function, not the
+module, so hooks on the MLP module itself (an FSDP2 ``fully_shard`` unit, the chunk
+runtime's gather) run once per MLP call, not once per tile. Hooks on the MLP's children run
+once per tile; a child that is its own FSDP unit would all-gather once per tile (and again
+per tile in the recomputation), so that placement is refused with an error: shard the
+decoder layer or the MLP as a whole. With the whole layer (or the MLP) as one FSDP unit, its
+parameters are unsharded once before forward and once before backward, and every tile's
+forward and recomputation runs inside that window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from protrain.model.blocks import discover_blocks
+from protrain.model.layout import BlockLayout
+
+MLP_NAMES = ("mlp", "feed_forward", "ffn")
+
+
+def tiled_forward(forward: Callable, tile_tokens: int) -> Callable:
+    """``forward`` (token-wise, one tensor in and one out) run over sequence tiles."""
+
+    def run(x, *args, **kwargs):
+        if args or kwargs or not torch.is_tensor(x) or x.dim() < 2 or x.shape[-2] <= tile_tokens:
+            return forward(x, *args, **kwargs)
+        tiles = x.split(tile_tokens, dim=-2)
+        if torch.is_grad_enabled():
+            outs = [checkpoint(forward, t, use_reentrant=False) for t in tiles]
+        else:
+            outs = [forward(t) for t in tiles]
+        return torch.cat(outs, dim=-2)
+
+    return run
+
+
+def _fsdp_children(mlp: nn.Module) -> list[str]:
+    kinds: list[type] = []
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+        kinds = [FSDPModule, FullyShardedDataParallel]
+    except ImportError:  # torch built without distributed
+        return []
+    return [n for n, m in mlp.named_modules() if n and isinstance(m, tuple(kinds))]
+
+
+@dataclass
+class TiledMLPHandle:
+    mlp_names: list[str]
+    _undo: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def remove(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+
+def find_mlp(block: nn.Module, names: tuple[str, ...] = MLP_NAMES) -> tuple[str, nn.Module] | None:
+    for name in names:
+        m = getattr(block, name, None)
+        if isinstance(m, nn.Module):
+            return name, m
+    return None
+
+
+def apply_tiled_mlp(
+    model: nn.Module,
+    *,
+    tile_tokens: int,
+    layout: BlockLayout | None = None,
+    mlp_names: tuple[str, ...] = MLP_NAMES,
+) -> TiledMLPHandle:
+    """Tile the MLP of every block (its child named one of ``mlp_names``) by ``tile_tokens``.
+
+    A block without such a child is an error: name the MLP attribute with ``mlp_names``.
+    """
+    from protrain.activations.apply import wrap_forward
+
+    if not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ValueError(f"tile_tokens={tile_tokens!r} is not allowed: use an integer >= 1")
+    layout = layout or discover_blocks(model)
+    handle = TiledMLPHandle([])
+    for block in layout.blocks:
+        found = find_mlp(block.module, mlp_names)
+        if found is None:
+            handle.remove()
+            raise ValueError(
+                f"tiled MLP: block {block.name} ({type(block.module).__name__}) has no child "
+                f"named any of {mlp_names}; pass mlp_names=(...) naming its MLP"
+            )
+        name, mlp = found
+        sharded = _fsdp_children(mlp)
+        if sharded:
+            handle.remove()
+            raise ValueError(
+                f"tiled MLP: {block.name}.{name} has FSDP units inside it ({sharded[:3]}), "
+                "which would all-gather once per tile; shard the decoder layer or the MLP "
+                "as a whole"
+            )
+        handle._undo.append(wrap_forward(mlp, lambda f: tiled_forward(f, tile_tokens)))
+        handle.mlp_names.append(f"{block.name}.{name}")
+    return handle

@@ -1,0 +1,121 @@
+"""Copies of tensor storages between the compute device and host memory, on copy streams.
+
+On CUDA the host side is pinned memory and both directions run on their own streams
+(``d2h_stream``, ``h2d_stream``), ordered against the compute stream by events. On any other
+device the host side is an ordinary CPU tensor, copies are synchronous and streams and events
+are absent: the same bookkeeping runs, which is how CPU tests check it.
+
+[Note: who keeps a storage alive while it is copied]
+A device-to-host copy reads its source after the compute stream has moved on; the source is
+held (a reference in ``_in_flight``) until the copy's event has completed, so the caching
+allocator cannot hand its memory to another tensor meanwhile. A host-to-device copy writes a
+buffer allocated on ``h2d_stream``; whoever uses it on the compute stream calls
+``record_stream`` on it (``wait_ready`` does), so the allocator waits for that use before
+reusing it. Pinned host buffers are recorded by the caching host allocator itself on every
+non-blocking copy.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+def storage_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``t`` as a flat uint8 tensor on ``t``'s device."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
+
+
+def view_of(storage: torch.Tensor, like_dtype, offset, size, stride) -> torch.Tensor:
+    """A tensor of the given dtype and geometry over the bytes in ``storage``."""
+    out = torch.empty(0, dtype=like_dtype, device=storage.device)
+    return out.set_(storage.untyped_storage(), offset, size, stride)
+
+
+class HostCopy:
+    """One storage's copy in host memory, and its way back to the device."""
+
+    __slots__ = ("host", "nbytes", "d2h_event", "device", "h2d_event")
+
+    def __init__(self, host: torch.Tensor, d2h_event):
+        self.host = host
+        self.nbytes = host.numel()
+        self.d2h_event = d2h_event
+        self.device: torch.Tensor | None = None  # the copy back, while someone needs it
+        self.h2d_event = None
+
+
+class HostTransfer:
+    """Moves storages to host memory and back; bounds the bytes of copies to the host in flight."""
+
+    def __init__(self, device: torch.device | str, max_in_flight_bytes: int = 1 << 30):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self._in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (event, source)
+        self._in_flight_bytes = 0
+        if self.is_cuda:
+            self.d2h_stream = torch.cuda.Stream(self.device)
+            self.h2d_stream = torch.cuda.Stream(self.device)
+        self.bytes_to_host = 0
+        self.bytes_to_device = 0
+
+    def to_host(self, source: torch.Tensor) -> HostCopy:
+        """Start copying ``source`` (a flat uint8 storage view) to host memory."""
+        n = source.numel()
+        self.bytes_to_host += n
+        if not self.is_cuda:
+            return HostCopy(source.to("cpu", copy=True), None)
+        compute = torch.cuda.current_stream(self.device)
+        self.d2h_stream.wait_stream(compute)  # the source is written on the compute stream
+        with torch.cuda.stream(self.d2h_stream):
+            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+            host.copy_(source, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h_stream)
+        self._in_flight.append((event, source))
+        self._in_flight_bytes += n
+        self._retire_in_flight()
+        return HostCopy(host, event)
+
+    def _retire_in_flight(self) -> None:
+        while self._in_flight:
+            event, source = self._in_flight[0]
+            if self._in_flight_bytes <= self.max_in_flight_bytes and not event.query():
+                break
+            event.synchronize()  # bounded in flight: wait for the oldest copy
+            self._in_flight.popleft()
+            self._in_flight_bytes -= source.numel()
+
+    def to_device(self, copy: HostCopy) -> None:
+        """Start bringing ``copy`` back to the device (no-op if it is there already)."""
+        if copy.device is not None:
+            return
+        self.bytes_to_device += copy.nbytes
+        if not self.is_cuda:
+            copy.device = copy.host.to(self.device, copy=True)
+            return
+        self.h2d_stream.wait_event(copy.d2h_event)  # the host bytes are complete
+        with torch.cuda.stream(self.h2d_stream):
+            copy.device = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
+            copy.device.copy_(copy.host, non_blocking=True)
+            copy.h2d_event = torch.cuda.Event()
+            copy.h2d_event.record(self.h2d_stream)
+
+    def wait_ready(self, copy: HostCopy) -> torch.Tensor:
+        """The device bytes of ``copy``, usable on the current stream."""
+        self.to_device(copy)
+        dev = copy.device
+        if self.is_cuda:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copy.h2d_event)
+            dev.record_stream(compute)
+        return dev
+
+    def synchronize(self) -> None:
+        """Wait for every copy to the host in flight (and drop the sources held for them)."""
+        while self._in_flight:
+            event, source = self._in_flight.popleft()
+            event.synchronize()
+            self._in_flight_bytes -= source.numel()
