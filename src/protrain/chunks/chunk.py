@@ -110,9 +110,8 @@ class Chunk:
             raise RuntimeError(f"chunk {self.index}: illegal transition {self.state} -> {new}")
         if new is ChunkState.IN_FLIGHT:
             self.device_buffer.untyped_storage().resize_(self.nbytes)
-        elif new in (ChunkState.RELEASED, ChunkState.ON_HOST) and self.state is not new:
-            if self.device_buffer.untyped_storage().nbytes():
-                self.device_buffer.untyped_storage().resize_(0)
+        elif self.device_buffer.untyped_storage().nbytes():
+            self.device_buffer.untyped_storage().resize_(0)
         self.state = new
 
     def __repr__(self) -> str:

@@ -127,16 +127,16 @@ class ChunkManager:
             c = self.chunks[ci]
             if c.persistent:
                 continue
-            if self.phase is Phase.FORWARD and not self._order_recorded:
-                if ci not in self.forward_order:
-                    self.forward_order.append(ci)
-            self._gather(c, blocking_update=True, required=True)
+            recording = self.phase is Phase.FORWARD and not self._order_recorded
+            if recording and ci not in self.forward_order:
+                self.forward_order.append(ci)
+            self._gather(c, blocking_update=True, required=True, keep=set(chunk_ids))
             self._wait_gathered(c)
             self.resident.move_to_end(ci)
             if pin:
                 c.users += 1
         if chunk_ids:
-            self._prefetch_after(chunk_ids[-1])
+            self._prefetch_after(chunk_ids[-1], keep=set(chunk_ids))
 
     def unpin(self, chunk_ids: list[int]) -> None:
         for ci in chunk_ids:
@@ -157,7 +157,8 @@ class ChunkManager:
     def begin_backward(self) -> None:
         self.phase = Phase.BACKWARD
 
-    def _prefetch_after(self, ci: int) -> None:
+    def _prefetch_after(self, ci: int, keep: set[int]) -> None:
+        """Gather the chunks after ``ci`` in this phase's order, never evicting ``keep``."""
         order = self.forward_order if self._order_recorded else [c.index for c in self.offloaded]
         if self.phase is Phase.BACKWARD:
             order = order[::-1]
@@ -165,14 +166,16 @@ class ChunkManager:
             return
         pos = order.index(ci)
         for nxt in order[pos + 1 : pos + self.n_buffer]:
-            if not self._gather(self.chunks[nxt], blocking_update=True, required=False):
+            if not self._gather(self.chunks[nxt], blocking_update=True, required=False, keep=keep):
                 break
 
-    def _gather(self, c: Chunk, *, blocking_update: bool, required: bool) -> bool:
+    def _gather(
+        self, c: Chunk, *, blocking_update: bool, required: bool, keep: set[int] = frozenset()
+    ) -> bool:
         """Start the copy-in of ``c`` if it is not on the device. False if there is no room."""
         if c.state in (ChunkState.RESIDENT, ChunkState.IN_FLIGHT):
             return True
-        if len(self.resident) >= self.n_buffer and not self._evict_one(exclude=c.index):
+        if len(self.resident) >= self.n_buffer and not self._evict_one(keep | {c.index}):
             if required:
                 raise RuntimeError(
                     f"protrain: no room to gather chunk {c.index}: all n_buffer={self.n_buffer} "
@@ -213,9 +216,10 @@ class ChunkManager:
                     stream.wait_event(c.gathered_event)
             c._set_state(ChunkState.RESIDENT)
 
-    def _evict_one(self, exclude: int) -> bool:
+    def _evict_one(self, keep: set[int]) -> bool:
+        """Release the least recently used chunk that is neither pinned nor in ``keep``."""
         for ci, c in self.resident.items():
-            if ci != exclude and c.users == 0:
+            if ci not in keep and c.users == 0:
                 self._release(c)
                 return True
         return False

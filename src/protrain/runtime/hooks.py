@@ -8,11 +8,35 @@ All through public extension points:
   the module again inside backward);
 - the matching ``register_forward_hook``: unpin, and put a ``Tensor.register_hook`` on each
   output that needs a gradient. That hook runs just before autograd runs the node producing
-  the output, which is the module's backward: it gathers the module's chunks again. Module
-  full-backward hooks are not used: they wrap outputs in a custom function and break on
-  in-place use of outputs;
+  the output, which is the module's backward: it gathers the module's chunks again and pins
+  them until the module's backward is over. Module full-backward hooks are not used: they
+  wrap outputs in a custom function and break on in-place use of outputs;
 - per trainable parameter, ``register_post_accumulate_grad_hook``: hand the gradient to the
-  gradient sink.
+  gradient sink, and mark the owning module's backward as over.
+
+[Note: when a module's backward is over]
+A chunk pinned for a module's backward must stay on the device until the autograd nodes of
+that module have run: under activation checkpointing the recomputation of a whole block
+runs in between (inside the unpack of a saved tensor) and gathers other chunks. Two signals
+end the pin, whichever comes first: an input of the module has its gradient complete (a
+``Tensor.register_hook`` on each input that needs a gradient, put in the forward pre-hook),
+or every trainable parameter of the module has its gradient accumulated (autograd runs a
+parameter's accumulation only after every node that used it). Hooks are used
+rather than an identity autograd function on the inputs (FSDP's way) because extra nodes
+change the order in which autograd sums gradients, and the engine must compute bit for bit
+what plain PyTorch computes. A module whose inputs need no gradient and whose parameters are frozen
+produces outputs that need none, so it never pins in backward. Pins left at the end of
+backward are cleared when the next forward begins.
+
+[Note: recomputation stops early]
+PyTorch's non-reentrant checkpoint stops a recomputation as soon as it has the tensors it
+needs, so the forward post-hooks of the modules after that point never run. Forward pins
+taken during recomputation would leak; recomputation (a forward pre-hook while the phase is
+backward) therefore gathers without pinning, and a call left on a module's stack by a
+stopped recomputation is dropped at the next forward. A leaf module's own operations are
+all enqueued before any other hook can evict its chunk, so only a module that owns
+parameters *and* calls children with parameters relies on ``n_buffer`` being large enough
+during recomputation.
 """
 
 from __future__ import annotations
@@ -22,7 +46,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from protrain.chunks.manager import ChunkManager
+from protrain.chunks.manager import ChunkManager, Phase
 from protrain.runtime.grad_offload import GradSink
 
 
@@ -37,48 +61,122 @@ def _tensors(obj) -> Iterator[torch.Tensor]:
             yield from _tensors(o)
 
 
+class _Call:
+    """One call of a module: whether its backward pin is held."""
+
+    __slots__ = ("ids", "forward_pinned", "pinned", "done")
+
+    def __init__(self, ids: list[int]):
+        self.ids, self.forward_pinned, self.pinned, self.done = ids, False, False, False
+
+
 class RuntimeHooks:
     def __init__(self, model: nn.Module, manager: ChunkManager, sink: GradSink):
         self.manager = manager
         self.handles: list = []
+        self._pinned_calls: dict[int, list[_Call]] = {}  # id(module) -> calls pinned in backward
+        self._stacks: list[list[_Call]] = []  # per module: calls between pre- and post-hook
+        self._n_trainable: dict[int, int] = {}  # id(module) -> its own trainable parameters
+        self._params_done: dict[int, set] = {}  # id(module) -> those with gradients this pass
         chunk_of = {s.param: s.chunk for s in manager.slots()}
         self.handles.append(model.register_forward_pre_hook(self._root_pre_forward))
+        owners: dict[nn.Parameter, list[nn.Module]] = {}
         for module in model.modules():
-            ids = sorted({chunk_of[p] for p in module.parameters(recurse=False) if p in chunk_of})
+            own = list(module.parameters(recurse=False))
+            ids = sorted({chunk_of[p] for p in own if p in chunk_of})
             ids = [i for i in ids if not manager.chunks[i].persistent]
             if not ids:
                 continue
-            self.handles.append(module.register_forward_pre_hook(self._pre_forward(ids)))
-            self.handles.append(module.register_forward_hook(self._post_forward(ids)))
+            for p in own:
+                owners.setdefault(p, []).append(module)
+            self._n_trainable[id(module)] = sum(1 for p in own if p.requires_grad)
+            stack: list[_Call] = []
+            self._stacks.append(stack)
+            self.handles.append(
+                module.register_forward_pre_hook(self._pre_forward(ids, stack), with_kwargs=True)
+            )
+            self.handles.append(module.register_forward_hook(self._post_forward(ids, stack)))
         for s in manager.slots():
             if s.master is not None:
                 self.handles.append(
                     s.param.register_post_accumulate_grad_hook(sink.on_grad_accumulated)
                 )
+                if s.param in owners:
+                    self.handles.append(
+                        s.param.register_post_accumulate_grad_hook(
+                            self._param_done(owners[s.param])
+                        )
+                    )
 
     def _root_pre_forward(self, module, args):
         self.manager.begin_forward()
+        self._pinned_calls.clear()
+        self._params_done.clear()
+        for stack in self._stacks:
+            stack.clear()
 
-    def _pre_forward(self, ids: list[int]):
-        def hook(module, args):
-            self.manager.use(ids, pin=True)
+    def _pre_forward(self, ids: list[int], stack: list[_Call]):
+        def hook(module, args, kwargs):
+            # See [Note: recomputation stops early] for why recomputation takes no pin.
+            recompute = self.manager.phase is Phase.BACKWARD
+            self.manager.use(ids, pin=not recompute)
+            call = _Call(ids)
+            call.forward_pinned = not recompute
+            stack.append(call)
+            if torch.is_grad_enabled():
+                for t in _tensors((args, kwargs)):
+                    if t.requires_grad:
+                        t.register_hook(self._input_grad_hook(call))
 
         return hook
 
-    def _post_forward(self, ids: list[int]):
+    def _post_forward(self, ids: list[int], stack: list[_Call]):
         manager = self.manager
 
-        def pre_backward(grad):
-            manager.begin_backward()
-            manager.use(ids, pin=False)
+        def hook(module, args, output):
+            call = stack.pop() if stack else _Call(ids)
+            if call.forward_pinned:
+                manager.unpin(ids)
+            if not torch.is_grad_enabled():
+                return
+            key = id(module)
+
+            def pre_backward(grad):
+                manager.begin_backward()
+                if not call.pinned and not call.done:
+                    call.pinned = True
+                    manager.use(ids, pin=True)
+                    self._pinned_calls.setdefault(key, []).append(call)
+                else:
+                    manager.use(ids, pin=False)
+                return grad
+
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(pre_backward)
+
+        return hook
+
+    def _input_grad_hook(self, call: _Call):
+        def hook(grad):
+            self._end_backward_pin(call)
             return grad
 
-        def hook(module, args, output):
-            manager.unpin(ids)
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(pre_backward)
+        return hook
+
+    def _end_backward_pin(self, call: _Call) -> None:
+        if call.pinned and not call.done:
+            self.manager.unpin(call.ids)
+        call.done = True
+
+    def _param_done(self, modules: list[nn.Module]):
+        def hook(param):
+            for m in modules:
+                done = self._params_done.setdefault(id(m), set())
+                done.add(param)
+                if len(done) == self._n_trainable[id(m)]:
+                    for call in self._pinned_calls.pop(id(m), []):
+                        self._end_backward_pin(call)
 
         return hook
 
@@ -86,3 +184,4 @@ class RuntimeHooks:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self._pinned_calls.clear()
