@@ -244,3 +244,54 @@ def test_inspection_marks_trained_spans(tmp_path, chatml_tok):
     assert "<|im_start|>user\nHi<|im_end|>" in text
     colored = render_inspection(_settings(path), chatml_tok, sequence_len=512, color=True)
     assert "\x1b[32mHello!<|im_end|>\x1b[0m" in colored
+
+
+def test_answer_equal_to_a_header_word(tmp_path, chatml_tok):
+    messages = [
+        {"role": "user", "content": "Who are you?"},
+        {"role": "assistant", "content": "assistant"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    item = _build(path, chatml_tok)[0]
+    pieces = [
+        ("<|im_start|>user\nWho are you?<|im_end|>\n<|im_start|>assistant\n", False),
+        ("assistant<|im_end|>", True),
+        ("\n", False),
+    ]
+    assert item["labels"] == expected_labels(chatml_tok, pieces)[2]
+
+
+def test_template_that_rewrites_content_is_a_data_error(tmp_path, chatml_tok):
+    upper = CHATML.replace("message['content']", "message['content'] | upper")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO[1:3]}])
+    with pytest.raises(
+        DataError, match=r"row 0, field 'messages\[0\]': the chat template does not render"
+    ):
+        _build(path, chatml_tok, chat_template=upper)
+
+
+class _NoOffsets:
+    """A tokenizer without character offsets (as Python tokenizers are)."""
+
+    def __init__(self, tok):
+        self._tok = tok
+
+    def __getattr__(self, name):
+        return getattr(self._tok, name)
+
+    def __call__(self, text, **kwargs):
+        if kwargs.get("return_offsets_mapping"):
+            raise NotImplementedError("return_offset_mapping is not available")
+        return self._tok(text, **kwargs)
+
+    def __len__(self):
+        return len(self._tok)
+
+
+def test_tokenizer_without_offsets_tokenizes_by_pieces(tmp_path, chatml_tok, caplog):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    with caplog.at_level("WARNING", logger="protrain.train.data"):
+        item = _build(path, _NoOffsets(chatml_tok))[0]
+    _, ids, labels = expected_labels(chatml_tok, _chatml_pieces())
+    assert item["input_ids"] == ids and item["labels"] == labels
+    assert any("gives no character offsets" in r.getMessage() for r in caplog.records)

@@ -3,12 +3,13 @@
 Chats are rendered with the chat template and tokenized in one piece (the template already
 writes BOS and the markers), so the model trains on exactly the tokens it sees at inference.
 Labels come from the character spans that `masks` marks as trained, through the tokenizer's
-offsets. Completion and text samples are tokenized with the tokenizer's own special tokens
+offsets (piece by piece for tokenizers without offsets). Completion and text samples are tokenized with the tokenizer's own special tokens
 and closed with EOS.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,8 @@ from protrain.train.data.masks import (
     labels_from_offsets,
 )
 from protrain.train.data.rendering import ChatRenderer
+
+logger = logging.getLogger("protrain.train.data")
 
 
 @dataclass
@@ -33,9 +36,50 @@ class Encoded:
         return {"input_ids": self.input_ids, "labels": self.labels, **self.extras}
 
 
-def _tokenize_with_offsets(tokenizer, text: str, add_special_tokens: bool):
-    enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-    return list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+_warned_no_offsets: set[str] = set()
+
+
+def tokenize_labelled(
+    tokenizer, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+) -> tuple[list[int], list[int]]:
+    """Ids and labels of `text`, trained where its characters fall in `spans`.
+
+    Fast tokenizers tokenize the whole text and map tokens to characters by their offsets.
+    Tokenizers without offsets tokenize the text piece by piece between span edges, which
+    can split a word differently from whole-text tokenization at a span edge (warned once).
+    """
+    try:
+        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        offsets = enc["offset_mapping"]
+    except (NotImplementedError, KeyError, TypeError, ValueError):
+        return _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens)
+    ids = list(enc["input_ids"])
+    return ids, labels_from_offsets(ids, [tuple(o) for o in offsets], text, spans)
+
+
+def _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens):
+    name = type(tokenizer).__name__
+    if name not in _warned_no_offsets:
+        _warned_no_offsets.add(name)
+        logger.warning(
+            "%s gives no character offsets; tokenizing each masked piece on its own, which can "
+            "differ from whole-text tokenization at piece edges (use a fast tokenizer to avoid it)",
+            name,
+        )
+    edges = sorted({0, len(text), *(e for span in spans for e in span)})
+    ids: list[int] = []
+    labels: list[int] = []
+    if add_special_tokens and getattr(tokenizer, "bos_token_id", None) is not None:
+        ids.append(tokenizer.bos_token_id)
+        labels.append(IGNORE_INDEX)
+    for a, b in zip(edges, edges[1:]):
+        if a == b:
+            continue
+        piece = list(tokenizer(text[a:b], add_special_tokens=False)["input_ids"])
+        trained = any(s <= a and b <= e for s, e in spans)
+        ids += piece
+        labels += piece if trained else [IGNORE_INDEX] * len(piece)
+    return ids, labels
 
 
 def encode_chat(
@@ -46,8 +90,8 @@ def encode_chat(
     turns = renderer.locate(sample.messages, text)
     all_eot = renderer.all_markers(text) if mask.train_on_eos == "all" else ()
     spans = chat_trained_spans(turns, len(text), mask, all_eot)
-    ids, offsets = _tokenize_with_offsets(tokenizer, text, add_special_tokens=False)
-    return Encoded(ids, labels_from_offsets(ids, offsets, text, spans), text)
+    ids, labels = tokenize_labelled(tokenizer, text, spans, add_special_tokens=False)
+    return Encoded(ids, labels, text)
 
 
 def _eos_id(tokenizer) -> int | None:
@@ -57,16 +101,14 @@ def _eos_id(tokenizer) -> int | None:
 def encode_completion(sample: CompletionSample, tokenizer, mask: MaskSettings) -> Encoded:
     prompt = sample.prompt if sample.system is None else f"{sample.system}\n\n{sample.prompt}"
     text = prompt + sample.completion
-    ids, offsets = _tokenize_with_offsets(tokenizer, text, add_special_tokens=True)
     spans = [(0, len(text))] if mask.train_on_inputs else [(len(prompt), len(text))]
-    labels = labels_from_offsets(ids, offsets, text, spans)
+    ids, labels = tokenize_labelled(tokenizer, text, spans, add_special_tokens=True)
     return _close_with_eos(Encoded(ids, labels, text), tokenizer, mask)
 
 
 def encode_text(sample: TextSample, tokenizer, mask: MaskSettings) -> Encoded:
     text = sample.text
-    ids, offsets = _tokenize_with_offsets(tokenizer, text, add_special_tokens=True)
-    labels = labels_from_offsets(ids, offsets, text, [(0, len(text))])
+    ids, labels = tokenize_labelled(tokenizer, text, [(0, len(text))], add_special_tokens=True)
     return _close_with_eos(Encoded(ids, labels, text), tokenizer, mask)
 
 

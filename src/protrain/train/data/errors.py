@@ -21,6 +21,7 @@ class DataError(ValueError):
         self.dataset = dataset
         self.row = row
         self.field = field
+        message = " ".join(message.splitlines())  # one line, whatever the cause says
         self.reason = message
         where = []
         if dataset is not None:

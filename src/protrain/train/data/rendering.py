@@ -147,6 +147,12 @@ class ChatRenderer:
                 if message["role"] != "system":
                     cursor = at
                 continue
+            if headers[i]:
+                # Look for the content after the turn's header, so that content that also
+                # occurs in the header (an answer "assistant") is not taken for it.
+                at = text.find(headers[i], lo)
+                if at >= 0 and text.find(first, at + len(headers[i])) >= 0:
+                    lo = at + len(headers[i])
             start = text.find(first, lo)
             if start < 0:
                 raise TemplateMismatch(
