@@ -156,6 +156,31 @@ def test_qwen2_vl_vision_and_text_stacks() -> None:
     assert_partition(model, layout)
 
 
+def test_qwen3_vl_deepstack_mergers_are_not_a_stack() -> None:
+    # The generic rule would read `deepstack_merger_list` as a stack: the table corrects it.
+    text = dict(
+        TEXT,
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]},
+    )
+    vision = dict(
+        depth=4, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
+        spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32,
+        num_position_embeddings=16, deepstack_visual_indexes=[1, 2],
+    )  # fmt: skip
+    model = _build(
+        T.Qwen3VLConfig, T.Qwen3VLForConditionalGeneration, text_config=text, vision_config=vision
+    )
+    layout = discover_blocks(model)
+    assert layout.source == "generic+table:Qwen3VLVisionModel"
+    assert layout.stacks == ["model.visual.blocks", "model.language_model.layers"]
+    assert [b.name for b in layout.blocks] == _layers("model.visual.blocks", 4) + _layers(
+        "model.language_model.layers", 2
+    )
+    assert "model.visual.deepstack_merger_list.0.linear_fc1.weight" in layout.non_block_param_names
+    assert_partition(model, layout)
+
+
 def test_hybrid_jamba_attention_and_mamba_layers_are_one_stack() -> None:
     model = _build(
         T.JambaConfig,
@@ -293,9 +318,14 @@ def test_explicit_stacks_and_their_errors() -> None:
         discover_blocks(nested, stacks=["", "0"])
 
 
-def test_known_stacks_table_overrides_the_rule(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = _build(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=2, **TEXT)
-    monkeypatch.setitem(known_stacks.KNOWN_STACKS, "llama", ("model.layers",))
+def test_known_stacks_table_takes_over_a_subtree(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = _build(T.T5Config, T.T5ForConditionalGeneration, d_model=32, d_ff=64, d_kv=8,
+                   num_heads=4, num_layers=2, num_decoder_layers=3, vocab_size=128)  # fmt: skip
+    # An entry for the class of both stacks' parents: each subtree is read by the table.
+    monkeypatch.setitem(known_stacks.KNOWN_STACKS, "T5Stack", ("block",))
     layout = discover_blocks(model)
-    assert layout.source == "table:llama"
-    assert [b.name for b in layout.blocks] == _layers("model.layers", 2)
+    assert layout.source == "generic+table:T5Stack+table:T5Stack"
+    assert layout.stacks == ["encoder.block", "decoder.block"]
+    monkeypatch.setitem(known_stacks.KNOWN_STACKS, "T5Stack", ("missing",))
+    with pytest.raises(BlockDiscoveryError, match="not a submodule"):
+        discover_blocks(model)

@@ -9,8 +9,9 @@ at the first stack on each path, so the outermost lists win: an MoE's list of ex
 a decoder layer is part of that layer, and each of T5's `encoder.block` and `decoder.block`
 or a VLM's vision-tower and text stacks is found on its own path.
 
-Where the rule misreads an architecture, `known_stacks.KNOWN_STACKS` names its stacks by
-`config.model_type`. A caller can also name them with `stacks=[...]`. A model with no stack
+Where the rule misreads a module, `known_stacks.KNOWN_STACKS` names the stacks inside it by
+its class name, and the walk takes those for that module's subtree. A caller can also name
+all stacks with `stacks=[...]`. A model with no stack
 raises `BlockDiscoveryError` unless the caller asks for `on_no_stack="whole_model"`, which
 makes the whole model one block.
 """
@@ -52,9 +53,8 @@ def discover_blocks(
         stack_paths, source = list(stacks), "explicit"
         _check_explicit_stacks(model, stack_paths)
     else:
-        stack_paths, source = _stacks_from_table(model)
-        if not stack_paths:
-            stack_paths, source = _find_stacks(model), "generic"
+        stack_paths, tables = _find_stacks(model)
+        source = "+".join(["generic", *(f"table:{t}" for t in tables)])
 
     if not stack_paths:
         if on_no_stack == "whole_model":
@@ -67,7 +67,7 @@ def discover_blocks(
             f"no repeated layers found in {type(model).__name__}: looked for an nn.ModuleList "
             "or nn.Sequential of at least 2 layers (modules with parameters and submodules), "
             "at least two of one class. Name the stacks with discover_blocks(model, "
-            "stacks=['path.to.layers']), add the model type to "
+            "stacks=['path.to.layers']), add the module's class to "
             "protrain.model.known_stacks.KNOWN_STACKS, or pass on_no_stack='whole_model' "
             "to make the whole model one block."
         )
@@ -80,25 +80,30 @@ def discover_blocks(
     return _assign_parameters(model, blocks, stack_paths, source)
 
 
-def _find_stacks(model: nn.Module) -> list[str]:
-    if _is_block_stack(model):
-        return [""]
+def _find_stacks(model: nn.Module) -> tuple[list[str], list[str]]:
+    """Stack paths, outermost first on each path; and the table entries that were used."""
     found: list[str] = []
-    seen: set[int] = {id(model)}
+    tables: list[str] = []
+    seen: set[int] = set()
 
-    def walk(module: nn.Module, prefix: str) -> None:
-        for name, child in module.named_children():
-            if id(child) in seen:  # a module shared between two parents is read once
-                continue
-            seen.add(id(child))
-            path = _join(prefix, name)
-            if _is_block_stack(child):
-                found.append(path)
-            else:
-                walk(child, path)
+    def visit(module: nn.Module, path: str) -> None:
+        if id(module) in seen:  # a module shared between two parents is read once
+            return
+        seen.add(id(module))
+        known = KNOWN_STACKS.get(type(module).__name__)
+        if known is not None:
+            paths = [_join(path, s) for s in known]
+            _check_explicit_stacks(model, paths)
+            found.extend(paths)
+            tables.append(type(module).__name__)
+        elif _is_block_stack(module):
+            found.append(path)
+        else:
+            for name, child in module.named_children():
+                visit(child, _join(path, name))
 
-    walk(model, "")
-    return found
+    visit(model, "")
+    return found, tables
 
 
 def _is_block_stack(module: nn.Module) -> bool:
@@ -122,16 +127,6 @@ def _is_adapter_leaf(module: nn.Module) -> bool:
     except ImportError:
         return False
     return isinstance(module, BaseTunerLayer)
-
-
-def _stacks_from_table(model: nn.Module) -> tuple[list[str], str]:
-    for path, module in model.named_modules():
-        model_type = getattr(getattr(module, "config", None), "model_type", None)
-        if model_type in KNOWN_STACKS:
-            stack_paths = [_join(path, s) for s in KNOWN_STACKS[model_type]]
-            _check_explicit_stacks(model, stack_paths)
-            return stack_paths, f"table:{model_type}"
-    return [], ""
 
 
 def _check_explicit_stacks(model: nn.Module, stack_paths: list[str]) -> None:

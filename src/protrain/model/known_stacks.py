@@ -1,9 +1,15 @@
-"""Stacks named by hand, for architectures that the generic rule in `blocks.py` misreads.
+"""Stacks named by hand, for modules that the generic rule in `blocks.py` misreads.
 
-Keyed by `config.model_type`; each value lists stack paths relative to the module that
-carries that config (the `PreTrainedModel`, under any PEFT wrapper). Entries are data: add a
-model here, never a branch in the discovery code. Keep this table empty unless a test shows
-the generic rule failing for the model.
+Keyed by the class name of a module; each value lists stack paths relative to that module.
+Where the walk of `discover_blocks` meets such a module, it takes these stacks for the
+module's subtree and reads the rest of the model by the generic rule. Entries are data: add
+a model here, never a branch in the discovery code, and only with a test that shows the
+rule failing for it.
 """
 
-KNOWN_STACKS: dict[str, tuple[str, ...]] = {}
+KNOWN_STACKS: dict[str, tuple[str, ...]] = {
+    # Beside `blocks`, `deepstack_merger_list` holds mergers applied to the outputs of a few
+    # vision blocks: a side branch, not a stack run in sequence. The mergers are non-block.
+    "Qwen3VLVisionModel": ("blocks",),
+    "Qwen3VLMoeVisionModel": ("blocks",),
+}

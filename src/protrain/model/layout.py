@@ -37,7 +37,8 @@ class BlockLayout:
     blocks: list[Block]
     non_block_param_names: list[str]
     stacks: list[str] = field(default_factory=list)
-    source: str = "generic"  # "generic", "table:<model_type>", "explicit" or "whole_model"
+    # "generic" (+ "+table:<Class>" per table entry used), "explicit" or "whole_model"
+    source: str = "generic"
 
     def blocks_of(self, stack: str) -> list[Block]:
         return [b for b in self.blocks if b.stack == stack]
