@@ -15,7 +15,9 @@ from pathlib import Path
 
 BASELINES = ("plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload")
 SYSTEM_ORDER = ("protrain", *BASELINES)
-STEP_EXTRAS = ("copy_wait_s", "cpu_optim_s")
+# Seconds a system reports per step beyond the row's standard fields (copy waits, CPU
+# optimizer waits, ...): every other key ending in `_s` gets a column.
+STANDARD_S = {"tokens_per_s", "step_s", "predicted_step_s", "time_to_first_step_s"}
 
 
 def load(paths: list[Path]) -> list[dict]:
@@ -57,7 +59,7 @@ def ratios(row: dict, group: list[dict]) -> str:
 
 
 def table(group: list[dict]) -> str:
-    extras = [k for k in STEP_EXTRAS if any(k in r for r in group)]
+    extras = sorted({k for r in group for k in r if k.endswith("_s") and k not in STANDARD_S})
     header = ["system", "status", "tokens/s", "step s", "peak alloc GiB", "peak reserved GiB",
               "predicted peak GiB", "predicted step s", "plan", "first step s", *extras,
               "vs baselines"]  # fmt: skip

@@ -2,7 +2,7 @@
 
 The model is filled on the host; the engine decides from the knobs what goes to the GPU.
 Figures the engine reports about its plan and its steps are copied into the result row
-where it exposes them (see `_plan_fields` and `_step_extras`).
+where it exposes them (see `_plan_fields` and `_StepTimes`).
 """
 
 from __future__ import annotations
@@ -49,9 +49,7 @@ def setup(spec: RowSpec) -> Trainer:
         return loss
 
     plan, predicted_peak_gib, predicted_step_s = _plan_fields(layout, knobs)
-    return Trainer(
-        step, plan, predicted_peak_gib, predicted_step_s, lambda: _step_extras(model, optimizer)
-    )
+    return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))
 
 
 def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]:
@@ -65,13 +63,27 @@ def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]
     return plan, (peak / _GIB if peak is not None else None), step_s
 
 
-def _step_extras(model, optimizer) -> dict:
-    # The engine's per-step timings, if it keeps them: a dict of seconds such as
-    # copy_wait_s and cpu_optim_s, averaged over the timed steps by the harness.
-    for owner in (optimizer, model):
-        stats = getattr(owner, "last_step_stats", None)
-        if callable(stats):
-            stats = stats()
-        if isinstance(stats, dict):
-            return {k: float(v) for k, v in stats.items() if k.endswith("_s")}
-    return {}
+class _StepTimes:
+    """Per-step seconds from the engine's cumulative counters (keys ending in `_s`).
+
+    The engine keeps them in a `stats` dict: on the optimizer if it exposes one, else on
+    its chunk manager. Each call returns the growth since the previous call.
+    """
+
+    def __init__(self, model, optimizer) -> None:
+        self._stats = getattr(optimizer, "stats", None)
+        if not isinstance(self._stats, dict):
+            engine = getattr(model, "_protrain_engine", None)
+            self._stats = getattr(getattr(engine, "manager", None), "stats", None)
+        self._last = self._snapshot()
+
+    def _snapshot(self) -> dict[str, float]:
+        if not isinstance(self._stats, dict):
+            return {}
+        return {k: float(v) for k, v in self._stats.items() if k.endswith("_s")}
+
+    def __call__(self) -> dict[str, float]:
+        now = self._snapshot()
+        delta = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
+        self._last = now
+        return delta
