@@ -295,3 +295,22 @@ def test_tokenizer_without_offsets_tokenizes_by_pieces(tmp_path, chatml_tok, cap
     _, ids, labels = expected_labels(chatml_tok, _chatml_pieces())
     assert item["input_ids"] == ids and item["labels"] == labels
     assert any("gives no character offsets" in r.getMessage() for r in caplog.records)
+
+
+def test_yaml_role_boundaries_on_text_chat(tmp_path, chatml_tok):
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])
+    boundaries = [
+        {
+            "role": "assistant",
+            "start": "<|im_start|>assistant\n",
+            "end": "<|im_end|>",
+            "include_end": False,
+        },
+    ]
+    item = _build(path, chatml_tok, role_boundaries=boundaries)[0]
+    assert item["labels"] == expected_labels(chatml_tok, _chatml_pieces((False, False)))[2]
+    with pytest.raises(DataError, match="no usable sample"):
+        _build(path, chatml_tok, role_boundaries=[])
+    bad = [{"role": "assistant", "start": "<start_of_turn>model\n", "end": "eos_token"}]
+    with pytest.raises(DataError, match=r"field 'role_boundaries'.*does not have"):
+        _build(path, chatml_tok, role_boundaries=bad)

@@ -22,10 +22,17 @@ from protrain.train.data.errors import DataError
 from protrain.train.data.formats import ChatSample, parse_row
 from protrain.train.data.loading import read_rows, select_rows
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
-from protrain.train.data.rendering import ChatRenderer, TemplateMismatch, end_of_turn_markers
+from protrain.train.data.rendering import (
+    ChatRenderer,
+    TemplateMismatch,
+    TemplateRenderError,
+    end_of_turn_markers,
+)
 from protrain.train.data.role_boundaries import (
     Boundary,
     labels_by_boundaries,
+    media_token_ids,
+    resolve_boundaries,
 )
 from protrain.train.data.templates import resolve_chat_template
 
@@ -125,6 +132,11 @@ class DatasetEncoder:
                 self.vision = VisionEncoder(
                     settings, cfg, processor, tokenizer, self.renderer, self.mask
                 )
+            elif settings.role_boundaries is not None:
+                self.boundaries = resolve_boundaries(
+                    settings.role_boundaries, tokenizer, "role_boundaries"
+                )
+                self.never_trained = media_token_ids(tokenizer)
 
     def encode_row(self, row: dict[str, Any], row_index: int) -> Encoded:
         sample = parse_row(row, self.cfg, row_index)
@@ -141,26 +153,14 @@ class DatasetEncoder:
                 row=row_index,
                 field=f"messages[{e.index}]",
             ) from e
-        except DataError:
-            raise
-        except Exception as e:  # template exceptions (raise_exception) and the like
-            raise DataError(
-                f"cannot render with the chat template: {type(e).__name__}: {e}",
-                dataset=self.cfg.path,
-                row=row_index,
-                field="messages",
-            ) from e
+        except TemplateRenderError as e:
+            raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
 
     def _encode_by_boundaries(self, sample: ChatSample, row_index: int) -> Encoded:
         try:
             text = self.renderer.render(sample.messages)
-        except Exception as e:  # template exceptions (raise_exception) and the like
-            raise DataError(
-                f"cannot render with the chat template: {type(e).__name__}: {e}",
-                dataset=self.cfg.path,
-                row=row_index,
-                field="messages",
-            ) from e
+        except TemplateRenderError as e:
+            raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
         return Encoded(ids, labels, text)

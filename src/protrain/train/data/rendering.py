@@ -31,6 +31,10 @@ END_OF_TURN_CANDIDATES = (
 )
 
 
+class TemplateRenderError(Exception):
+    """The chat template refused a conversation (or failed on it)."""
+
+
 class TemplateMismatch(Exception):
     """The template does not render message `index` verbatim, so it cannot be located."""
 
@@ -93,12 +97,17 @@ class ChatRenderer:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
         if not messages:
             return ""
-        return self.renderer.apply_chat_template(
-            messages,
-            chat_template=self.template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-        )
+        try:
+            return self.renderer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+            )
+        except Exception as e:  # the template's raise_exception, or content it cannot join
+            raise TemplateRenderError(
+                f"cannot render with the chat template: {type(e).__name__}: {e}"
+            ) from e
 
     def generation_header(self, messages: list[dict[str, Any]]) -> str:
         """What `add_generation_prompt` adds after `messages` ("" if it adds nothing)."""

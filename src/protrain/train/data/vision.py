@@ -27,7 +27,7 @@ from protrain.train.data.encoding import Encoded, encode_chat
 from protrain.train.data.errors import DataError
 from protrain.train.data.formats import ChatSample
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings
-from protrain.train.data.rendering import ChatRenderer, TemplateMismatch
+from protrain.train.data.rendering import ChatRenderer, TemplateMismatch, TemplateRenderError
 from protrain.train.data.role_boundaries import (
     boundaries_for,
     labels_by_boundaries,
@@ -242,13 +242,8 @@ class VisionEncoder:
         messages, images = self._place_images(sample, row)
         try:
             text = self.renderer.render(messages)
-        except Exception as e:  # the template's own raise_exception and the like
-            raise DataError(
-                f"cannot render with the chat template: {type(e).__name__}: {e}",
-                dataset=self.cfg.path,
-                row=row,
-                field="messages",
-            ) from e
+        except TemplateRenderError as e:
+            raise DataError(str(e), dataset=self.cfg.path, row=row, field="messages") from e
         call: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
         if images:
             call["images"] = images
