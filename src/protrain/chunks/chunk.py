@@ -110,7 +110,7 @@ class Chunk:
             raise RuntimeError(f"chunk {self.index}: illegal transition {self.state} -> {new}")
         if new is ChunkState.IN_FLIGHT:
             self.device_buffer.untyped_storage().resize_(self.nbytes)
-        elif self.device_buffer.untyped_storage().nbytes():
+        elif new is not ChunkState.RESIDENT and self.device_buffer.untyped_storage().nbytes():
             self.device_buffer.untyped_storage().resize_(0)
         self.state = new
 
