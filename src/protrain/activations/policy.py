@@ -37,7 +37,8 @@ def place_policies(
     """One policy per block, in forward order, from the counts ``n_swap`` and ``n_checkpoint``.
 
     The first ``n_swap + n_checkpoint`` blocks are swapped or checkpointed; within them the
-    swapped blocks are spread evenly, the first block being swapped (when ``n_swap > 0``).
+    swapped blocks are spread evenly (block ``round(k * (n_swap + n_checkpoint) /
+    n_swap)`` for ``k < n_swap``), the first block being swapped (when ``n_swap > 0``).
     The other blocks are kept. With ``offload_checkpoint_inputs`` the checkpointed blocks
     hold their inputs in host memory (``OFFLOAD_CHECKPOINT``).
     """
@@ -58,8 +59,8 @@ def place_policies(
     policies = [ActivationPolicy.KEEP] * n_blocks
     for i in range(n_managed):
         policies[i] = recompute
-    for k in range(n_swap):
-        policies[k * n_managed // n_swap] = ActivationPolicy.SWAP
+    for k in range(n_swap):  # k * n_managed / n_swap, rounded half up
+        policies[(2 * k * n_managed + n_swap) // (2 * n_swap)] = ActivationPolicy.SWAP
     return policies
 
 
