@@ -214,13 +214,18 @@ def encode_dataset(
         encoded.append(enc)
     report.kept = len(encoded)
     if not encoded:
+        reasons = [
+            f"{report.no_trained_tokens} with no trained token (check roles_to_train, "
+            "role_boundaries and train_on_eos)"
+            if report.no_trained_tokens
+            else "",
+            f"{report.too_long_media} with media longer than sequence_len"
+            if report.too_long_media
+            else "",
+            f"{len(report.skipped)} bad, first: {report.skipped[0]}" if report.skipped else "",
+        ]
         raise DataError(
-            f"no usable sample among {report.rows} row(s)"
-            + (
-                f" ({len(report.skipped)} skipped: first {report.skipped[0]})"
-                if report.skipped
-                else ""
-            ),
+            f"no usable sample among {report.rows} row(s): " + "; ".join(r for r in reasons if r),
             dataset=cfg.path,
         )
     return encoded, report
@@ -281,12 +286,27 @@ def check_settings(settings: DataSettings, tokenizer, processor=None) -> None:
         DatasetEncoder(settings, cfg, tokenizer, processor)
 
 
+# [Note: the val_set_size hold-out]
+# The hold-out is carved from the encoded training rows, so building the training set also
+# yields the evaluation set. It is kept here, keyed by everything it depends on, until
+# `build_eval_dataset` asks for it, so the rows are not read and tokenized twice.
+_held_out: dict[tuple, TokenizedDataset] = {}
+
+
+def _held_out_key(settings, tokenizer, processor, sequence_len: int, seed: int) -> tuple:
+    from protrain.train.data.preprocess import fingerprint
+
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    return (fp, id(tokenizer), id(processor))
+
+
 def build_train_dataset(
     settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
 ) -> torch.utils.data.Dataset:
     """The tokenized (and, with `sample_packing`, packed) training dataset."""
     from protrain.train.data.preprocess import load_prepared
 
+    check_settings(settings, tokenizer, processor)
     prepared = load_prepared(
         settings, tokenizer, sequence_len=sequence_len, seed=seed, split="train"
     )
@@ -300,8 +320,12 @@ def build_train_dataset(
         seed=seed,
         processor=processor,
     )
-    if settings.val_set_size:
-        samples, _ = _split_validation(samples, settings.val_set_size, seed)
+    if settings.val_set_size and not settings.eval_datasets:
+        samples, held = _split_validation(samples, settings.val_set_size, seed)
+        _held_out.clear()
+        _held_out[_held_out_key(settings, tokenizer, processor, sequence_len, seed)] = _finish(
+            held, settings, sequence_len, seed
+        )
     return _finish(samples, settings, sequence_len, seed)
 
 
@@ -327,16 +351,17 @@ def build_eval_dataset(
             seed=seed,
             processor=processor,
         )
-    elif settings.val_set_size:
-        samples = _encode_all(
-            settings,
-            settings.datasets,
-            tokenizer,
-            sequence_len=sequence_len,
-            seed=seed,
-            processor=processor,
-        )
-        _, samples = _split_validation(samples, settings.val_set_size, seed)
-    else:
-        return None
-    return _finish(samples, settings, sequence_len, seed)
+        return _finish(samples, settings, sequence_len, seed)
+    key = _held_out_key(settings, tokenizer, processor, sequence_len, seed)
+    if key in _held_out:
+        return _held_out.pop(key)
+    samples = _encode_all(
+        settings,
+        settings.datasets,
+        tokenizer,
+        sequence_len=sequence_len,
+        seed=seed,
+        processor=processor,
+    )
+    _, held = _split_validation(samples, settings.val_set_size, seed)
+    return _finish(held, settings, sequence_len, seed)
