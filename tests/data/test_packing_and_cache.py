@@ -164,15 +164,17 @@ def test_empty_role_boundaries_stays_an_explicit_list():
     assert DataSettings().role_boundaries is None
 
 
-def test_hold_out_is_not_encoded_twice(tmp_path, tok):
-    from protrain.train.data import build_eval_dataset
+def test_hold_out_is_not_encoded_twice(tmp_path, tok, monkeypatch):
+    from protrain.train.data import build_eval_dataset, dataset
 
+    reads = []
+    real = dataset.read_rows
+    monkeypatch.setattr(dataset, "read_rows", lambda cfg: reads.append(cfg) or real(cfg))
     path = write_jsonl(tmp_path / "c.jsonl", _rows(10))
     settings = _settings(path, val_set_size=0.3)
     train = build_train_dataset(settings, tok, sequence_len=64, seed=0)
-    path.unlink()  # the eval set comes from the rows already encoded
     val = build_eval_dataset(settings, tok, sequence_len=64, seed=0)
-    assert len(train) == 7 and len(val) == 3
+    assert len(train) == 7 and len(val) == 3 and len(reads) == 1
 
 
 def test_settings_checked_before_any_file_is_read(tmp_path, tok):
