@@ -9,7 +9,8 @@ Ownership, in one place:
   ``model._protrain_engine``.
 - ``protrain.close(model)`` (or ``optimizer.close()``, the same call) gives every resource
   back and leaves a plain module: each parameter holds its trained value (the fp32 master for
-  trainable ones) in its original dtype on its original device, with no hooks. The optimizer
+  trainable ones) in its original dtype on its original device (buffers follow when all
+  parameters came from one device), with no hooks. The optimizer
   is unusable afterwards. Wrapping a wrapped model is an error; wrapping after close works.
 - ``protrain.state_dict(model)`` returns a normal state dict with the model's own names
   (trainable parameters as their fp32 masters, frozen ones in the dtype they had, buffers),
@@ -126,6 +127,9 @@ class Engine:
                         src = s.host_view if s.host_view is not None else s.device_view
                     s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
                     s.param.grad = None
+                devices = {s.orig_device for s in self.manager.slots()}
+                if len(devices) == 1:
+                    self.model.to(devices.pop())  # buffers back where the parameters were
             self.worker.shutdown(wait=True)
             self.manager.close()
             self.optimizer._release()

@@ -29,6 +29,13 @@ import torch
 from protrain.chunks.chunk import Chunk, ChunkState, ParamSlot
 from protrain.chunks.layout import ChunkLayout
 
+_registered_host_bytes = 0  # host memory this process pinned with cudaHostRegister, live
+
+
+def registered_host_bytes() -> int:
+    """Host bytes currently pinned by live chunk managers (0 once every engine is closed)."""
+    return _registered_host_bytes
+
 
 class Phase:
     FORWARD = "forward"
@@ -78,8 +85,13 @@ class ChunkManager:
             # from pin_memory=True stays cached by torch's host allocator after it is freed).
             self._host_arena = torch.empty(host_bytes, dtype=torch.uint8)
             if self.is_cuda:
-                torch.cuda.cudart().cudaHostRegister(self._host_arena.data_ptr(), host_bytes, 0)
+                err = torch.cuda.cudart().cudaHostRegister(
+                    self._host_arena.data_ptr(), host_bytes, 0
+                )
+                if int(err) != 0:
+                    raise RuntimeError(f"cudaHostRegister of {host_bytes} bytes failed: {err}")
                 self._host_arena_pinned = True
+                _count_registered(host_bytes)
         arena_off = 0
         for spec in self.layout.chunks:
             c = Chunk(spec, self.layout.chunk_size_bytes, self.device)
@@ -264,6 +276,7 @@ class ChunkManager:
             c.gathered_event = c.update_future = None
         if self._host_arena is not None and self._host_arena_pinned:
             torch.cuda.cudart().cudaHostUnregister(self._host_arena.data_ptr())
+            _count_registered(-self._host_arena.numel())
         self._host_arena = None
         self._host_arena_pinned = False
         self.param_gather_stream = self.grad_offload_stream = None
@@ -271,3 +284,8 @@ class ChunkManager:
 
 def _staging_nbytes(pl) -> int:
     return (pl.nbytes + 63) // 64 * 64
+
+
+def _count_registered(n: int) -> None:
+    global _registered_host_bytes
+    _registered_host_bytes += n

@@ -1,0 +1,129 @@
+"""GPU checks: bf16 compute over fp32 masters matches plain PyTorch (autocast bf16, fp32
+weights, fused AdamW) within bf16 rounding; wrap/close returns device and pinned memory."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import protrain
+
+from .models import batches, build, lora
+
+STEPS, ACCUM, MAX_NORM, LR = 4, 2, 0.5, 1e-3
+
+pytestmark = pytest.mark.gpu
+
+
+def _to(b, device):
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def _train_reference(model, data):
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True)
+    losses = []
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(**_to(data[step * ACCUM + mb], "cuda")).loss / ACCUM
+            loss.backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _train_engine(model, data, opt):
+    losses = []
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            loss = model(**_to(data[step * ACCUM + mb], "cuda")).loss / ACCUM
+            loss.backward()
+            losses.append(loss.item())
+        opt.clip_grad_norm_(MAX_NORM)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_bf16_matches_plain_pytorch_within_bf16_rounding(kind, mode):
+    base = build(kind)
+    if mode == "lora":
+        base = lora(base, kind)
+    data = batches(kind, STEPS * ACCUM)
+    start = {n: p.detach().clone() for n, p in base.named_parameters() if p.requires_grad}
+    reference = copy.deepcopy(base).cuda()
+    ref_losses = _train_reference(reference, data)
+    ref_delta = {
+        n: p.detach().cpu() - start[n] for n, p in reference.named_parameters() if n in start
+    }
+    probe, _, layout = protrain.wrap(copy.deepcopy(base), device="cuda")
+    n_chunks = layout.n_chunks
+    protrain.close(probe)
+    for n_persist in sorted({0, n_chunks // 2, n_chunks}):
+        model, opt, layout = protrain.wrap(
+            copy.deepcopy(base), n_persist=n_persist, lr=LR, compute_dtype=torch.bfloat16
+        )
+        losses = _train_engine(model, data, opt)
+        assert losses == pytest.approx(ref_losses, rel=2e-2, abs=2e-2), n_persist
+        state = protrain.state_dict(model)
+        num = sum(((state[n] - start[n]) - d).float().pow(2).sum() for n, d in ref_delta.items())
+        den = sum(d.float().pow(2).sum() for d in ref_delta.values())
+        # Adam's update is sign-like: bf16 rounding of gradients moves it by a few percent
+        assert (num / den).sqrt() < 0.1, (kind, mode, n_persist, (num / den).sqrt())
+        protrain.close(model)
+
+
+def test_checkpointing_small_pool_on_gpu():
+    base = build("llama")
+    data = batches("llama", STEPS * ACCUM)
+    model = copy.deepcopy(base)
+    model.gradient_checkpointing_enable()
+    model, opt, _ = protrain.wrap(model, n_persist=0, n_buffer=2, lr=LR)
+    losses = _train_engine(model, data, opt)
+    ref = copy.deepcopy(base)
+    model2, opt2, _ = protrain.wrap(ref, lr=LR)  # everything persistent
+    assert losses == pytest.approx(_train_engine(model2, data, opt2), rel=1e-2, abs=1e-2)
+    protrain.close(model)
+    protrain.close(model2)
+
+
+def _host_registered_bytes() -> int:
+    from protrain.chunks import manager
+
+    return manager.registered_host_bytes()
+
+
+def test_wrap_close_cycles_return_memory():
+    torch.cuda.synchronize()
+    gc.collect()
+    base_alloc = torch.cuda.memory_allocated()
+    model = build("llama")
+    data = batches("llama", 2)
+    for _ in range(10):
+        model, opt, _layout = protrain.wrap(model, n_persist=1, n_buffer=2, lr=LR)
+        assert _host_registered_bytes() > 0
+        _train_engine_once(model, data, opt)
+        protrain.close(model)
+        del opt, _layout
+        gc.collect()
+        torch.cuda.synchronize()
+        assert _host_registered_bytes() == 0
+        model.to("cpu")
+        gc.collect()
+        assert torch.cuda.memory_allocated() == base_alloc
+
+
+def _train_engine_once(model, data, opt):
+    for b in data:
+        (model(**_to(b, "cuda")).loss / 2).backward()
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    opt.zero_grad()
