@@ -1,0 +1,194 @@
+"""Tiled MLP: the same function, its intermediates never over the whole sequence at once."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+
+import pytest
+import torch
+
+from protrain.activations import apply_activation_policies, apply_tiled_mlp, place_policies
+
+from .memory import LargestOutputs
+from .models import ACCUM, STEPS, batches, build, lora, train
+
+SEQ, TILE = 12, 5  # ragged last tile
+
+
+def _grads(model, data):
+    loss = model(**data).loss
+    loss.backward()
+    return loss.item(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_same_loss_and_gradients(kind):
+    base = build(kind)
+    data = batches(1, seq=SEQ)[0]
+    ref_loss, ref_grads = _grads(copy.deepcopy(base), data)
+    model = copy.deepcopy(base)
+    handle = apply_tiled_mlp(model, tile_tokens=TILE)
+    assert handle.mlp_names == [f"model.layers.{i}.mlp" for i in range(4)]
+    loss, grads = _grads(model, data)
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    assert grads.keys() == ref_grads.keys()
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-6, msg=name)
+    handle.remove()
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_trains_like_plain_pytorch_with_policies(mode):
+    """Composed with a mix of policies and gradient accumulation.
+
+    Losses agree to 1e-6. Parameters after AdamW agree to 1e-5, not 1e-6: a tile sums its
+    weight gradient over fewer tokens, so the fp32 sums are rounded in another order (about
+    1e-9 here, see the gradient test above), and AdamW's first steps turn a gradient element
+    of rounding size into an update of up to ``lr``'s size in either direction.
+    """
+    base = build("llama")
+    if mode == "lora":
+        base = lora(base)
+    data = batches(STEPS * ACCUM, seq=SEQ)
+    reference = copy.deepcopy(base)
+    ref_losses = train(reference, data)
+    model = copy.deepcopy(base)
+    policies = ["swap", "offload_checkpoint", "checkpoint", "keep"]
+    handle = apply_activation_policies(model, policies, device="cpu", tiled_mlp_tokens=TILE)
+    losses = train(model, data)
+    assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    ref_state = reference.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, ref_state[name], atol=1e-5, rtol=0, msg=name)
+    handle.remove()
+
+
+def test_intermediates_exist_one_tile_at_a_time():
+    hidden, intermediate, batch, seq, tile = 32, 64, 2, 40, 8
+    model = build("llama")
+    data = batches(1, seq=seq, batch=batch)[0]
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(batch, seq, hidden, requires_grad=True)
+
+    def largest_intermediate(module):
+        with LargestOutputs() as watch:
+            module(x).sum().backward()
+        return watch.largest[torch.float32]
+
+    assert largest_intermediate(mlp) == batch * seq * intermediate
+    apply_tiled_mlp(model, tile_tokens=tile)
+    # left: a tile's intermediates, the MLP's input and output (and their gradients), weights
+    assert largest_intermediate(mlp) == max(
+        batch * tile * intermediate, batch * seq * hidden, hidden * intermediate
+    )
+    model(**data).loss.backward()  # and the whole model still runs
+
+
+def test_no_grad_tiles_too():
+    model = build("llama")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 40, 32)
+    with torch.no_grad():
+        ref = mlp(x)
+        apply_tiled_mlp(model, tile_tokens=8)
+        with LargestOutputs() as watch:
+            out = mlp(x)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+    assert watch.largest[torch.float32] == max(2 * 8 * 64, 2 * 40 * 32)
+
+
+def test_errors():
+    model = build("llama")
+    with pytest.raises(ValueError, match="tile_tokens"):
+        apply_tiled_mlp(model, tile_tokens=0)
+    with pytest.raises(ValueError, match="has no child named"):
+        apply_tiled_mlp(model, tile_tokens=4, mlp_names=("feed_forward",))
+    assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
+
+
+def _fsdp_worker(rank: int, world_size: int, init_file: str, results) -> None:
+    """One rank: FSDP2 per decoder layer, with and without tiles; count the collectives."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    counts = {"all_gather": 0, "reduce_scatter": 0}
+    all_gather, reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counted_all_gather(*a, **k):
+        counts["all_gather"] += 1
+        return all_gather(*a, **k)
+
+    def counted_reduce_scatter(*a, **k):
+        counts["reduce_scatter"] += 1
+        return reduce_scatter(*a, **k)
+
+    dist.all_gather_single, dist.reduce_scatter_single = counted_all_gather, counted_reduce_scatter
+    out = {}
+    for tiled in (False, True):
+        model = build("llama")
+        if tiled:
+            apply_tiled_mlp(model, tile_tokens=TILE)
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        data = batches(1, seq=SEQ, seed=10 + rank)[0]
+        counts.update(all_gather=0, reduce_scatter=0)
+        loss = model(**data).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        out[tiled] = (loss.item(), dict(counts), grads)
+    dist.destroy_process_group()
+    results[rank] = (
+        out[False][0] - out[True][0],
+        out[False][1],
+        out[True][1],
+        max((out[False][2][n] - out[True][2][n]).abs().max().item() for n in out[False][2]),
+    )
+
+
+@pytest.mark.slow
+def test_fsdp2_two_ranks_same_collectives_and_result():
+    """Under FSDP2 (gloo, 2 ranks on the CPU) tiles add no all-gather and no reduce-scatter."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as d:
+        manager = mp.Manager()
+        results = manager.dict()
+        mp.spawn(_fsdp_worker, args=(2, os.path.join(d, "init"), results), nprocs=2, join=True)
+        for rank in range(2):
+            loss_diff, plain_counts, tiled_counts, grad_diff = results[rank]
+            assert plain_counts["all_gather"] > 0
+            assert tiled_counts == plain_counts, rank
+            assert abs(loss_diff) < 1e-6 and grad_diff < 1e-6, rank
+
+
+def test_fsdp_unit_inside_the_mlp_is_refused(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/init", rank=0, world_size=1)
+    try:
+        model = build("llama")
+        fully_shard(model.model.layers[0].mlp.up_proj)
+        with pytest.raises(ValueError, match="would all-gather once per tile"):
+            apply_tiled_mlp(model, tile_tokens=TILE)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_policy_rule_with_tiles_runs_no_collectives_without_a_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = build("llama")
+    apply_activation_policies(model, place_policies(4, 1, 2), device="cpu", tiled_mlp_tokens=TILE)
+    model(**batches(1, seq=SEQ)[0]).loss.backward()
+    assert not dist.is_initialized()
