@@ -187,3 +187,36 @@ def test_settings_checked_before_any_file_is_read(tmp_path, tok):
     )
     with pytest.raises(DataError, match="role_boundaries"):
         build_train_dataset(settings, tok, sequence_len=64, seed=0)
+
+
+def test_packed_batch_keeps_samples_apart_in_a_model(tmp_path, tok):
+    """transformers builds a per-sample causal mask from restarting `position_ids` when no
+    attention mask and no KV cache are given (sdpa and eager alike)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = write_jsonl(tmp_path / "c.jsonl", _rows(3))
+    packed = build_train_dataset(
+        _settings(path, sample_packing=True), tok, sequence_len=128, seed=0
+    )
+    assert len(packed) == 1
+    batch = build_collator(tok, sequence_len=128, packing=True)([packed[0]])
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        attn_implementation="sdpa",
+    )
+    model = LlamaForCausalLM(config).eval()
+    positions = batch["position_ids"][0].tolist()
+    starts = [k for k, p in enumerate(positions) if p == 0]
+    assert len(starts) == 3
+    with torch.no_grad():
+        ids = batch["input_ids"]
+        logits = model(input_ids=ids, position_ids=batch["position_ids"], use_cache=False).logits[0]
+        for start, end in zip(starts, [*starts[1:], len(positions)]):
+            alone = model(input_ids=ids[:, start:end], use_cache=False).logits[0]
+            assert torch.allclose(logits[start:end], alone, atol=1e-5)

@@ -3,9 +3,10 @@
 - Padded (`packing=False`): rows padded on the right to the longest row of the batch (rounded
   up to `pad_to_multiple_of`), with `attention_mask`; padding is never trained.
 - Padding-free (`packing=True`): the batch's samples (or packs) are laid end to end in one row
-  of shape `[1, total]`, with `position_ids` that restart at 0 for each sample. Attention
-  implementations that read sequence starts from `position_ids` (flash-attention, flex
-  attention) then never attend across samples. The first label of each sample is ignored, so
+  of shape `[1, total]`, with `position_ids` that restart at 0 for each sample and no
+  `attention_mask`. transformers' mask builder derives the samples from those `position_ids`
+  (sdpa, eager, flex and flash attention alike) when the forward runs without a KV cache
+  (`use_cache=False`), so no sample attends to another. The first label of each sample is ignored, so
   that no sample is trained to predict its first token from the end of the previous one.
 """
 

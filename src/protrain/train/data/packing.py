@@ -1,8 +1,8 @@
 """Packing short samples into sequences of up to `sequence_len` tokens.
 
 Each pack holds whole samples laid end to end, with `position_ids` restarting at 0 at each
-sample start, so that attention that reads sample starts from `position_ids` (flash-attention,
-flex attention) never crosses samples, and rotary positions are those of an unpacked sample.
+sample start, so that attention never crosses samples (see `collate`) and rotary positions
+are those of an unpacked sample.
 Bins are filled best-fit, longest sample first; ties keep a seed-shuffled order, so the packs
 are the same for the same seed.
 """
