@@ -187,3 +187,23 @@ def test_unreadable_suffix_and_empty_file(tmp_path, tok):
     (tmp_path / "e.jsonl").write_text("")
     with pytest.raises(DataError, match="no rows"):
         read_rows(DatasetConfig(path=str(tmp_path / "e.jsonl")))
+
+
+def test_hub_dataset_goes_through_datasets(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load(path, name=None, split=None, data_files=None):
+        calls.append((path, name, split, data_files))
+        if path == "org/missing":
+            raise FileNotFoundError("Couldn't find 'org/missing' on the Hub\n(offline)")
+        return datasets.Dataset.from_list([_chat(0)])
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load)
+    assert read_rows(DatasetConfig(path="org/chats", name="en", split="train[:10]")) == [_chat(0)]
+    assert calls == [("org/chats", "en", "train[:10]", None)]
+    with pytest.raises(DataError) as e:
+        read_rows(DatasetConfig(path="org/missing"))
+    assert "dataset 'org/missing', field 'path': cannot load hub dataset" in str(e.value)
+    assert "\n" not in str(e.value)

@@ -44,5 +44,7 @@ def describe_masking(settings: DataSettings) -> list[str]:
                     f"trains roles {list(mask.roles_to_train)}; train_on_eos={mask.train_on_eos}; "
                     "headers, media tokens and padding never trained"
                 )
+            if cfg.type == "chat" and settings.role_boundaries is not None:
+                what += f"; turns found by role_boundaries from the config ({len(settings.role_boundaries)} entries)"
             lines.append(f"{head}: {what}; sample_packing={settings.sample_packing}")
     return lines
