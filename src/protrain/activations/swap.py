@@ -164,7 +164,7 @@ class ActivationSwapper:
         out = view_of(dev, packed.dtype, packed.offset, packed.size, packed.stride)
         left = group.pending[id(copy)] = group.pending[id(copy)] - 1
         if left <= 0:
-            copy.device = None  # the last saved tensor over this storage is unpacked
+            self.transfer.release(copy)  # the last saved tensor over this storage is unpacked
             if all(n <= 0 for n in group.pending.values()):
                 self._prefetch_after(group)
         return out

@@ -60,6 +60,8 @@ class HostTransfer:
             self.h2d_stream = torch.cuda.Stream(self.device)
         self.bytes_to_host = 0
         self.bytes_to_device = 0
+        self.device_bytes = 0  # bytes of copies back on the device, not yet released
+        self.peak_device_bytes = 0
 
     def to_host(self, source: torch.Tensor) -> HostCopy:
         """Start copying ``source`` (a flat uint8 storage view) to host memory."""
@@ -93,6 +95,8 @@ class HostTransfer:
         if copy.device is not None:
             return
         self.bytes_to_device += copy.nbytes
+        self.device_bytes += copy.nbytes
+        self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         if not self.is_cuda:
             copy.device = copy.host.to(self.device, copy=True)
             return
@@ -112,6 +116,13 @@ class HostTransfer:
             compute.wait_event(copy.h2d_event)
             dev.record_stream(compute)
         return dev
+
+    def release(self, copy: HostCopy) -> None:
+        """Drop the device copy (its users on the compute stream were recorded)."""
+        if copy.device is not None:
+            copy.device = None
+            copy.h2d_event = None
+            self.device_bytes -= copy.nbytes
 
     def synchronize(self) -> None:
         """Wait for every copy to the host in flight (and drop the sources held for them)."""

@@ -1,0 +1,83 @@
+"""Swap bookkeeping on the CPU: what is swapped, what is shared, how much comes back at once."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from protrain.activations import ActivationSwapper, apply_activation_policies
+from protrain.activations.swap import _Packed
+
+from .models import batches, build
+
+
+def test_parameters_and_their_views_are_not_swapped():
+    swapper = ActivationSwapper("cpu")
+    group = swapper.open_group()
+    w = nn.Parameter(torch.randn(4, 3))
+    frozen = nn.Parameter(torch.randn(4, 3), requires_grad=False)
+    x = torch.randn(2, 4)
+    assert swapper.pack(group, w) is w
+    view = w.t()
+    assert swapper.pack(group, view) is view
+    assert swapper.pack(group, frozen) is frozen
+    assert isinstance(swapper.pack(group, x), _Packed)
+
+
+def test_views_of_one_storage_share_one_host_copy():
+    swapper = ActivationSwapper("cpu")
+    group = swapper.open_group()
+    x = torch.randn(6, 4)
+    packed = [swapper.pack(group, v) for v in (x, x.t(), x[2:4], x.view(24))]
+    swapper.close_group(group, None)
+    assert len(group.copies) == 1 and swapper.transfer.bytes_to_host == x.numel() * 4
+    for p, v in zip(packed, (x, x.t(), x[2:4], x.view(24))):
+        out = swapper.unpack(p)
+        assert out.shape == v.shape and out.stride() == v.stride() and torch.equal(out, v)
+    assert swapper.transfer.device_bytes == 0  # released after the last unpack
+
+
+@pytest.mark.parametrize("prefetch_groups", [0, 1, 2])
+def test_at_most_prefetch_groups_plus_one_on_the_device(prefetch_groups):
+    model = build("llama", num_hidden_layers=6)
+    data = batches(1)[0]
+    handle = apply_activation_policies(
+        model, ["swap"] * 6, device="cpu", swap_prefetch_groups=prefetch_groups
+    )
+    transfer = handle.swapper.transfer
+    model(**data).loss.backward()
+    per_block = transfer.bytes_to_host // 6
+    assert transfer.bytes_to_host == 6 * per_block  # every block swaps the same
+    assert transfer.peak_device_bytes <= (prefetch_groups + 1) * per_block
+    assert transfer.peak_device_bytes > prefetch_groups * per_block
+    assert transfer.device_bytes == 0 and transfer.bytes_to_device == transfer.bytes_to_host
+    handle.remove()
+
+
+def test_backward_twice_with_retain_graph():
+    base = build("llama")
+    data = batches(1)[0]
+    ref = copy.deepcopy(base)
+    loss = ref(**data).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    model = copy.deepcopy(base)
+    handle = apply_activation_policies(model, ["swap", "offload_checkpoint", "swap", "keep"])
+    loss = model(**data).loss
+    loss.backward(retain_graph=True)
+    loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    handle.remove()
+
+
+def test_offload_checkpoint_holds_only_the_hidden_states():
+    model = build("llama")
+    data = batches(1)[0]  # batch 2 x 12 tokens, hidden 32, fp32
+    handle = apply_activation_policies(model, ["offload_checkpoint"] * 4, device="cpu")
+    model(**data).loss.backward()
+    assert handle.swapper.transfer.bytes_to_host == 4 * 2 * 12 * 32 * 4
+    handle.remove()
