@@ -40,7 +40,7 @@ def _commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:
-        return "unknown"
+        return os.environ.get("PROTRAIN_COMMIT", "unknown")
 
 
 def run_one(args, n_persist: int, n_buffer: int, run_id: str) -> dict:
@@ -104,6 +104,7 @@ def run_one(args, n_persist: int, n_buffer: int, run_id: str) -> dict:
                 row["time_to_first_step_s"] = round(time.perf_counter() - t_start, 2)
             step_times.append(dt)
             copy_waits.append(engine.manager.copy_wait_s())
+            print({k: round(v, 3) for k, v in engine.manager.stats.items()}, flush=True)
             cpu_waits.append(engine.manager.stats["wait_cpu_optimizer_s"] - cpu0)
             print(
                 f"step {step}: {dt:.3f} s, loss {losses[-1]:.4f}, copy wait "

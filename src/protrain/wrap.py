@@ -269,7 +269,13 @@ def wrap(
     trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
     manager = ChunkManager(layout, params, device, trainable_index)
     model.to(device)  # buffers; parameters are already views of device storage
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="protrain-host-adam")
+    # The worker's CPU kernels use as many intra-op threads as the main thread does.
+    worker = ThreadPoolExecutor(
+        max_workers=1,
+        thread_name_prefix="protrain-host-adam",
+        initializer=torch.set_num_threads,
+        initargs=(torch.get_num_threads(),),
+    )
     sink = GradSink(manager, worker)
     hooks = RuntimeHooks(model, manager, sink)
     optimizer = HybridAdamW(

@@ -160,7 +160,13 @@ class HybridAdamW(torch.optim.Optimizer):
             if not with_grad:
                 continue
             chunk.update_future = self._worker.submit(
-                _step_host_chunk, chunk, self._host_opts[ci], hyper, with_grad, host_coef
+                _step_host_chunk,
+                chunk,
+                self._host_opts[ci],
+                hyper,
+                with_grad,
+                host_coef,
+                manager.stats,
             )
         return loss
 
@@ -258,7 +264,7 @@ def _set_hyper(opt: torch.optim.Optimizer, group_map: list[int], hyper: list[dic
 
 
 @torch.no_grad()
-def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef) -> None:
+def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef, stats) -> None:
     """Runs on the CPU worker: clip, AdamW over the chunk's masters, write the host copy."""
     if chunk.gathered_event is not None:
         chunk.gathered_event.synchronize()  # the last copy-in has read the host copy
@@ -266,10 +272,14 @@ def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef) -> 
     stepping = set(map(id, with_grad))
     for s in chunk.trainable_slots:
         s.master.grad = s.grad_acc if id(s) in stepping else None
+    t0 = time.perf_counter()
     if clip_coef is not None:
         for s in with_grad:
             s.grad_acc.mul_(clip_coef)
     _set_hyper(opt, group_map, hyper)
     opt.step()
+    t1 = time.perf_counter()
     for s in with_grad:
         s.host_view.copy_(s.master)
+    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + t1 - t0
+    stats["host_write_back_s"] = stats.get("host_write_back_s", 0.0) + time.perf_counter() - t1

@@ -67,12 +67,15 @@ class GradSink:
             else:
                 slot.grad_staging.copy_(grad)
             param.grad = None
-            slot.accumulate_future = self.worker.submit(_accumulate, slot, first, done_event)
+            slot.accumulate_future = self.worker.submit(
+                _accumulate, slot, first, done_event, self.manager.stats
+            )
 
 
-def _accumulate(slot: ParamSlot, first: bool, done_event) -> None:
+def _accumulate(slot: ParamSlot, first: bool, done_event, stats: dict) -> None:
     if done_event is not None:
         done_event.synchronize()
+    t0 = time.perf_counter()
     with torch.no_grad():
         if first:
             slot.grad_acc.copy_(slot.grad_staging)
@@ -81,3 +84,4 @@ def _accumulate(slot: ParamSlot, first: bool, done_event) -> None:
         # The 2-norm for global clipping, taken here so that it overlaps compute; only the
         # value after the last micro-batch is used.
         slot.grad_norm = torch.linalg.vector_norm(slot.grad_acc)
+    stats["host_accumulate_s"] = stats.get("host_accumulate_s", 0.0) + time.perf_counter() - t0
