@@ -19,6 +19,9 @@ from protrain.train.data.vision import processor_from_pretrained_kwargs
 
 from .helpers import expected_labels, write_jsonl
 from .vision_helpers import (
+    Qwen2_5_VLImageOnlyProcessor,
+    Qwen2VLImageOnlyProcessor,
+    Qwen3VLImageOnlyProcessor,
     ToyProcessor,
     gemma3_processor,
     pixtral_processor,
@@ -48,9 +51,13 @@ def _build(tmp_path, processor, rows, **settings):
     )
 
 
-def test_qwen2_vl_assistant_only(tmp_path):
+@pytest.mark.parametrize(
+    "processor_cls",
+    [Qwen2VLImageOnlyProcessor, Qwen2_5_VLImageOnlyProcessor, Qwen3VLImageOnlyProcessor],
+)
+def test_qwen_vl_assistant_only(tmp_path, processor_cls):
     write_image(tmp_path / "cat.png")
-    proc = qwen2_vl_processor()
+    proc = qwen2_vl_processor(processor_cls)
     item = _build(tmp_path, proc, [_row("cat.png")])[0]
     pieces = [
         (
@@ -322,3 +329,26 @@ def test_managed_processor_kwargs_are_warned_and_ignored(caplog):
     with caplog.at_level(logging.WARNING, logger="protrain.train.data"):
         assert processor_from_pretrained_kwargs(settings) == {"min_pixels": 1}
     assert sum("is ignored" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_llama3_2_vision_processor(tmp_path):
+    from .vision_helpers import mllama_processor
+
+    write_image(tmp_path / "cat.png")
+    proc = mllama_processor()
+    item = _build(tmp_path, proc, [_row("cat.png")])[0]
+    pieces = [
+        (
+            "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n<|image|>What?<|eot_id|>",
+            False,
+        ),
+        ("<|start_header_id|>assistant<|end_header_id|>\n\n", False),
+        ("A cat.<|eot_id|>", True),
+    ]
+    _, ids, labels = expected_labels(proc.tokenizer, pieces)
+    assert item["input_ids"] == ids
+    assert item["labels"] == labels
+    assert item["pixel_values"].shape == (1, 1, 1, 3, 28, 28)
+    assert item["cross_attention_mask"].shape == (1, len(ids), 1, 1)
+    batch = build_collator(proc.tokenizer, sequence_len=512, packing=False)([item, item])
+    assert batch["cross_attention_mask"].shape == (2, len(ids), 1, 1)

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import torch
 from PIL import Image
-from transformers import BatchFeature, Gemma3Processor, Qwen2VLProcessor
+from transformers import (
+    BatchFeature,
+    Gemma3Processor,
+    Qwen2_5_VLProcessor,
+    Qwen2VLProcessor,
+    Qwen3VLProcessor,
+)
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.processing_utils import ProcessorMixin
@@ -25,8 +31,8 @@ QWEN_SPECIALS = [
 ]
 
 
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
-    """Qwen2-VL's processor without its video processor (which needs torchvision)."""
+def _image_only(processor_cls):
+    """A Qwen-VL processor class without its video processor (which needs torchvision)."""
 
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         self.image_token = "<|image_pad|>"
@@ -34,15 +40,26 @@ class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
         ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
+        self.vision_start_token, self.vision_end_token = "<|vision_start|>", "<|vision_end|>"
+        self.vision_start_token_id = tokenizer.convert_tokens_to_ids(self.vision_start_token)
+        self.vision_end_token_id = tokenizer.convert_tokens_to_ids(self.vision_end_token)
+
+    name = processor_cls.__name__.replace("Processor", "ImageOnlyProcessor")
+    return type(name, (processor_cls,), {"__init__": __init__})
 
 
-def qwen2_vl_processor():
+Qwen2VLImageOnlyProcessor = _image_only(Qwen2VLProcessor)
+Qwen2_5_VLImageOnlyProcessor = _image_only(Qwen2_5_VLProcessor)
+Qwen3VLImageOnlyProcessor = _image_only(Qwen3VLProcessor)
+
+
+def qwen2_vl_processor(processor_cls=Qwen2VLImageOnlyProcessor):
     tok = byte_tokenizer(QWEN_SPECIALS, eos="<|im_end|>", pad="<|endoftext|>")
     # 56x56 images: a 4x4 grid of 14-pixel patches, merged 2x2 into 4 image tokens.
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=28 * 28, max_pixels=56 * 56, patch_size=14, merge_size=2, temporal_patch_size=2
     )
-    return Qwen2VLImageOnlyProcessor(
+    return processor_cls(
         image_processor=image_processor, tokenizer=tok, chat_template=BUILTIN_TEMPLATES["qwen2_vl"]
     )
 
@@ -152,3 +169,32 @@ class ToyProcessor(TinyPixtralProcessor):
 def write_image(path, size=(56, 56)):
     Image.new("RGB", size, (200, 30, 30)).save(path)
     return path
+
+
+LLAMA3_VISION_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'image' %}{{- '<|image|>' }}"
+    "{%- elif part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}"
+    "{%- endfor %}{%- endif %}{{- '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
+)
+
+
+def mllama_processor():
+    """Llama 3.2 Vision's processor (one `<|image|>` token per image, cross-attention)."""
+    from transformers import MllamaProcessor
+    from transformers.models.mllama.image_processing_pil_mllama import MllamaImageProcessorPil
+
+    tok = byte_tokenizer(
+        ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|image|>"],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+        pad="<|finetune_right_pad_id|>",
+    )
+    image_processor = MllamaImageProcessorPil(size={"height": 28, "width": 28}, max_image_tiles=1)
+    return MllamaProcessor(
+        image_processor=image_processor, tokenizer=tok, chat_template=LLAMA3_VISION_TEMPLATE
+    )
