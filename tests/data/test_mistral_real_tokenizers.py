@@ -130,3 +130,86 @@ def test_sentencepiece_train_on_eos_last_and_none(tmp_path, tmp_path_factory):
             for k, lab in enumerate(expected)
         ]
         assert item["labels"] == expected
+
+
+class _PixtralByMistralCommon:
+    """A processor built in the test: the rendered text is tokenized by the Tekken tokenizer
+    and each `[IMG]` placeholder is replaced by mistral-common's own image tokens (rows of
+    `[IMG]` closed by `[IMG_BREAK]`, the last by `[IMG_END]`)."""
+
+    def __init__(self, tokenizer, image_encoder):
+        self.tokenizer = tokenizer
+        self.image_encoder = image_encoder
+        self.chat_template = None
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, **kwargs)
+
+    def __call__(self, text, images=None, return_tensors="pt", add_special_tokens=False):
+        import torch
+        from mistral_common.protocol.instruct.messages import ImageChunk
+        from transformers import BatchFeature
+
+        (text,) = text
+        pieces = text.split("[IMG]")
+        ids = list(self.tokenizer(pieces[0], add_special_tokens=False)["input_ids"])
+        pixels = []
+        for image, piece in zip(images or [], pieces[1:]):
+            encoding = self.image_encoder(ImageChunk(image=image))
+            ids += encoding.tokens
+            pixels.append(torch.as_tensor(encoding.image))
+            ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
+        data = {"input_ids": torch.tensor([ids])}
+        if pixels:
+            data["pixel_values"] = torch.stack(pixels)
+        return BatchFeature(data)
+
+
+def test_pixtral_images_on_real_tekken_ids(tmp_path, monkeypatch):
+    """Pixtral's `[/INST]` shared marker on the real Tekken tokenizer, with an image: our ids
+    equal mistral-common's, and exactly the answers are trained."""
+    import numpy as np
+    from mistral_common.protocol.instruct.messages import ImageChunk, TextChunk
+    from mistral_common.tokens.tokenizers import image as mc_image
+    from PIL import Image
+
+    # Resizing needs OpenCV; the pixels are not what is tested here, the tokens are.
+    monkeypatch.setattr(
+        mc_image, "transform_image", lambda im, size: np.zeros((3, size[1], size[0]), np.float32)
+    )
+    file_name = "tekken_240911.json"
+    tok = _hf_tekken(file_name)
+    mt = MistralTokenizer.from_file(str(DATA / file_name), mode=ValidationMode.finetuning)
+    image = Image.new("RGB", (40, 20), (10, 20, 30))
+    image.save(tmp_path / "img.png")
+    reference = mt.encode_chat_completion(
+        ChatCompletionRequest(
+            messages=[
+                UserMessage(content=[ImageChunk(image=image), TextChunk(text="What is it?")]),
+                AssistantMessage(content="A box."),
+                UserMessage(content="Sure?"),
+                AssistantMessage(content="Yes."),
+            ]
+        )
+    ).tokens
+    row = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}],
+            },
+            {"role": "assistant", "content": "A box."},
+            {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Yes."},
+        ],
+        "images": ["img.png"],
+    }
+    path = write_jsonl(tmp_path / "vl.jsonl", [row])
+    processor = _PixtralByMistralCommon(tok, mt.instruct_tokenizer.image_encoder)
+    settings = DataSettings(datasets=[{"path": str(path)}], chat_template="pixtral")
+    item = build_train_dataset(settings, tok, sequence_len=512, seed=0, processor=processor)[0]
+    assert item["input_ids"] == reference
+    assert tok.convert_ids_to_tokens(reference).count("[IMG]") == 6  # 3 x 2 patches of 16 px
+    assert item["labels"] == _answer_labels(
+        reference, tok.convert_tokens_to_ids("[/INST]"), tok.eos_token_id
+    )
