@@ -352,3 +352,20 @@ def test_llama3_2_vision_processor(tmp_path):
     assert item["cross_attention_mask"].shape == (1, len(ids), 1, 1)
     batch = build_collator(proc.tokenizer, sequence_len=512, packing=False)([item, item])
     assert batch["cross_attention_mask"].shape == (2, len(ids), 1, 1)
+
+
+def test_load_processor_from_a_folder(tmp_path, caplog):
+    from pydantic import ValidationError
+
+    from protrain.train.data import load_processor
+
+    gemma3_processor().save_pretrained(str(tmp_path))
+    settings = DataSettings(
+        processor_type="Gemma3Processor", processor_kwargs={"image_seq_length": 2, "revision": "x"}
+    )
+    with caplog.at_level(logging.WARNING, logger="protrain.train.data"):
+        processor = load_processor(settings, str(tmp_path))
+    assert type(processor).__name__ == "Gemma3Processor" and processor.image_seq_length == 2
+    assert any("processor_kwargs.revision" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ValidationError, match="processor_type: 'NopeProcessor'"):
+        DataSettings(processor_type="NopeProcessor")

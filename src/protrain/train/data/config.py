@@ -183,6 +183,20 @@ class DataSettings(BaseModel):
     def _template(cls, v: str | None) -> str | None:
         return check_template_spec(v)
 
+    @field_validator("processor_type")
+    @classmethod
+    def _processor_class(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        import transformers
+
+        if not v.endswith("Processor") or not hasattr(transformers, v):
+            raise ValueError(
+                f"processor_type: {v!r} is not a processor class of transformers; "
+                "use AutoProcessor or a class such as Qwen2VLProcessor, Gemma3Processor"
+            )
+        return v
+
     @field_validator("val_set_size")
     @classmethod
     def _whole_count(cls, v: float) -> float:
