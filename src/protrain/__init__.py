@@ -14,7 +14,7 @@ def __getattr__(name: str):
     if name in _ENGINE_API:
         import importlib
 
-        value = getattr(importlib.import_module("protrain.wrap"), name)
-        globals()[name] = value  # also replaces the submodule binding of "wrap"
+        value = getattr(importlib.import_module("protrain.engine"), name)
+        globals()[name] = value
         return value
     raise AttributeError(f"module 'protrain' has no attribute {name!r}")

@@ -26,8 +26,6 @@ The training step is plain PyTorch::
 from __future__ import annotations
 
 import logging
-import sys
-import types
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -309,14 +307,3 @@ def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load a state dict (e.g. from :func:`state_dict`) into a wrapped model."""
     _engine(model).load_state_dict(sd, strict=strict)
-
-
-class _CallableModule(types.ModuleType):
-    """``protrain.wrap`` names both this module and the function; importing the submodule
-    makes Python bind the package attribute to the module, so the module forwards calls."""
-
-    def __call__(self, *args, **kwargs):
-        return wrap(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
