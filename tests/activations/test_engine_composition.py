@@ -20,7 +20,6 @@ from .models import ACCUM, LR, STEPS, WD, batches, build, lora, train
 POLICIES = {
     "checkpoint": ["checkpoint"] * 4,
     "swap": ["swap"] * 4,
-    "offload_checkpoint": ["offload_checkpoint"] * 4,
     "mix": ["swap", "checkpoint", "offload_checkpoint", "keep"],
 }
 

@@ -22,7 +22,6 @@ POLICIES = {
     "swap": ["swap"] * N_BLOCKS,
     "offload_checkpoint": ["offload_checkpoint"] * N_BLOCKS,
     "rule_1swap_2ckpt": place_policies(N_BLOCKS, n_swap=1, n_checkpoint=2),
-    "rule_2swap_2ckpt": place_policies(N_BLOCKS, n_swap=2, n_checkpoint=2),
     "all_four": ["swap", "offload_checkpoint", "checkpoint", "keep"],
 }
 
