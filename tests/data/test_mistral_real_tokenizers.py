@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("mistral_common")
 pytest.importorskip("sentencepiece")
+pytest.importorskip("google.protobuf")  # transformers reads SentencePiece models through it
 
 import mistral_common  # noqa: E402
 from mistral_common.protocol.instruct.messages import (  # noqa: E402
