@@ -369,3 +369,11 @@ def test_load_processor_from_a_folder(tmp_path, caplog):
     assert any("processor_kwargs.revision" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValidationError, match="processor_type: 'NopeProcessor'"):
         DataSettings(processor_type="NopeProcessor")
+
+
+def test_llama3_2_vision_rows_cannot_be_packed(tmp_path):
+    from .vision_helpers import mllama_processor
+
+    write_image(tmp_path / "cat.png")
+    with pytest.raises(DataError, match="field 'sample_packing'.*cross_attention_mask"):
+        _build(tmp_path, mllama_processor(), [_row("cat.png")], sample_packing=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from protrain.train.data.errors import DataError
 from protrain.train.data.masks import IGNORE_INDEX
 
 # Keys of items that are per-token and padded/concatenated with the text.
@@ -78,6 +79,19 @@ def _media(items: Sequence[dict[str, Any]]) -> dict[str, torch.Tensor]:
     return out
 
 
+def check_flattenable(item: dict[str, Any]) -> None:
+    """Padding-free batches cannot carry per-token tensors of more than one dimension per
+    token (Llama 3.2 Vision's `cross_attention_mask`): say so instead of mixing them up."""
+    n = len(item["input_ids"])
+    for key, value in item.items():
+        if isinstance(value, torch.Tensor) and value.dim() >= 3 and value.shape[:2] == (1, n):
+            raise DataError(
+                f"packed / padding-free batches do not support per-token tensor {key!r} "
+                f"of shape {tuple(value.shape)}; set sample_packing: false for this model",
+                field="sample_packing",
+            )
+
+
 def _positions(item: dict[str, Any]) -> list[int]:
     if "position_ids" in item:
         return _as_list(item["position_ids"])
@@ -136,6 +150,7 @@ class Collator:
         extra_keys = token_extra_keys(items[0])
         extras: dict[str, list[int]] = {k: [] for k in extra_keys}
         for item in items:
+            check_flattenable(item)
             for k in extra_keys:
                 extras[k] += _as_list(item[k])
             item_ids = _as_list(item["input_ids"])

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from protrain.train.data.collate import _as_list, _cat_padded, token_extra_keys
+from protrain.train.data.collate import (
+    _as_list,
+    _cat_padded,
+    check_flattenable,
+    token_extra_keys,
+)
 
 
 def plan_bins(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
@@ -42,6 +47,8 @@ def plan_bins(lengths: list[int], capacity: int, seed: int) -> list[list[int]]:
 def pack_items(
     items: list[dict[str, Any]], *, sequence_len: int, seed: int
 ) -> list[dict[str, Any]]:
+    for item in items:
+        check_flattenable(item)
     lengths = [len(item["input_ids"]) for item in items]
     packs = []
     for members in plan_bins(lengths, sequence_len, seed):
