@@ -12,25 +12,24 @@ import functools
 import shutil
 from pathlib import Path
 
+# The dev extra installs these; a missing one is a failure, not a skip. transformers reads
+# SentencePiece models through protobuf.
+import google.protobuf  # noqa: F401
+import mistral_common
 import pytest
-
-pytest.importorskip("mistral_common")
-pytest.importorskip("sentencepiece")
-pytest.importorskip("google.protobuf")  # transformers reads SentencePiece models through it
-
-import mistral_common  # noqa: E402
-from mistral_common.protocol.instruct.messages import (  # noqa: E402
+import sentencepiece  # noqa: F401
+from mistral_common.protocol.instruct.messages import (
     AssistantMessage,
     SystemMessage,
     UserMessage,
 )
-from mistral_common.protocol.instruct.request import ChatCompletionRequest  # noqa: E402
-from mistral_common.protocol.instruct.validator import ValidationMode  # noqa: E402
-from mistral_common.tokens.tokenizers.mistral import MistralTokenizer  # noqa: E402
+from mistral_common.protocol.instruct.request import ChatCompletionRequest
+from mistral_common.protocol.instruct.validator import ValidationMode
+from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
 
-from protrain.train.data import IGNORE_INDEX, DataSettings, build_train_dataset  # noqa: E402
+from protrain.train.data import IGNORE_INDEX, DataSettings, build_train_dataset
 
-from .helpers import write_jsonl  # noqa: E402
+from .helpers import write_jsonl
 
 DATA = Path(mistral_common.__file__).parent / "data"
 

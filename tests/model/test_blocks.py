@@ -238,7 +238,8 @@ def test_hybrid_qwen3_next_linear_and_full_attention() -> None:
 
 
 def test_lora_wrapped_llama() -> None:
-    peft = pytest.importorskip("peft")
+    import peft
+
     model = _build(T.LlamaConfig, T.LlamaForCausalLM, num_hidden_layers=2, **TEXT)
     lora = peft.get_peft_model(
         model,
