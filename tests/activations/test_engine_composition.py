@@ -83,3 +83,25 @@ def test_tiled_mlp_and_chunked_loss_with_all_chunks_offloaded(mode):
     finally:
         handle.remove()
         protrain.close(model)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_parameters_in_chunk_storage_are_not_swapped(mode):
+    """Parameters are views of chunk buffers under the engine: swap leaves them to the runtime."""
+    base = build("llama")
+    if mode == "lora":
+        base = lora(base)
+    data = batches(1)[0]
+    plain = copy.deepcopy(base)
+    handle = apply_activation_policies(plain, ["swap"] * 4, device="cpu")
+    plain(**data).loss.backward()
+    expected = handle.swapper.transfer.bytes_to_host
+    handle.remove()
+    model, _, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, device="cpu")
+    handle = apply_activation_policies(model, ["swap"] * 4, device="cpu")
+    try:
+        model(**data).loss.backward()
+        assert handle.swapper.transfer.bytes_to_host == expected
+    finally:
+        handle.remove()
+        protrain.close(model)
