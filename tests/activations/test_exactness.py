@@ -94,3 +94,22 @@ def test_eval_and_no_grad_run_the_plain_forward():
     torch.testing.assert_close(out, ref, atol=0, rtol=0)
     assert handle.swapper.transfer.bytes_to_host == 0
     handle.remove()
+
+
+def test_knobs_place_by_the_rule():
+    from protrain.activations import apply_activation_knobs
+
+    model = build("llama")
+    handle = apply_activation_knobs(
+        model, n_swap=1, n_checkpoint=2, device="cpu", offload_checkpoint_inputs=True
+    )
+    assert [p.value for p in handle.policies] == [
+        "swap",
+        "offload_checkpoint",
+        "offload_checkpoint",
+        "keep",
+    ]
+    model(**batches(1)[0]).loss.backward()
+    handle.remove()
+    with pytest.raises(ValueError, match="more than the model's 4 blocks"):
+        apply_activation_knobs(model, n_swap=3, n_checkpoint=2, device="cpu")

@@ -6,7 +6,11 @@ One concept per file: ``policy`` (the policies and the placement rule), ``checkp
 ``apply`` (putting policies on a model), ``tiled_mlp``, ``chunked_loss``, ``estimate``.
 """
 
-from protrain.activations.apply import ActivationHandle, apply_activation_policies
+from protrain.activations.apply import (
+    ActivationHandle,
+    apply_activation_knobs,
+    apply_activation_policies,
+)
 from protrain.activations.chunked_loss import chunked_causal_lm_loss_sum
 from protrain.activations.policy import ActivationPolicy, as_policies, place_policies
 from protrain.activations.swap import ActivationSwapper
@@ -16,6 +20,7 @@ __all__ = [
     "ActivationHandle",
     "ActivationPolicy",
     "ActivationSwapper",
+    "apply_activation_knobs",
     "apply_activation_policies",
     "apply_tiled_mlp",
     "as_policies",

@@ -17,7 +17,7 @@ from torch import nn
 
 from protrain.activations.checkpoint import checkpointed_forward
 from protrain.activations.offload_checkpoint import offload_checkpointed_forward
-from protrain.activations.policy import ActivationPolicy, as_policies
+from protrain.activations.policy import ActivationPolicy, as_policies, place_policies
 from protrain.activations.swap import ActivationSwapper, swapped_forward
 from protrain.activations.tiled_mlp import TiledMLPHandle, apply_tiled_mlp
 from protrain.model.blocks import discover_blocks
@@ -147,3 +147,28 @@ def apply_activation_policies(
         ", ".join(f"{p.value}={chosen.count(p)}" for p in ActivationPolicy),
     )
     return handle
+
+
+def apply_activation_knobs(
+    model: nn.Module,
+    n_swap: int = 0,
+    n_checkpoint: int = 0,
+    *,
+    device: torch.device | str | None = None,
+    offload_checkpoint_inputs: bool = False,
+    tiled_mlp_tokens: int | None = None,
+    layout: BlockLayout | None = None,
+) -> ActivationHandle:
+    """The plan's knobs applied: :func:`place_policies` over the model's blocks, then
+    :func:`apply_activation_policies`. Blocks of several stacks (an encoder and a decoder,
+    a vision tower and a language model) are placed as one sequence, in discovery order."""
+    layout = layout or discover_blocks(model)
+    policies = place_policies(
+        len(layout.blocks),
+        n_swap,
+        n_checkpoint,
+        offload_checkpoint_inputs=offload_checkpoint_inputs,
+    )
+    return apply_activation_policies(
+        model, policies, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
+    )

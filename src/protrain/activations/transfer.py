@@ -52,6 +52,8 @@ class HostTransfer:
     def __init__(self, device: torch.device | str, max_in_flight_bytes: int = 1 << 30):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        if self.is_cuda and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_in_flight_bytes = max_in_flight_bytes
         self._in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (event, source)
         self._in_flight_bytes = 0
