@@ -9,8 +9,9 @@ one storage share one host copy.
 In backward, when the gradient of a swapped block's output arrives (a tensor hook: the block's
 backward is about to begin), its group of copies is brought back, and so are the groups of
 the next ``prefetch_groups`` swapped blocks in backward order, on ``h2d_stream``. A device
-copy is dropped as soon as the last saved tensor over it has been unpacked, and the next
-group is prefetched then: at most ``prefetch_groups + 1`` groups are on the device at once.
+copy is dropped as soon as the last saved tensor over it has been unpacked. So about
+``prefetch_groups + 1`` groups are on the device at once (one more while a block's last
+weight-gradient nodes run after the next block's backward has begun).
 """
 
 from __future__ import annotations
@@ -165,8 +166,6 @@ class ActivationSwapper:
         left = group.pending[id(copy)] = group.pending[id(copy)] - 1
         if left <= 0:
             self.transfer.release(copy)  # the last saved tensor over this storage is unpacked
-            if all(n <= 0 for n in group.pending.values()):
-                self._prefetch_after(group)
         return out
 
     def synchronize(self) -> None:
