@@ -113,3 +113,11 @@ def test_knobs_place_by_the_rule():
     handle.remove()
     with pytest.raises(ValueError, match="more than the model's 4 blocks"):
         apply_activation_knobs(model, n_swap=3, n_checkpoint=2, device="cpu")
+
+
+def test_a_failed_apply_leaves_the_model_as_it_was():
+    model = build("llama")
+    with pytest.raises(ValueError, match="tile_tokens"):
+        apply_activation_policies(model, POLICIES["all_four"], device="cpu", tiled_mlp_tokens=0)
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    apply_activation_policies(model, POLICIES["swap"], device="cpu").remove()

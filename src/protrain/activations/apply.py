@@ -120,7 +120,22 @@ def apply_activation_policies(
         else None
     )
     handle = ActivationHandle(model, names, chosen, swapper)
-    for block, policy in zip(layout.blocks, chosen):
+    try:
+        _apply(handle, layout, tiled_mlp_tokens)
+    except BaseException:
+        handle.remove()  # nothing half-applied stays on the model
+        raise
+    model._protrain_activations = handle
+    log.info(
+        "activation policies: %s",
+        ", ".join(f"{p.value}={chosen.count(p)}" for p in ActivationPolicy),
+    )
+    return handle
+
+
+def _apply(handle: ActivationHandle, layout: BlockLayout, tiled_mlp_tokens: int | None) -> None:
+    swapper = handle.swapper
+    for block, policy in zip(layout.blocks, handle.policies):
         if (
             getattr(block.module, "gradient_checkpointing", False)
             and policy is not ActivationPolicy.KEEP
@@ -140,13 +155,9 @@ def apply_activation_policies(
                 wrap_forward(block.module, lambda f: offload_checkpointed_forward(f, swapper))
             )
     if tiled_mlp_tokens is not None:
-        handle.tiled_mlp = apply_tiled_mlp(model, tile_tokens=tiled_mlp_tokens, layout=layout)
-    model._protrain_activations = handle
-    log.info(
-        "activation policies: %s",
-        ", ".join(f"{p.value}={chosen.count(p)}" for p in ActivationPolicy),
-    )
-    return handle
+        handle.tiled_mlp = apply_tiled_mlp(
+            handle.model, tile_tokens=tiled_mlp_tokens, layout=layout
+        )
 
 
 def apply_activation_knobs(
