@@ -81,3 +81,18 @@ def test_offload_checkpoint_holds_only_the_hidden_states():
     model(**data).loss.backward()
     assert handle.swapper.transfer.bytes_to_host == 4 * 2 * 12 * 32 * 4
     handle.remove()
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_outputs_saved_by_their_own_op_come_back_right(attn):
+    """Eager attention's softmax saves its own output; the unpacked copy must serve it."""
+    base = build("llama", attn_implementation=attn)
+    data = batches(1)[0]
+    ref = copy.deepcopy(base)
+    ref(**data).loss.backward()
+    model = copy.deepcopy(base)
+    handle = apply_activation_policies(model, ["swap", "offload_checkpoint"] * 2, device="cpu")
+    model(**data).loss.backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    handle.remove()
