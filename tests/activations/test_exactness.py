@@ -121,3 +121,23 @@ def test_a_failed_apply_leaves_the_model_as_it_was():
         apply_activation_policies(model, POLICIES["all_four"], device="cpu", tiled_mlp_tokens=0)
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
     apply_activation_policies(model, POLICIES["swap"], device="cpu").remove()
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_recomputed_blocks_get_no_cache(use_cache):
+    """A cache filled again by recomputation would double the keys (eager attention fails)."""
+    base = build("llama", attn_implementation="eager")
+    data = {**batches(1)[0], "use_cache": use_cache}
+    ref = copy.deepcopy(base)
+    ref(**data).loss.backward()
+    model = copy.deepcopy(base)
+    caches = []
+    model.model.layers[1].self_attn.register_forward_hook(
+        lambda m, a, kw, out: caches.append(kw.get("past_key_values")), with_kwargs=True
+    )
+    handle = apply_activation_policies(model, ["checkpoint", "offload_checkpoint"] * 2)
+    model(**data).loss.backward()
+    assert caches == [None, None]  # forward and recomputation
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    handle.remove()

@@ -9,7 +9,8 @@ like swapped tensors when the block's backward is about to begin.
 The inputs reach the checkpointed function through a small holder object instead of as
 arguments: ``checkpoint`` keeps its arguments alive until backward, the holder lets go of
 the device tensors after forward. The autograd graph still links the block's outputs to its
-inputs' producers, so gradients flow as they do for a plain checkpoint.
+inputs' producers, so gradients flow as they do for a plain checkpoint. A key-value cache
+is not passed on, as for a plain checkpoint (see :mod:`protrain.activations.checkpoint`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from protrain.activations.checkpoint import without_cache
 from protrain.activations.swap import ActivationSwapper
 
 
@@ -65,7 +67,7 @@ def offload_checkpointed_forward(forward: Callable, swapper: ActivationSwapper) 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        held = _HeldInputs(swapper, args, kwargs)
+        held = _HeldInputs(swapper, args, without_cache(kwargs))
         out = checkpoint(recompute, held, use_reentrant=False)
         held.release(out)
         return out
