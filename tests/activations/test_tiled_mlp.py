@@ -192,3 +192,26 @@ def test_policy_rule_with_tiles_runs_no_collectives_without_a_process_group():
     apply_activation_policies(model, place_policies(4, 1, 2), device="cpu", tiled_mlp_tokens=TILE)
     model(**batches(1, seq=SEQ)[0]).loss.backward()
     assert not dist.is_initialized()
+
+
+def test_an_mlp_returning_more_than_a_tensor_is_refused():
+    class RouterMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.proj(x), x.sum(-1)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mlp = RouterMLP()
+
+        def forward(self, x):
+            return self.mlp(x)[0]
+
+    model = torch.nn.Sequential(Block(), Block())
+    apply_tiled_mlp(model, tile_tokens=2)
+    with pytest.raises(TypeError, match="do not tile this model's MLP"):
+        model(torch.randn(1, 5, 8))

@@ -49,6 +49,14 @@ def tiled_forward(forward: Callable, tile_tokens: int) -> Callable:
             outs = [checkpoint(forward, t, use_reentrant=False) for t in tiles]
         else:
             outs = [forward(t) for t in tiles]
+        if not all(
+            torch.is_tensor(o) and o.shape[:-1] == t.shape[:-1] for o, t in zip(outs, tiles)
+        ):
+            raise TypeError(
+                "tiled MLP: the MLP must map a (..., seq, hidden) tensor to one tensor of the "
+                f"same leading shape; got {type(outs[0]).__name__} (e.g. a mixture-of-experts "
+                "layer returning router logits): do not tile this model's MLP"
+            )
         return torch.cat(outs, dim=-2)
 
     return run
