@@ -96,3 +96,57 @@ def test_outputs_saved_by_their_own_op_come_back_right(attn):
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
     handle.remove()
+
+
+@pytest.mark.parametrize(
+    "policy, inputs_alive",
+    [("keep", 4), ("checkpoint", 4), ("swap", 0), ("offload_checkpoint", 0)],
+)
+def test_what_stays_alive_between_forward_and_backward(policy, inputs_alive):
+    """Block inputs after forward: kept by keep (RMSNorm saves them) and by checkpoint (it
+    holds them for the recomputation); freed by swap and offload-checkpoint (host copies)."""
+    import weakref
+
+    model = build("llama")
+    data = {**batches(1)[0], "use_cache": False}
+    refs = []
+    for layer in model.model.layers:
+        layer.register_forward_pre_hook(
+            lambda m, args, kwargs: refs.append(
+                weakref.ref(args[0] if args else kwargs["hidden_states"])
+            ),
+            with_kwargs=True,
+        )
+    handle = apply_activation_policies(model, [policy] * 4, device="cpu")
+    loss = model(**data).loss
+    assert sum(r() is not None for r in refs) == inputs_alive
+    loss.backward()
+    handle.remove()
+
+
+def test_copies_to_the_host_in_flight_are_bounded():
+    """The bound on copies in flight (CUDA events, faked here): the oldest is waited for."""
+    from protrain.activations.transfer import HostTransfer
+
+    class FakeEvent:
+        def __init__(self):
+            self.done, self.waited = False, False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = self.done = True
+
+    transfer = HostTransfer("cpu", max_in_flight_bytes=100)
+    events = [FakeEvent() for _ in range(4)]
+    for e in events:
+        transfer._in_flight.append((e, torch.empty(40, dtype=torch.uint8)))
+        transfer._in_flight_bytes += 40
+        transfer._retire_in_flight()
+    # 40, 80 fit; at 120 the oldest is waited for (80 left), at 120 again the next one
+    assert [e.waited for e in events] == [True, True, False, False]
+    assert transfer._in_flight_bytes == 80
+    events[2].done = True  # completed copies are retired without waiting
+    transfer._retire_in_flight()
+    assert transfer._in_flight_bytes == 40 and not events[2].waited

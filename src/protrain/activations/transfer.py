@@ -86,9 +86,10 @@ class HostTransfer:
     def _retire_in_flight(self) -> None:
         while self._in_flight:
             event, source = self._in_flight[0]
-            if self._in_flight_bytes <= self.max_in_flight_bytes and not event.query():
-                break
-            event.synchronize()  # bounded in flight: wait for the oldest copy
+            if not event.query():
+                if self._in_flight_bytes <= self.max_in_flight_bytes:
+                    break
+                event.synchronize()  # bounded in flight: wait for the oldest copy
             self._in_flight.popleft()
             self._in_flight_bytes -= source.numel()
 
