@@ -31,7 +31,7 @@ class _HeldInputs:
         self.swapper = swapper
         self.args, self.kwargs = list(args), dict(kwargs)
         self.group = swapper.open_group()
-        self.packed: dict[tuple[str, object], tuple[object, bool]] = {}
+        self.packed: dict[tuple[str, object], object] = {}  # where -> swapper handle
         for i, a in enumerate(self.args):
             self._hold(("arg", i), a)
         for k, a in self.kwargs.items():
@@ -39,15 +39,15 @@ class _HeldInputs:
 
     def _hold(self, where, a) -> None:
         if torch.is_tensor(a) and a.requires_grad:
-            self.packed[where] = (self.swapper.pack(self.group, a.detach()), True)
+            self.packed[where] = self.swapper.pack(self.group, a.detach())
 
     def arguments(self) -> tuple[list, dict]:
         """The arguments, device tensors read back from host memory where forward dropped them."""
         args, kwargs = list(self.args), dict(self.kwargs)
-        for (kind, key), (packed, requires_grad) in self.packed.items():
+        for (kind, key), packed in self.packed.items():
             target = args if kind == "arg" else kwargs
-            if target[key] is None:
-                target[key] = self.swapper.unpack(packed).requires_grad_(requires_grad)
+            if target[key] is None:  # only inputs that need a gradient are held
+                target[key] = self.swapper.unpack(packed).requires_grad_(True)
         return args, kwargs
 
     def release(self, output) -> None:
