@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
     p.add_argument("--n-persist", type=int)
     p.add_argument("--n-buffer", type=int)
+    p.add_argument("--chunk-mib", type=float, help="protrain: chunk size (default: the engine's)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -91,6 +92,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         max_grad_norm=args.max_grad_norm or None,
         n_persist=args.n_persist,
         n_buffer=args.n_buffer,
+        chunk_size_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
     )
 
 
@@ -123,8 +125,9 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
             if i == 0:
                 _sync(spec.device)
                 out["time_to_first_step_s"] = round(time.perf_counter() - _START, 2)
+            extras = trainer.extras()  # every step, so that timed steps count only their own
             if i >= warmup:
-                for k, v in trainer.extras().items():
+                for k, v in extras.items():
                     extras_sum[k] = extras_sum.get(k, 0.0) + v
         _sync(spec.device)
         step_s = (time.perf_counter() - t0) / steps

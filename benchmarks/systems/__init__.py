@@ -31,6 +31,7 @@ class RowSpec:
     max_grad_norm: float | None = 1.0  # None: no clipping
     n_persist: int | None = None
     n_buffer: int | None = None
+    chunk_size_bytes: int | None = None  # protrain only
 
 
 @dataclass

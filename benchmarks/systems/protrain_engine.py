@@ -27,7 +27,11 @@ def setup(spec: RowSpec) -> Trainer:
     model.train()
     knobs = {
         k: v
-        for k, v in (("n_persist", spec.n_persist), ("n_buffer", spec.n_buffer))
+        for k, v in (
+            ("n_persist", spec.n_persist),
+            ("n_buffer", spec.n_buffer),
+            ("chunk_size_bytes", spec.chunk_size_bytes),
+        )
         if v is not None
     }
     model, optimizer, layout = protrain.wrap(
@@ -72,9 +76,14 @@ class _StepTimes:
 
     def __init__(self, model, optimizer) -> None:
         self._stats = getattr(optimizer, "stats", None)
+        engine = getattr(model, "_protrain_engine", None)
+        self._manager = getattr(engine, "manager", None)
         if not isinstance(self._stats, dict):
-            engine = getattr(model, "_protrain_engine", None)
-            self._stats = getattr(getattr(engine, "manager", None), "stats", None)
+            self._stats = getattr(self._manager, "stats", None)
+        # Compute-stream stalls on gathers, timed with CUDA events (read once per step).
+        if self._manager is not None and getattr(self._manager, "is_cuda", False):
+            self._manager.time_copy_waits = True
+        self._copy_wait_s = 0.0
         self._last = self._snapshot()
 
     def _snapshot(self) -> dict[str, float]:
@@ -83,6 +92,10 @@ class _StepTimes:
         return {k: float(v) for k, v in self._stats.items() if k.endswith("_s")}
 
     def __call__(self) -> dict[str, float]:
+        if self._manager is not None and getattr(self._manager, "time_copy_waits", False):
+            self._copy_wait_s += self._manager.copy_wait_s()
+            if isinstance(self._stats, dict):
+                self._stats["wait_copy_s"] = self._copy_wait_s
         now = self._snapshot()
         delta = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
         self._last = now

@@ -49,10 +49,11 @@ class ParamSlot:
 
     ``device_view``: the parameter's bytes in the chunk's device buffer (``param.data``).
     ``host_view``: the same bytes in the host copy (offloaded chunks only).
-    ``master``: fp32 master weight (trainable only; on the device for persistent chunks, on the
-    host for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across micro-batches,
-    next to it. ``grad_staging``: pinned host landing place of a low-precision gradient copied
-    from the device (offloaded trainable only).
+    ``master``: fp32 master weight (trainable only; on the device for persistent chunks, in
+    pinned host memory for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across
+    micro-batches, next to it. ``grad_staging``: pinned host landing place of a low-precision
+    gradient of a later micro-batch, added into ``grad_acc`` on the host (offloaded trainable
+    only; the first micro-batch's gradient lands in ``grad_acc`` directly, as fp32).
     """
 
     param: torch.nn.Parameter
@@ -69,6 +70,7 @@ class ParamSlot:
     has_grad: bool = False  # a gradient was accumulated since the last zero_grad
     grad_norm: torch.Tensor | None = None  # norm of grad_acc after the latest accumulation
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
+    grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
 
     @property
     def name(self) -> str:
@@ -88,7 +90,11 @@ class Chunk:
         self.state = ChunkState.RESIDENT if self.persistent else ChunkState.ON_HOST
         self.users = 0  # modules between their forward pre- and post-hook
         self.gathered_event = None  # gather stream event: host-to-device copy done
-        self.update_future: Future | None = None  # host optimizer step writing the host copy
+        self.update_future: Future | None = None  # host optimizer step writing the masters
+        # After a host step the fp32 masters are newer than the host copy: the next gather
+        # copies the masters in and casts on the device, then writes the host copy back.
+        self.host_stale = False
+        self.host_written_event = None  # device-to-host write-back of the host copy done
 
     def drop_build_storage(self) -> None:
         """After the parameter views are made: an offloaded chunk starts with no device bytes."""

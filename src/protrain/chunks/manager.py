@@ -9,14 +9,25 @@ On a CPU compute device the same code runs: "device" storage is host memory, cop
 host-to-host and synchronous, and there are no streams or events.
 
 [Note: stream ordering]
-``param_gather_stream`` runs host-to-device copies. Before compute uses a chunk, the compute
-stream waits on the chunk's ``gathered_event``. Device storage is allocated under the gather
-stream, so its blocks belong to that stream: before a chunk's storage is freed, the gather
-stream waits on an event recorded on the compute stream at release time, which orders every
-use already enqueued before any later copy into the same memory. The host optimizer writes a
-chunk's host copy only after that chunk's last copy-in finished (it synchronizes on
-``gathered_event``), and a gather of a chunk whose host copy is being updated waits for the
-update (``update_future``) before copying.
+``param_gather_stream`` runs host-to-device copies; ``grad_offload_stream`` runs every
+device-to-host copy (gradients in backward, the write-back of updated host copies in
+forward), so that both PCIe directions work at once. Before compute uses a chunk, the
+compute stream waits on the chunk's ``gathered_event``. Device storage is allocated under the
+gather stream, so its blocks belong to that stream: before a chunk's storage is freed, the
+gather stream waits on an event recorded on the compute stream at release time (and on the
+chunk's write-back, if one reads the storage), which orders every use already enqueued
+before any later copy into the same memory. The host optimizer writes a chunk's masters only
+after that chunk's last copy-in finished (it synchronizes on ``gathered_event``), and a
+gather of a chunk whose masters are being updated waits for the update (``update_future``)
+before copying; a prefetch never blocks on an update, it leaves the chunk for later.
+
+[Note: write-back on the device]
+The host optimizer updates fp32 masters only. The first gather after a step copies the
+masters (fp32, in pieces of ``_PIECE_NUMEL``) to the device and casts them into the chunk
+there; the device-to-host stream then copies the cast chunk back into the host copy, which
+later gathers of the same step read. The cast is the same rounding the host would do, so the
+bytes are the same; the host spends no time on it, and the write-back uses the otherwise idle
+device-to-host direction during forward.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import torch
 from protrain.chunks.chunk import Chunk, ChunkState, ParamSlot
 from protrain.chunks.layout import ChunkLayout
 
+_PIECE_NUMEL = 1 << 26  # fp32 elements per master copy-in piece (256 MiB of staging)
 _registered_host_bytes = 0  # host memory this process pinned with cudaHostRegister, live
 
 
@@ -78,7 +90,7 @@ class ChunkManager:
         for spec in self.layout.chunks:
             if not spec.persistent:
                 host_bytes += self.layout.chunk_size_bytes
-                host_bytes += sum(_staging_nbytes(pl) for pl in spec.placements if pl.trainable)
+                host_bytes += sum(_host_extra_nbytes(pl) for pl in spec.placements if pl.trainable)
         if host_bytes:
             # One arena for every host copy and gradient landing place, pinned in place with
             # cudaHostRegister, so that close() can unpin exactly what wrap pinned (memory
@@ -93,6 +105,13 @@ class ChunkManager:
                 self._host_arena_pinned = True
                 _count_registered(host_bytes)
         arena_off = 0
+
+        def take(nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
+            nonlocal arena_off
+            raw = self._host_arena[arena_off : arena_off + nbytes]
+            arena_off += _align64(nbytes)
+            return raw.view(dtype).view(shape)
+
         for spec in self.layout.chunks:
             c = Chunk(spec, self.layout.chunk_size_bytes, self.device)
             self.chunks.append(c)
@@ -111,20 +130,20 @@ class ChunkManager:
                     orig_device=p.device,
                     device_view=c.view(c.device_buffer, pl),
                 )
-                if pl.trainable:
-                    master_device = self.device if c.persistent else torch.device("cpu")
-                    slot.master = src.to(master_device, torch.float32, copy=True)
-                    slot.grad_acc = torch.zeros_like(slot.master)
                 if c.persistent:
+                    if pl.trainable:
+                        slot.master = src.to(self.device, torch.float32, copy=True)
+                        slot.grad_acc = torch.zeros_like(slot.master)
                     slot.device_view.copy_(src)
                 else:
                     slot.host_view = c.view(c.host_buffer, pl)
                     slot.host_view.copy_(src)
                     if pl.trainable:
-                        n = _staging_nbytes(pl)
-                        raw = self._host_arena[arena_off : arena_off + n]
-                        slot.grad_staging = raw[: pl.nbytes].view(pl.dtype).view(pl.shape)
-                        arena_off += n
+                        fp32_bytes = pl.numel * 4
+                        slot.master = take(fp32_bytes, torch.float32, pl.shape)
+                        slot.master.copy_(src)
+                        slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape).zero_()
+                        slot.grad_staging = take(pl.nbytes, pl.dtype, pl.shape)
                 p.data = slot.device_view
                 c.slots.append(slot)
             c.drop_build_storage()  # views are made; one offloaded chunk at a time on device
@@ -164,7 +183,8 @@ class ChunkManager:
             c.users = 0
         if self._order_recorded:
             for ci in self.forward_order[: self.n_buffer]:
-                self._gather(self.chunks[ci], blocking_update=True, required=False)
+                if not self._gather(self.chunks[ci], blocking_update=False, required=False):
+                    break
 
     def begin_backward(self) -> None:
         self.phase = Phase.BACKWARD
@@ -178,7 +198,7 @@ class ChunkManager:
             return
         pos = order.index(ci)
         for nxt in order[pos + 1 : pos + self.n_buffer]:
-            if not self._gather(self.chunks[nxt], blocking_update=True, required=False, keep=keep):
+            if not self._gather(self.chunks[nxt], blocking_update=False, required=False, keep=keep):
                 break
 
     def _gather(
@@ -187,6 +207,8 @@ class ChunkManager:
         """Start the copy-in of ``c`` if it is not on the device. False if there is no room."""
         if c.state in (ChunkState.RESIDENT, ChunkState.IN_FLIGHT):
             return True
+        if c.update_future is not None and not blocking_update and not c.update_future.done():
+            return False
         if len(self.resident) >= self.n_buffer and not self._evict_one(keep | {c.index}):
             if required:
                 raise RuntimeError(
@@ -195,8 +217,6 @@ class ChunkManager:
                 )
             return False
         if c.update_future is not None:
-            if not blocking_update and not c.update_future.done():
-                return False
             t0 = time.perf_counter()
             c.update_future.result()
             self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
@@ -204,16 +224,44 @@ class ChunkManager:
         if self.is_cuda:
             with torch.cuda.stream(self.param_gather_stream):
                 c._set_state(ChunkState.IN_FLIGHT)
-                c.device_buffer[: c.used_bytes].copy_(
-                    c.host_buffer[: c.used_bytes], non_blocking=True
-                )
+                self._copy_in(c)
                 c.gathered_event = self.param_gather_stream.record_event()
+            if c.host_stale:
+                d2h = self.grad_offload_stream
+                d2h.wait_event(c.gathered_event)
+                with torch.cuda.stream(d2h):
+                    c.host_buffer[: c.used_bytes].copy_(
+                        c.device_buffer[: c.used_bytes], non_blocking=True
+                    )
+                    c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
-            c.device_buffer[: c.used_bytes].copy_(c.host_buffer[: c.used_bytes])
+            self._copy_in(c)
+            if c.host_stale:
+                c.host_buffer[: c.used_bytes].copy_(c.device_buffer[: c.used_bytes])
+        c.host_stale = False
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
+
+    def _copy_in(self, c: Chunk) -> None:
+        """Enqueue the copy of ``c`` into its device storage (on the current stream)."""
+        if not c.host_stale:
+            c.device_buffer[: c.used_bytes].copy_(
+                c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
+            )
+            return
+        # See [Note: write-back on the device].
+        for s in c.slots:
+            if s.master is None:
+                s.device_view.copy_(s.host_view, non_blocking=self.is_cuda)
+            elif not self.is_cuda:
+                s.device_view.copy_(s.master)
+            else:
+                master, dev = s.master.view(-1), s.device_view.view(-1)
+                for a in range(0, master.numel(), _PIECE_NUMEL):
+                    piece = master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
+                    dev[a : a + _PIECE_NUMEL].copy_(piece)
 
     def _wait_gathered(self, c: Chunk) -> None:
         if c.state is ChunkState.IN_FLIGHT:
@@ -242,6 +290,9 @@ class ChunkManager:
             self.param_gather_stream.wait_event(
                 torch.cuda.current_stream(self.device).record_event()
             )
+            if c.host_written_event is not None:
+                self.param_gather_stream.wait_event(c.host_written_event)
+                c.host_written_event = None
         c._set_state(ChunkState.RELEASED)
         self.resident.pop(c.index, None)
 
@@ -273,7 +324,7 @@ class ChunkManager:
                 s.device_view = s.host_view = s.master = s.grad_acc = s.grad_staging = None
             c.slots.clear()
             c.device_buffer = c.host_buffer = None
-            c.gathered_event = c.update_future = None
+            c.gathered_event = c.update_future = c.host_written_event = None
         if self._host_arena is not None and self._host_arena_pinned:
             torch.cuda.cudart().cudaHostUnregister(self._host_arena.data_ptr())
             _count_registered(-self._host_arena.numel())
@@ -282,8 +333,14 @@ class ChunkManager:
         self.param_gather_stream = self.grad_offload_stream = None
 
 
-def _staging_nbytes(pl) -> int:
-    return (pl.nbytes + 63) // 64 * 64
+def _align64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def _host_extra_nbytes(pl) -> int:
+    """Pinned host bytes of a trainable offloaded parameter beyond its host copy: the fp32
+    master, the fp32 gradient accumulator and the low-precision gradient landing place."""
+    return 2 * _align64(pl.numel * 4) + _align64(pl.nbytes)
 
 
 def _count_registered(n: int) -> None:

@@ -1,10 +1,12 @@
 """Hybrid AdamW: one optimizer object over parameters that live in chunks on two devices.
 
 Inside it, PyTorch's own fused AdamW does every update (``torch.optim.AdamW(fused=True)``):
-one instance over the fp32 masters of all persistent chunks, on the compute device, and one
-instance per offloaded chunk over that chunk's fp32 masters, on the host. Nothing of Adam is
-written here; this class only decides when each instance steps and copies the updated
-masters back into the low-precision storage the model computes with.
+one instance over the fp32 masters of all persistent chunks, on the compute device (one
+multi-tensor launch, followed by one ``_foreach_copy_`` of the masters into the chunks), and
+one instance per offloaded chunk over that chunk's pinned fp32 masters, on the host. Nothing
+of Adam is written here; this class only decides when each instance steps. The cast of
+updated offloaded masters into the low-precision chunk happens on the device at the chunk's
+next gather (see [Note: write-back on the device] in ``chunks/manager.py``).
 
 To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
 parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
@@ -15,11 +17,13 @@ Global-norm clipping needs the norm over every gradient before any parameter cha
 update can start before the last backward ends. The host updates therefore overlap the *next
 forward*: ``step`` enqueues one task per offloaded chunk on the CPU worker, in forward order,
 and returns; the gather of a chunk in the next forward waits only for that chunk's task.
-The norm stays cheap because the worker takes each offloaded gradient's 2-norm right after
-accumulating it, during backward; ``clip_grad_norm_`` only combines per-parameter norms and
-scales the persistent gradients on the device, and the clip coefficient is applied to the
-offloaded gradients inside their step task, with the same multiplication torch does, so the
-result equals ``torch.nn.utils.clip_grad_norm_`` followed by ``AdamW.step``.
+The norm stays cheap because each offloaded gradient's 2-norm is taken as it arrives, during
+backward (on the device for the first micro-batch, on the host worker after a host
+accumulation); ``clip_grad_norm_`` only combines per-parameter norms (as torch does: a norm
+of the per-tensor norms) and scales the persistent gradients on the device, and the clip
+coefficient is applied to the offloaded gradients inside their step task, with the same
+multiplication torch does, so the result equals ``torch.nn.utils.clip_grad_norm_`` followed
+by ``AdamW.step``.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ class HybridAdamW(torch.optim.Optimizer):
             id(slot_of[p]): gi for gi, g in enumerate(self.param_groups) for p in g["params"]
         }
         persistent = [s for s in self._slots if manager.chunks[s.chunk].persistent]
+        self._persistent_slots = persistent
         self._device_opt = self._inner(persistent)
         self._host_opts = {
             c.index: self._inner(c.trainable_slots) for c in manager.offloaded if c.trainable_slots
@@ -102,16 +107,20 @@ class HybridAdamW(torch.optim.Optimizer):
         """Global-norm clipping over all gradients, wherever they live (as torch's)."""
         self._check_open()
         self._wait_accumulations()
-        device = self._manager.device
-        norms = []
+        manager = self._manager
+        device = manager.device
+        if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
+            torch.cuda.current_stream(device).wait_stream(manager.grad_offload_stream)
+        persistent_grads = [s.grad_acc for s in self._persistent_slots if s.has_grad]
+        norms = list(torch._foreach_norm(persistent_grads, norm_type)) if persistent_grads else []
         for s in self._slots:
-            if not s.has_grad:
+            if not s.has_grad or manager.chunks[s.chunk].persistent:
                 continue
-            if self._manager.chunks[s.chunk].persistent:
-                norms.append(torch.linalg.vector_norm(s.grad_acc, norm_type))
-            elif float(norm_type) == 2.0 and s.grad_norm is not None:
+            if float(norm_type) == 2.0 and s.grad_norm is not None:
                 norms.append(s.grad_norm.to(device))
             else:
+                if s.grad_event is not None:
+                    s.grad_event.synchronize()
                 norms.append(torch.linalg.vector_norm(s.grad_acc, norm_type).to(device))
         if not norms:
             return torch.tensor(0.0, device=device)
@@ -119,9 +128,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if error_if_nonfinite and (total.isnan() or total.isinf()):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}")
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for s in self._slots:
-            if s.has_grad and self._manager.chunks[s.chunk].persistent:
-                s.grad_acc.mul_(clip_coef)
+        if persistent_grads:
+            torch._foreach_mul_(persistent_grads, clip_coef)
         self._clip_coef = clip_coef
         return total
 
@@ -141,12 +149,11 @@ class HybridAdamW(torch.optim.Optimizer):
 
         if self._device_opt is not None:
             opt, group_map = self._device_opt
-            stepped = _attach_grads([s for s in self._slots if manager.chunks[s.chunk].persistent])
+            stepped = _attach_grads(self._persistent_slots)
             if stepped:
                 _set_hyper(opt, group_map, hyper)
                 opt.step()
-                for s in stepped:
-                    s.device_view.copy_(s.master)
+                torch._foreach_copy_([s.device_view for s in stepped], [s.master for s in stepped])
 
         manager.release_all()  # device copies of offloaded chunks are about to be stale
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
@@ -159,6 +166,7 @@ class HybridAdamW(torch.optim.Optimizer):
             with_grad = [s for s in chunk.trainable_slots if s.has_grad]
             if not with_grad:
                 continue
+            chunk.host_stale = True  # the next gather casts the new masters on the device
             chunk.update_future = self._worker.submit(
                 _step_host_chunk,
                 chunk,
@@ -182,6 +190,8 @@ class HybridAdamW(torch.optim.Optimizer):
         """Wait for every host task (accumulations and updates) and raise their errors."""
         self._check_open()
         self._worker.submit(lambda: None).result()
+        if self._manager.is_cuda:  # device-to-host copies into host memory
+            torch.cuda.synchronize(self._manager.device)
         self._wait_accumulations()
         for c in self._manager.offloaded:
             if c.update_future is not None:
@@ -265,21 +275,21 @@ def _set_hyper(opt: torch.optim.Optimizer, group_map: list[int], hyper: list[dic
 
 @torch.no_grad()
 def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef, stats) -> None:
-    """Runs on the CPU worker: clip, AdamW over the chunk's masters, write the host copy."""
+    """Runs on the CPU worker: clip, then AdamW over the chunk's fp32 masters."""
     if chunk.gathered_event is not None:
-        chunk.gathered_event.synchronize()  # the last copy-in has read the host copy
+        chunk.gathered_event.synchronize()  # the last copy-in has read the masters
+    for s in with_grad:
+        if s.grad_event is not None:
+            s.grad_event.synchronize()  # the gradient has landed in grad_acc
     opt, group_map = opt_and_map
     stepping = set(map(id, with_grad))
     for s in chunk.trainable_slots:
         s.master.grad = s.grad_acc if id(s) in stepping else None
     t0 = time.perf_counter()
     if clip_coef is not None:
-        for s in with_grad:
-            s.grad_acc.mul_(clip_coef)
+        torch._foreach_mul_([s.grad_acc for s in with_grad], clip_coef)
+    t1 = time.perf_counter()
     _set_hyper(opt, group_map, hyper)
     opt.step()
-    t1 = time.perf_counter()
-    for s in with_grad:
-        s.host_view.copy_(s.master)
-    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + t1 - t0
-    stats["host_write_back_s"] = stats.get("host_write_back_s", 0.0) + time.perf_counter() - t1
+    stats["host_clip_s"] = stats.get("host_clip_s", 0.0) + t1 - t0
+    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + time.perf_counter() - t1

@@ -4,18 +4,24 @@ Called from ``Parameter.register_post_accumulate_grad_hook``, once per parameter
 (or once per use under reentrant checkpointing). The low-precision ``param.grad`` is folded
 into the fp32 accumulator of the parameter's slot and dropped:
 
-- persistent chunk: added on the compute device, at once, on the compute stream;
-- offloaded chunk: copied to its pinned landing place on ``grad_offload_stream``, then added
-  on the host by the CPU worker, which also takes the norm used for global clipping.
+- persistent chunk: copied or added on the compute device, at once, on the compute stream;
+- offloaded chunk, first gradient since ``zero_grad``: on ``grad_offload_stream``, its 2-norm
+  is taken on the device (for global clipping) and it is cast to fp32 on the device, in
+  pieces, and copied straight into the pinned fp32 accumulator. The host does nothing;
+- offloaded chunk, later micro-batches: copied in low precision to a pinned landing place
+  and added into the accumulator by the CPU worker, which then takes the norm on the host.
 
-The first gradient after ``zero_grad`` is copied rather than added, so accumulation over
-micro-batches does the same arithmetic as PyTorch's ``param.grad += grad``.
+The first gradient is copied rather than added, so accumulation over micro-batches does the
+same arithmetic as PyTorch's ``param.grad += grad``; the fp32 cast is exact either side.
 
 [Note: reusing a landing place]
 A parameter's landing place is reused by its next gradient (next micro-batch); before the
 device-to-host copy into it, the previous host accumulation of that parameter must have read
-it, so the hook waits on ``slot.accumulate_future`` first. The gradient tensor is kept alive
-for the copy with ``record_stream`` on the offload stream.
+it, so the hook waits on ``slot.accumulate_future`` first. Host work on ``grad_acc`` waits
+for the device-to-host copy of the first gradient (``slot.grad_event``). Gradient tensors
+are kept alive for the side stream with ``record_stream``. The accumulator itself is read
+by the chunk's step task, which every gather of the chunk in the next forward waits for, so
+the next step's first copy into it comes after that read.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import torch
 
 from protrain.chunks.chunk import ParamSlot
 from protrain.chunks.manager import ChunkManager, Phase
+
+_PIECE_NUMEL = 1 << 26  # elements cast to fp32 at a time on the device (256 MiB)
 
 
 class GradSink:
@@ -52,36 +60,67 @@ class GradSink:
                     slot.grad_acc.add_(grad)
                 param.grad = None
                 return
-            if slot.accumulate_future is not None:
-                t0 = time.perf_counter()
-                slot.accumulate_future.result()
-                self.manager.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
-            done_event = None
-            if self.manager.is_cuda:
-                stream = self.manager.grad_offload_stream
-                stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
-                with torch.cuda.stream(stream):
-                    slot.grad_staging.copy_(grad, non_blocking=True)
-                    grad.record_stream(stream)
-                    done_event = stream.record_event()
+            if chunk.update_future is not None:  # the last step task reads grad_acc
+                self._wait(chunk.update_future)
+                chunk.update_future = None
+            if first:
+                self._offload_first(slot, grad)
             else:
-                slot.grad_staging.copy_(grad)
+                self._offload_later(slot, grad)
             param.grad = None
-            slot.accumulate_future = self.worker.submit(
-                _accumulate, slot, first, done_event, self.manager.stats
-            )
+
+    def _wait(self, future) -> None:
+        t0 = time.perf_counter()
+        future.result()
+        self.manager.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
+
+    def _offload_first(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if slot.accumulate_future is not None:
+            self._wait(slot.accumulate_future)
+            slot.accumulate_future = None
+        if not self.manager.is_cuda:
+            slot.grad_acc.copy_(grad)
+            slot.grad_norm = torch.linalg.vector_norm(slot.grad_acc)
+            return
+        stream = self.manager.grad_offload_stream
+        stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
+        with torch.cuda.stream(stream):
+            slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            src, dst = grad.reshape(-1), slot.grad_acc.view(-1)
+            for a in range(0, src.numel(), _PIECE_NUMEL):
+                dst[a : a + _PIECE_NUMEL].copy_(
+                    src[a : a + _PIECE_NUMEL].to(torch.float32), non_blocking=True
+                )
+            grad.record_stream(stream)
+            slot.grad_event = stream.record_event()
+
+    def _offload_later(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        if slot.accumulate_future is not None:
+            self._wait(slot.accumulate_future)
+        done_event = None
+        if self.manager.is_cuda:
+            stream = self.manager.grad_offload_stream
+            stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
+            with torch.cuda.stream(stream):
+                slot.grad_staging.copy_(grad, non_blocking=True)
+                grad.record_stream(stream)
+                done_event = stream.record_event()
+        else:
+            slot.grad_staging.copy_(grad)
+        slot.accumulate_future = self.worker.submit(
+            _accumulate, slot, done_event, self.manager.stats
+        )
 
 
-def _accumulate(slot: ParamSlot, first: bool, done_event, stats: dict) -> None:
+def _accumulate(slot: ParamSlot, done_event, stats: dict) -> None:
+    """Runs on the CPU worker: add a later micro-batch's gradient, take the norm."""
+    if slot.grad_event is not None:
+        slot.grad_event.synchronize()
     if done_event is not None:
         done_event.synchronize()
     t0 = time.perf_counter()
     with torch.no_grad():
-        if first:
-            slot.grad_acc.copy_(slot.grad_staging)
-        else:
-            slot.grad_acc.add_(slot.grad_staging)
-        # The 2-norm for global clipping, taken here so that it overlaps compute; only the
-        # value after the last micro-batch is used.
+        slot.grad_acc.add_(slot.grad_staging)
+        # Only the value after the last micro-batch is used.
         slot.grad_norm = torch.linalg.vector_norm(slot.grad_acc)
     stats["host_accumulate_s"] = stats.get("host_accumulate_s", 0.0) + time.perf_counter() - t0
