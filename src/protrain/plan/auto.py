@@ -1,0 +1,139 @@
+"""Profile plus search in one call: what ``protrain.wrap(gpu_budget=...)`` and the
+application's ``memory: {auto: true}`` use."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import torch
+from torch import nn
+
+from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM
+from protrain.plan.plan import KNOBS, Plan
+from protrain.plan.search import PlanProblem, search
+from protrain.profile.chunk_table import chunk_table
+from protrain.profile.hardware import HardwareProfile, measure_hardware
+from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """``24GiB``, ``24 GB``, ``25769803776`` -> bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"{value!r} is not a size: use e.g. 24GiB, 80GB or a number of bytes")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def _device(device) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def profile_model(
+    model: nn.Module,
+    sample_batch: dict,
+    *,
+    gpu_budget_bytes: int,
+    device: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_size_bytes: int | None = None,
+    loss_fn: LossFn = hf_loss,
+) -> ModelProfile:
+    """Trace under the engine: every chunk persistent when the model states take at most half
+    the budget, else every chunk offloaded; a trace that runs out of memory is retried
+    offloaded."""
+    device = _device(device)
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
+    states = table.chunk_size_bytes * table.n_chunks + ADAM_DEVICE_BYTES_PER_PARAM * sum(
+        table.trainable_numel
+    )
+    n_persist = None if states <= gpu_budget_bytes // 2 else 0
+    kwargs = dict(
+        device=device,
+        compute_dtype=compute_dtype,
+        chunk_size_bytes=table.chunk_size_bytes,
+        loss_fn=loss_fn,
+    )
+    try:
+        return trace_model(model, sample_batch, n_persist=n_persist, **kwargs)
+    except torch.cuda.OutOfMemoryError:
+        if n_persist == 0:
+            raise
+        log.info("trace with every chunk persistent ran out of memory; tracing offloaded")
+        torch.cuda.empty_cache()
+        return trace_model(model, sample_batch, n_persist=0, **kwargs)
+
+
+def profile_and_plan(
+    model: nn.Module,
+    sample_batch: dict,
+    *,
+    gpu_budget_bytes: int | str,
+    device: torch.device | str | None = None,
+    fixed_knobs: dict[str, int | None] | None = None,
+    cpu_budget_bytes: int | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_size_bytes: int | None = None,
+    loss_fn: LossFn = hf_loss,
+    hardware: HardwareProfile | None = None,
+    profile: ModelProfile | None = None,
+) -> tuple[Plan, PlanProblem]:
+    """The plan and the problem it solved (keep the problem for :mod:`closed_loop`)."""
+    t0 = time.perf_counter()
+    device = _device(device)
+    budget = parse_bytes(gpu_budget_bytes)
+    cpu_budget = parse_bytes(cpu_budget_bytes) if cpu_budget_bytes is not None else None
+    hardware = hardware or measure_hardware(device)
+    if profile is None:
+        profile = profile_model(
+            model,
+            sample_batch,
+            gpu_budget_bytes=budget,
+            device=device,
+            compute_dtype=compute_dtype,
+            chunk_size_bytes=chunk_size_bytes,
+            loss_fn=loss_fn,
+        )
+    fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
+    log.info(
+        "protrain plan: knobs fixed by the user: %s; searching %s",
+        ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none",
+        ", ".join(k for k in KNOBS if k not in fixed) or "nothing",
+    )
+    problem = PlanProblem(
+        profile,
+        hardware,
+        gpu_budget_bytes=budget,
+        cpu_budget_bytes=cpu_budget,
+        fixed_knobs=fixed,
+    )
+    t1 = time.perf_counter()
+    result = search(problem)
+    log.info(
+        "protrain plan in %.1f s (search %.3f s, work %s):\n%s",
+        time.perf_counter() - t0,
+        time.perf_counter() - t1,
+        result.work,
+        result.plan,
+    )
+    return result.plan, problem
+
+
+def plan_for(model: nn.Module, sample_batch: dict, **kwargs) -> Plan:
+    """The fastest plan that fits: :func:`profile_and_plan` without the problem."""
+    return profile_and_plan(model, sample_batch, **kwargs)[0]

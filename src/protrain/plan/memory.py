@@ -1,0 +1,156 @@
+"""Predicted peak device memory: a sum of measured terms.
+
+``peak = model_states(n_persist) + buffer_pool(n_buffer) + activations(n_swap, n_checkpoint)
++ offload_grad_transient(n_persist) + allocator_overhead``
+
+- **model states**: for each persistent chunk, its bytes, and per trainable parameter in it
+  the fp32 master, fp32 gradient accumulator and the two fp32 Adam moments (16 bytes per
+  parameter) plus Adam's 4-byte step tensor per trainable tensor; exact, from the layout.
+- **buffer pool**: ``n_buffer`` chunks.
+- **activations**: the traced step (every block checkpointed) gives the peak of every interval
+  between block hooks, relative to the step's start (see ``protrain.profile.trace``). A plan's
+  policies change those peaks by measured per-block amounts: each block ``j`` before the
+  interval retains ``R_j`` instead of its checkpoint input ``I_j`` (``keep``: its saved bytes
+  ``S_j``; ``swap``: nothing on the device); in its own forward a kept or swapped block peaks
+  at its measured keep peak instead of its checkpoint peak; in its own backward it does not
+  hold the checkpoint input (unless that input is among its saved tensors). A swapped
+  block's device copy lives until its transfer ends, so with any swap the largest swapped
+  ``S_j`` is added to block intervals: the swapper's one group in flight.
+- **offload gradient transient**: the fp32 piece the engine casts an offloaded gradient to
+  before copying it to the host (at most 2^26 elements), when the plan offloads trainable
+  chunks and the trace did not.
+- **allocator overhead**: reserved minus allocated at the traced peak (CUDA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from protrain.profile.trace import ModelProfile
+
+KEEP, CHECKPOINT, SWAP = 0, 1, 2
+ADAM_DEVICE_BYTES_PER_PARAM = 16  # fp32 master, grad accumulator, exp_avg, exp_avg_sq
+ADAM_STEP_BYTES_PER_TENSOR = 4  # fused AdamW's fp32 step count per parameter tensor
+GRAD_PIECE_NUMEL = 1 << 26  # runtime.grad_offload casts offloaded gradients in such pieces
+_ALIGN = 64
+
+
+def _align(n: np.ndarray) -> np.ndarray:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def policy_matrix(n_blocks: int, n_swap: np.ndarray, n_checkpoint: np.ndarray) -> np.ndarray:
+    """One row of block policies per (n_swap, n_checkpoint) pair: the rule of
+    ``protrain.activations.policy.place_policies``, for many pairs at once."""
+    s = np.asarray(n_swap, dtype=np.int64)
+    m = s + np.asarray(n_checkpoint, dtype=np.int64)
+    cols = np.arange(n_blocks)[None, :]
+    pol = np.where(cols < m[:, None], CHECKPOINT, KEEP).astype(np.int8)
+    k = np.arange(n_blocks)[None, :]
+    safe_s = np.maximum(s, 1)[:, None]
+    pos = (2 * k * m[:, None] + s[:, None]) // (2 * safe_s)
+    valid = k < s[:, None]
+    rows = np.broadcast_to(np.arange(len(s))[:, None], pos.shape)
+    pol[rows[valid], pos[valid]] = SWAP
+    return pol
+
+
+class MemoryModel:
+    """The terms above, precomputed from a profile for fast evaluation of many knobs."""
+
+    def __init__(self, profile: ModelProfile):
+        self.profile = profile
+        t = profile.chunks
+        self.chunk_bytes = t.chunk_size_bytes
+        self.n_chunks = t.n_chunks
+        trn = np.asarray(t.trainable_numel, dtype=np.int64)
+        tensors = np.asarray(t.trainable_tensors, dtype=np.int64)
+        per_chunk = (
+            self.chunk_bytes
+            + ADAM_DEVICE_BYTES_PER_PARAM * trn
+            + ADAM_STEP_BYTES_PER_TENSOR * tensors
+        )
+        # model_states[k]: the first k chunks persistent
+        self.model_states = np.concatenate([[0], np.cumsum(per_chunk)])
+        # host: offloaded chunk copies, fp32 master + accumulator + low-precision landing
+        # place per trainable parameter, fp32 Adam moments + step on the host
+        itemsize = np.asarray(t.trainable_bytes, dtype=np.int64) // np.maximum(trn, 1)
+        host_chunk = self.chunk_bytes + _align(4 * trn) * 2 + _align(itemsize * trn) + 8 * trn
+        host_chunk += ADAM_STEP_BYTES_PER_TENSOR * tensors
+        self.host_suffix = np.concatenate([np.cumsum(host_chunk[::-1])[::-1], [0]])
+        # the largest offloaded gradient piece when chunks k.. are offloaded
+        piece = np.minimum(np.asarray(t.max_trainable_numel, dtype=np.int64), GRAD_PIECE_NUMEL)
+        suffix_max = np.concatenate([np.maximum.accumulate(piece[::-1])[::-1], [0]])
+        traced_offloaded_trainable = bool(trn[profile.trace_n_persist :].sum() > 0)
+        self.grad_piece = (
+            np.zeros_like(suffix_max)
+            if traced_offloaded_trainable or profile.device == "cpu"
+            else 4 * suffix_max
+        )
+        self.allocator_overhead = int(profile.allocator_overhead_bytes)
+        self._prepare_activations()
+
+    def _prepare_activations(self) -> None:
+        p = self.profile
+        b = p.blocks
+        self.n_blocks = len(b)
+        self.saved = np.asarray([x.saved_bytes for x in b], dtype=np.int64)
+        self.inp = np.asarray([x.input_bytes for x in b], dtype=np.int64)
+        in_saved = np.asarray([x.input_in_saved for x in b], dtype=bool)
+        self.fwd_keep_extra = np.asarray(
+            [x.fwd_peak_keep_bytes - x.fwd_peak_checkpoint_bytes for x in b], dtype=np.int64
+        )
+        self.bwd_keep_extra = np.where(in_saved, 0, -self.inp)
+        # interval peaks of the traced step, by kind
+        nb = self.n_blocks
+        self.fwd_base = np.full(nb, np.iinfo(np.int64).min // 4, dtype=np.int64)
+        self.bwd_base = np.full(nb, np.iinfo(np.int64).min // 4, dtype=np.int64)
+        self.head_base = 0
+        self.flat_base = 0  # intervals without blocks' activations: start, optimizer step
+        for iv in p.intervals:
+            if iv.kind == "fwd":
+                self.fwd_base[iv.block] = max(self.fwd_base[iv.block], iv.peak_bytes)
+            elif iv.kind == "bwd":
+                self.bwd_base[iv.block] = max(self.bwd_base[iv.block], iv.peak_bytes)
+            elif iv.kind == "head":
+                self.head_base = max(self.head_base, iv.peak_bytes)
+            else:
+                self.flat_base = max(self.flat_base, iv.peak_bytes)
+
+    # ---- terms ----------------------------------------------------------------------
+
+    def activation_peak(self, n_swap, n_checkpoint) -> np.ndarray:
+        """Peak activation bytes for each (n_swap, n_checkpoint) pair (arrays)."""
+        n_swap = np.atleast_1d(np.asarray(n_swap, dtype=np.int64))
+        n_checkpoint = np.atleast_1d(np.asarray(n_checkpoint, dtype=np.int64))
+        pol = policy_matrix(self.n_blocks, n_swap, n_checkpoint)
+        return self.activation_peak_of(pol)
+
+    def activation_peak_of(self, pol: np.ndarray) -> np.ndarray:
+        keep, swap = pol == KEEP, pol == SWAP
+        delta = np.where(keep, self.saved - self.inp, 0) + np.where(swap, -self.inp, 0)
+        before = np.concatenate([np.zeros((len(pol), 1), np.int64), np.cumsum(delta, 1)], 1)
+        own = keep | swap
+        in_flight = np.where(swap, self.saved, 0).max(axis=1, initial=0)[:, None]
+        fwd = self.fwd_base + before[:, :-1] + np.where(own, self.fwd_keep_extra, 0) + in_flight
+        bwd = self.bwd_base + before[:, :-1] + np.where(own, self.bwd_keep_extra, 0) + in_flight
+        peak = np.maximum(fwd.max(axis=1, initial=0), bwd.max(axis=1, initial=0))
+        peak = np.maximum(peak, self.head_base + before[:, -1])
+        return np.maximum(peak, self.flat_base)
+
+    def swap_host_bytes(self, pol: np.ndarray) -> np.ndarray:
+        return np.where(pol == SWAP, self.saved, 0).sum(axis=1)
+
+    def terms(self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> dict:
+        """Every term of one plan, in bytes (their sum is the predicted peak)."""
+        return {
+            "model_states": int(self.model_states[n_persist]),
+            "buffer_pool": int(n_buffer * self.chunk_bytes),
+            "activations": int(self.activation_peak(n_swap, n_checkpoint)[0]),
+            "offload_grad_transient": int(self.grad_piece[n_persist]),
+            "allocator_overhead": self.allocator_overhead,
+        }
+
+    def host_bytes(self, n_persist: int, n_swap: int, n_checkpoint: int) -> int:
+        pol = policy_matrix(self.n_blocks, np.array([n_swap]), np.array([n_checkpoint]))
+        return int(self.host_suffix[n_persist] + self.swap_host_bytes(pol)[0])

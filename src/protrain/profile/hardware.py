@@ -1,0 +1,209 @@
+"""Hardware rates the runtime model needs, measured once per machine and cached.
+
+Measured: host-to-device and device-to-host copy bandwidth from pinned memory, both
+directions at once (two streams), the fused AdamW rate on the host (the engine's optimizer
+for offloaded chunks, at the thread count training uses) and on the device, and the
+all-reduce bus bandwidth when ``torch.distributed`` is initialized. A CPU device has no
+copies to measure: the "device" is the host, so its copy rates are host memory-copy rates
+and its device AdamW rate is the host one.
+
+Cached as JSON under ``~/.cache/protrain/`` (``PROTRAIN_CACHE_DIR`` overrides), one file per
+machine and software versions; a few seconds to measure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_COPY_BYTES = 256 << 20  # per copy; large enough to reach the link's bandwidth
+_ADAM_NUMEL = 1 << 23  # parameters per AdamW timing (32 MiB of fp32)
+
+
+@dataclass
+class HardwareProfile:
+    device: str  # "cuda" or "cpu"
+    device_name: str
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    duplex_bytes_per_s: float  # both directions at once, total
+    cpu_adam_params_per_s: float
+    device_adam_params_per_s: float
+    collective_bytes_per_s: float | None  # all-reduce bus bandwidth; None when not distributed
+    cpu_threads: int
+    key: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> HardwareProfile:
+        return cls(**d)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PROTRAIN_CACHE_DIR", Path.home() / ".cache" / "protrain"))
+
+
+def machine_key(device: torch.device) -> str:
+    """Machine and software versions: a cached profile is reused only when all match."""
+    parts = [
+        socket.gethostname(),
+        platform.processor() or platform.machine(),
+        str(os.cpu_count()),
+        f"threads={torch.get_num_threads()}",
+        f"torch={torch.__version__}",
+        f"cuda={torch.version.cuda}",
+        device.type,
+    ]
+    if device.type == "cuda":
+        parts.append(torch.cuda.get_device_name(device))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        parts.append(f"world={torch.distributed.get_world_size()}")
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def measure_hardware(
+    device: torch.device | str | None = None, *, use_cache: bool = True
+) -> HardwareProfile:
+    """The rates of this machine for ``device`` (cached; ``use_cache=False`` re-measures)."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = machine_key(device)
+    path = cache_dir() / f"hardware-{key}.json"
+    if use_cache and path.exists():
+        try:
+            return HardwareProfile.from_dict(json.loads(path.read_text()))
+        except (ValueError, TypeError) as exc:
+            log.warning("ignoring unreadable hardware cache %s: %s", path, exc)
+    t0 = time.perf_counter()
+    profile = _measure(device)
+    profile.key = key
+    log.info("hardware profile measured in %.1f s: %s", time.perf_counter() - t0, profile)
+    if use_cache:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile.to_dict(), indent=1))
+        tmp.replace(path)
+    return profile
+
+
+def _measure(device: torch.device) -> HardwareProfile:
+    cpu_adam = _adam_rate(torch.device("cpu"))
+    if device.type != "cuda":
+        copy = _host_copy_rate()
+        return HardwareProfile(
+            device="cpu",
+            device_name=platform.processor() or platform.machine(),
+            h2d_bytes_per_s=copy,
+            d2h_bytes_per_s=copy,
+            duplex_bytes_per_s=copy,
+            cpu_adam_params_per_s=cpu_adam,
+            device_adam_params_per_s=cpu_adam,
+            collective_bytes_per_s=None,
+            cpu_threads=torch.get_num_threads(),
+        )
+    h2d, d2h, duplex = _pcie_rates(device)
+    return HardwareProfile(
+        device="cuda",
+        device_name=torch.cuda.get_device_name(device),
+        h2d_bytes_per_s=h2d,
+        d2h_bytes_per_s=d2h,
+        duplex_bytes_per_s=duplex,
+        cpu_adam_params_per_s=cpu_adam,
+        device_adam_params_per_s=_adam_rate(device),
+        collective_bytes_per_s=_collective_rate(device),
+        cpu_threads=torch.get_num_threads(),
+    )
+
+
+def _best_of(fn, repeats: int = 3) -> float:
+    """Shortest of ``repeats`` timed calls after one warm-up call."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _host_copy_rate() -> float:
+    a = torch.empty(_COPY_BYTES // 4, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    return a.numel() / _best_of(lambda: b.copy_(a))
+
+
+def _pcie_rates(device: torch.device) -> tuple[float, float, float]:
+    host_in = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    s_h2d, s_d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+
+    def h2d():
+        with torch.cuda.stream(s_h2d):
+            dev_a.copy_(host_in, non_blocking=True)
+        s_h2d.synchronize()
+
+    def d2h():
+        with torch.cuda.stream(s_d2h):
+            host_out.copy_(dev_b, non_blocking=True)
+        s_d2h.synchronize()
+
+    def both():
+        with torch.cuda.stream(s_h2d):
+            dev_a.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(s_d2h):
+            host_out.copy_(dev_b, non_blocking=True)
+        s_h2d.synchronize()
+        s_d2h.synchronize()
+
+    rates = (
+        _COPY_BYTES / _best_of(h2d),
+        _COPY_BYTES / _best_of(d2h),
+        2 * _COPY_BYTES / _best_of(both),
+    )
+    return rates
+
+
+def _adam_rate(device: torch.device) -> float:
+    p = torch.zeros(_ADAM_NUMEL, device=device, requires_grad=True)
+    p.grad = torch.full_like(p, 1e-3)
+    opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+
+    def step():
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    return _ADAM_NUMEL / _best_of(step)
+
+
+def _collective_rate(device: torch.device) -> float | None:
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    n = dist.get_world_size()
+    x = torch.empty(_COPY_BYTES // 2, dtype=torch.uint8, device=device)
+
+    def reduce():
+        dist.all_reduce(x)
+        torch.cuda.synchronize(device)
+
+    seconds = _best_of(reduce)
+    return x.numel() * 2 * (n - 1) / n / seconds  # bus bandwidth (nccl-tests convention)

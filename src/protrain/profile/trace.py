@@ -1,0 +1,444 @@
+"""One traced training step of the real model at the real batch, under the chunk engine.
+
+What is measured, and how:
+
+- **Keep pass** (forward only, no backward): every block runs as ``keep`` while a
+  ``saved_tensors_hooks`` pair records the unique storages each block's forward saves for
+  backward (parameters excluded). The saved tensors are held only until the block's forward
+  ends, so the pass needs one block's activations at a time, and it also gives the block's
+  forward peak under ``keep`` (above the memory at block entry).
+- **Traced steps** (forward, backward, optimizer step) with every block checkpointed, the
+  policy that needs the least memory. Hooks at block boundaries take the time (after a device
+  synchronize) and the memory clock (:mod:`protrain.profile.memory_clock`): the peak of every
+  interval between two hooks, from the step's start through the embedding, each block's
+  forward, the head and loss, each block's backward (from the gradient of its output to the
+  gradient of the previous block's output) and the optimizer step. The last of ``steps``
+  steps is kept; the first ones warm up kernels and create the optimizer state.
+
+The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then
+``protrain.close``): a model that does not fit is traced with every chunk offloaded
+(``n_persist=0``), one block's chunks at a time. Memory readings leave out offloaded chunks
+resident in the buffer pool and everything allocated before the step (model states): the
+interval peaks are activation and transient bytes, which the plan's memory model combines
+with its model-state terms.
+
+A block's recompute time is its measured forward time: recomputation is the same forward
+at the same shape. Its backward time is its backward interval less that recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from protrain.activations.swap import is_parameter_like
+from protrain.model.blocks import discover_blocks
+from protrain.profile.chunk_table import ChunkTable, chunk_table
+from protrain.profile.memory_clock import MemoryClock
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[nn.Module, dict], torch.Tensor]
+
+
+def hf_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """The loss of a Hugging Face model called with ``labels`` in the batch (no KV cache)."""
+    if getattr(getattr(model, "config", None), "use_cache", None) is not None:
+        return model(**batch, use_cache=False).loss
+    return model(**batch).loss
+
+
+@dataclass
+class BlockProfile:
+    name: str
+    fwd_s: float
+    bwd_s: float
+    recompute_s: float
+    saved_bytes: int  # keep: unique storages saved for backward
+    input_bytes: int  # checkpoint: the held input
+    input_in_saved: bool  # the input's storage is among the saved ones
+    fwd_peak_keep_bytes: int  # peak above block entry, forward under keep
+    fwd_peak_checkpoint_bytes: int  # peak above block entry, forward under checkpoint
+
+
+@dataclass
+class Interval:
+    """One stretch of the traced step between two hooks; bytes relative to the step start."""
+
+    kind: str  # "pre", "fwd", "head", "bwd", "opt"
+    block: int  # the block of "fwd"/"bwd", else -1
+    start_s: float
+    end_s: float
+    peak_bytes: int
+    end_bytes: int
+    gathers: int  # offloaded chunks gathered during it
+    reserved_overhead_bytes: int  # reserved minus allocated at its peak (CUDA)
+
+
+@dataclass
+class ModelProfile:
+    blocks: list[BlockProfile]
+    intervals: list[Interval]
+    chunks: ChunkTable
+    batch_size: int
+    seq_len: int
+    device: str
+    compute_dtype: str
+    trace_n_persist: int
+    trace_n_buffer: int
+    step_s: float
+    pre_fwd_s: float  # step start to the first block (embedding)
+    head_s: float  # last block's forward end to the last block's backward start (head, loss)
+    post_bwd_s: float  # after block 0's backward interval (0: that interval runs to the end)
+    optimizer_step_s: float
+    allocator_overhead_bytes: int
+    trace_s: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelProfile:
+        d = dict(d)
+        d["blocks"] = [BlockProfile(**b) for b in d["blocks"]]
+        d["intervals"] = [Interval(**i) for i in d["intervals"]]
+        d["chunks"] = ChunkTable(**d["chunks"])
+        return cls(**d)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_json(cls, s: str) -> ModelProfile:
+        return cls.from_dict(json.loads(s))
+
+
+def _first_float_tensor(args, kwargs) -> torch.Tensor | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor) and a.is_floating_point():
+            return a
+    return None
+
+
+def _first_grad_output(out) -> torch.Tensor | None:
+    if isinstance(out, torch.Tensor):
+        return out if out.requires_grad else None
+    if isinstance(out, (list, tuple)):
+        for o in out:
+            t = _first_grad_output(o)
+            if t is not None:
+                return t
+    if isinstance(out, dict):
+        return _first_grad_output(list(out.values()))
+    return None
+
+
+def _batch_shape(batch: dict) -> tuple[int, int]:
+    ids = batch.get("input_ids")
+    if ids is None:
+        ids = next(v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim() >= 2)
+    return int(ids.shape[0]), int(ids.shape[1])
+
+
+class _Sync:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def _keep_pass(model, blocks, batch, loss_fn, clock: MemoryClock, sync: _Sync):
+    """Forward under keep, saved storages counted per block and held one block at a time."""
+    n = len(blocks)
+    saved = [0] * n
+    peak_keep = [0] * n
+    input_bytes = [0] * n
+    input_in_saved = [False] * n
+    fwd_s = [0.0] * n
+    current = {"i": -1, "held": [], "ids": {}, "t0": 0.0, "entry": 0, "input_ptr": None}
+
+    def pack(t: torch.Tensor):
+        i = current["i"]
+        if i >= 0 and not is_parameter_like(t):
+            st = t.untyped_storage()
+            current["ids"].setdefault(st.data_ptr(), st.nbytes())
+            current["held"].append(t)
+        return None  # nothing is kept for a backward that never runs
+
+    def unpack(_):
+        raise RuntimeError("protrain trace: the keep pass has no backward")
+
+    def pre(i):
+        def hook(module, args, kwargs):
+            x = _first_float_tensor(args, kwargs)
+            t0 = sync()
+            current.update(i=i, held=[], ids={}, t0=t0, entry=clock.now())
+            if x is not None:
+                input_bytes[i] = x.untyped_storage().nbytes()
+                current["input_ptr"] = x.untyped_storage().data_ptr()
+            clock.reset_peak()
+
+        return hook
+
+    def post(i):
+        def hook(module, args, kwargs, out):
+            t1 = sync()
+            fwd_s[i] = t1 - current["t0"]
+            peak_keep[i] = clock.peak() - current["entry"]
+            saved[i] = sum(current["ids"].values())
+            input_in_saved[i] = current["input_ptr"] in current["ids"]
+            current.update(i=-1, held=[], ids={}, input_ptr=None)
+
+        return hook
+
+    handles = []
+    for i, b in enumerate(blocks):
+        handles.append(b.module.register_forward_pre_hook(pre(i), with_kwargs=True))
+        handles.append(b.module.register_forward_hook(post(i), with_kwargs=True))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            loss = loss_fn(model, batch)
+        del loss
+    finally:
+        for h in handles:
+            h.remove()
+    return saved, peak_keep, input_bytes, input_in_saved, fwd_s
+
+
+class _StepTracer:
+    """Hooks that cut one step into intervals and read time and memory at each cut."""
+
+    def __init__(self, blocks, clock: MemoryClock, sync: _Sync, gathers: Callable[[], int]):
+        self.blocks = blocks
+        self.clock = clock
+        self.sync = sync
+        self.gathers = gathers
+        self.handles = []
+        self.reset()
+        for i, b in enumerate(blocks):
+            self.handles.append(b.module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self.handles.append(b.module.register_forward_hook(self._post(i), with_kwargs=True))
+
+    def reset(self) -> None:
+        self.intervals: list[Interval] = []
+        self.fwd_entry: dict[int, tuple[float, int]] = {}
+        self.fwd_s: dict[int, float] = {}
+        self.fwd_peak: dict[int, int] = {}
+        self.cut_kind, self.cut_block = "pre", -1
+        self.base = 0
+        self.t_start = 0.0
+
+    def start(self) -> None:
+        self.t_start = self.sync()
+        self.base = self.clock.now()
+        self.cut_t, self.cut_g = self.t_start, self.gathers()
+        self.clock.reset_peak()
+
+    def cut(self, next_kind: str, next_block: int) -> tuple[float, int]:
+        """Close the running interval and open the next; return (time, bytes) at the cut."""
+        t = self.sync()
+        now = self.clock.now() - self.base
+        peak = self.clock.peak() - self.base
+        g = self.gathers()
+        self.intervals.append(
+            Interval(
+                kind=self.cut_kind,
+                block=self.cut_block,
+                start_s=self.cut_t - self.t_start,
+                end_s=t - self.t_start,
+                peak_bytes=max(peak, now),
+                end_bytes=now,
+                gathers=g - self.cut_g,
+                reserved_overhead_bytes=self.clock.reserved_minus_allocated_peak(),
+            )
+        )
+        self.cut_kind, self.cut_block, self.cut_t, self.cut_g = next_kind, next_block, t, g
+        self.clock.reset_peak()
+        return t, now
+
+    def _pre(self, i):
+        def hook(module, args, kwargs):
+            if self.cut_kind in ("bwd", "head"):
+                return  # a recomputation inside backward: part of the backward interval
+            self.fwd_entry[i] = self.cut("fwd", i)
+
+        return hook
+
+    def _post(self, i):
+        def hook(module, args, kwargs, out):
+            t0, entry = self.fwd_entry.get(i, (None, 0))
+            if t0 is None or self.cut_kind != "fwd" or self.cut_block != i:
+                return
+            t = self.sync()
+            self.fwd_s[i] = t - t0
+            self.fwd_peak[i] = self.clock.peak() - self.base - entry
+            y = _first_grad_output(out)
+            if y is not None:
+                y.register_hook(self._grad_of_output(i))
+            if i == len(self.blocks) - 1:
+                self.cut("head", -1)
+
+        return hook
+
+    def _grad_of_output(self, i):
+        def hook(grad):
+            self.cut("bwd", i)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def trace_model(
+    model: nn.Module,
+    sample_batch: dict,
+    *,
+    device: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    n_persist: int | None = None,
+    n_buffer: int | None = None,
+    chunk_size_bytes: int | None = None,
+    loss_fn: LossFn = hf_loss,
+    steps: int = 2,
+) -> ModelProfile:
+    """Trace ``model`` at ``sample_batch`` under the chunk engine; return its profile.
+
+    ``n_persist``/``n_buffer`` are the engine's knobs during the trace (None: every chunk
+    persistent); the caller picks ``n_persist=0`` for a model that does not fit. The model
+    is unchanged afterwards (wrapped with ``lr=0`` and closed again).
+    """
+    import protrain
+    from protrain.activations import apply_activation_knobs
+
+    t_begin = time.perf_counter()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if compute_dtype is None:
+        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    layout = discover_blocks(model)
+    blocks = layout.blocks
+    table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
+    if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
+        n_buffer = min(table.n_chunks - n_persist, table.min_buffers + 1)
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
+    bsz, seq = _batch_shape(batch)
+
+    model, optimizer, chunk_layout = protrain.wrap(
+        model,
+        n_persist=n_persist,
+        n_buffer=n_buffer,
+        device=device,
+        lr=0.0,
+        compute_dtype=compute_dtype,
+        chunk_size_bytes=table.chunk_size_bytes,
+    )
+    manager = model._protrain_engine.manager
+    chunk_bytes = chunk_layout.chunk_size_bytes
+
+    def pool_bytes() -> int:
+        return len(manager.resident) * chunk_bytes
+
+    sync = _Sync(device)
+    handle = None
+    tracer = None
+    try:
+        with MemoryClock(device, exclude=pool_bytes) as clock:
+            saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
+                model, blocks, batch, loss_fn, clock, sync
+            )
+            handle = apply_activation_knobs(model, 0, len(blocks), device=device, layout=layout)
+            tracer = _StepTracer(blocks, clock, sync, lambda: manager.stats["gathers"])
+            for _ in range(steps):
+                tracer.reset()
+                tracer.start()
+                loss = loss_fn(model, batch)
+                loss.backward()
+                del loss
+                tracer.cut("opt", -1)
+                optimizer.step()
+                optimizer.zero_grad()
+                optimizer.synchronize()
+                t_end, _ = tracer.cut("end", -1)
+            overhead = max((iv.reserved_overhead_bytes for iv in tracer.intervals), default=0)
+    finally:
+        if tracer is not None:
+            tracer.remove()
+        if handle is not None:
+            handle.remove()
+        protrain.close(model)
+
+    iv = tracer.intervals
+    bwd_iv = {x.block: x for x in iv if x.kind == "bwd"}
+    head = next(x for x in iv if x.kind == "head")
+    pre = next(x for x in iv if x.kind == "pre")
+    opt = next(x for x in iv if x.kind == "opt")
+    block_profiles = []
+    for i, b in enumerate(blocks):
+        fwd_s = tracer.fwd_s.get(i, keep_fwd_s[i])
+        bwd_window = bwd_iv[i].end_s - bwd_iv[i].start_s if i in bwd_iv else 0.0
+        block_profiles.append(
+            BlockProfile(
+                name=b.name,
+                fwd_s=fwd_s,
+                bwd_s=max(bwd_window - fwd_s, 0.0),
+                recompute_s=fwd_s,
+                saved_bytes=saved[i],
+                input_bytes=input_bytes[i],
+                input_in_saved=input_in_saved[i],
+                fwd_peak_keep_bytes=peak_keep[i],
+                fwd_peak_checkpoint_bytes=tracer.fwd_peak.get(i, 0),
+            )
+        )
+    # The backward interval of block 0 runs to the end of backward: what follows block 0's
+    # own backward (embedding gradients) has no hook of its own and stays in it.
+    profile = ModelProfile(
+        blocks=block_profiles,
+        intervals=iv,
+        chunks=table,
+        batch_size=bsz,
+        seq_len=seq,
+        device=str(device),
+        compute_dtype=str(compute_dtype).removeprefix("torch."),
+        trace_n_persist=chunk_layout.n_persist,
+        trace_n_buffer=chunk_layout.n_buffer,
+        step_s=t_end - tracer.t_start,
+        pre_fwd_s=pre.end_s - pre.start_s,
+        head_s=head.end_s - head.start_s,
+        post_bwd_s=0.0,
+        optimizer_step_s=opt.end_s - opt.start_s,
+        allocator_overhead_bytes=overhead,
+        trace_s=time.perf_counter() - t_begin,
+    )
+    log.info(
+        "traced %d blocks at batch %d x %d in %.1f s (step %.3f s)",
+        len(blocks),
+        bsz,
+        seq,
+        profile.trace_s,
+        profile.step_s,
+    )
+    return profile
