@@ -168,3 +168,46 @@ def test_engine_matches_plain_pytorch_and_resumes_exactly(tmp_path):
     c = final_weights(resumed.output_dir)
     for k in b:
         assert torch.equal(b[k], c[k]), k
+
+
+ACTIVATION_MEMORY = {
+    "n_swap": 1,
+    "n_checkpoint": 2,
+    "offload_checkpoint": True,
+    "tiled_mlp_tokens": 16,
+    "chunked_loss_tokens": 24,
+}
+
+
+@pytest.mark.parametrize("engine", [False, True], ids=["plain", "engine"])
+def test_activation_knobs_and_chunked_loss_keep_the_math(tmp_path, engine):
+    """Swap, offload-checkpoint, tiled MLP and chunked loss from the `memory:` section give
+    the losses and weights of plain PyTorch (tiles sum weight gradients in another order,
+    hence 1e-5 on weights after AdamW)."""
+    overrides = {"max_steps": 4, "adapter": {"type": "lora", "r": 4}}
+    plain = train(validate_config(tiny_config(tmp_path / "plain", **overrides)))
+    memory = dict(ACTIVATION_MEMORY)
+    if engine:
+        memory.update(n_persist=0, n_buffer=4, chunk_size="256KiB")
+    knobs = train(validate_config(tiny_config(tmp_path / "knobs", memory=memory, **overrides)))
+    assert knobs.losses == pytest.approx(plain.losses, rel=1e-6, abs=1e-6)
+    a = final_weights(plain.output_dir, "adapter_model.safetensors")
+    b = final_weights(knobs.output_dir, "adapter_model.safetensors")
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
+
+
+def test_chunked_loss_refused_for_softcapped_logits(tmp_path):
+    from protrain.train.errors import ConfigError
+    from protrain.train.trainable import check_chunked_loss_supported
+
+    class Config:
+        model_type = "gemma2"
+
+    class Model(torch.nn.Module):
+        config = Config()
+
+    with pytest.raises(
+        ConfigError, match="chunked_loss_tokens is not allowed for model type 'gemma2'"
+    ):
+        check_chunked_loss_supported(Model())

@@ -89,10 +89,11 @@ class EvalConfig(StrictModel):
 
 
 class MemoryConfig(StrictModel):
-    """How the engine places model states; owned by `protrain.wrap`.
+    """How model states and activations are placed; the engine's knobs.
 
     With no knob set, training runs on plain PyTorch. Setting `n_persist` or `n_buffer`
-    turns on the chunked engine with those knobs.
+    turns on the chunked engine with those knobs. The activation knobs (`n_swap`,
+    `n_checkpoint`, `tiled_mlp_tokens`, `chunked_loss_tokens`) work with or without it.
     """
 
     auto: bool = Field(False, description="Search the fastest plan that fits the budgets.")
@@ -101,6 +102,17 @@ class MemoryConfig(StrictModel):
     n_persist: int | None = Field(None, ge=0, description="Chunks kept on the GPU.")
     n_buffer: int | None = Field(None, ge=1, description="GPU buffers for offloaded chunks.")
     chunk_size: ByteSize | None = Field(None, description="Chunk size; default: least waste.")
+    n_swap: int | None = Field(None, ge=0, description="Blocks whose activations go to the host.")
+    n_checkpoint: int | None = Field(None, ge=0, description="Blocks recomputed in backward.")
+    offload_checkpoint: bool = Field(
+        False, description="Checkpointed blocks keep their inputs on the host."
+    )
+    tiled_mlp_tokens: int | None = Field(
+        None, gt=0, description="Compute each block's MLP over tiles of this many tokens."
+    )
+    chunked_loss_tokens: int | None = Field(
+        None, gt=0, description="Compute logits and loss over chunks of this many tokens."
+    )
 
     @model_validator(mode="after")
     def _auto_available(self) -> MemoryConfig:
@@ -114,6 +126,10 @@ class MemoryConfig(StrictModel):
     @property
     def engine_enabled(self) -> bool:
         return self.n_persist is not None or self.n_buffer is not None
+
+    @property
+    def activation_knobs_set(self) -> bool:
+        return bool(self.n_swap or self.n_checkpoint or self.tiled_mlp_tokens)
 
 
 class TrainConfig(DataSettings):
@@ -158,6 +174,13 @@ class TrainConfig(DataSettings):
     def _check_combinations(self) -> TrainConfig:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.gradient_checkpointing and (self.memory.n_swap or self.memory.n_checkpoint):
+            raise ValueError(
+                "gradient_checkpointing = true and memory.n_swap/n_checkpoint both set: use "
+                "one (memory.n_checkpoint chooses which blocks are recomputed)"
+            )
+        if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
+            raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
         if self.mixed_precision == "fp16" and self.memory.engine_enabled:
             raise ValueError(
                 "mixed_precision = 'fp16' is not allowed with the chunked engine "

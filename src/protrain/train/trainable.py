@@ -44,11 +44,47 @@ class Trainable(abc.ABC):
     model: nn.Module
     optimizer: torch.optim.Optimizer
 
-    def __init__(self, model: nn.Module, device: torch.device, autocast_dtype: torch.dtype | None):
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        chunked_loss_tokens: int | None = None,
+    ):
         self.model = model
         self.device = device
         self.autocast_dtype = autocast_dtype
         self.names = trainable_names(model)
+        self.chunked_loss_tokens = chunked_loss_tokens
+        if chunked_loss_tokens is not None:
+            check_chunked_loss_supported(model)
+        self.activations = None  # the handle of applied activation policies, if any
+
+    def apply_activation_knobs(self, cfg: TrainConfig) -> None:
+        """Per-block activation policies and tiled MLP, from the `memory:` knobs."""
+        mem = cfg.memory
+        if not mem.activation_knobs_set:
+            return
+        from protrain.activations import apply_activation_knobs
+
+        try:
+            self.activations = apply_activation_knobs(
+                self.model,
+                mem.n_swap or 0,
+                mem.n_checkpoint or 0,
+                device=self.device,
+                offload_checkpoint_inputs=mem.offload_checkpoint,
+                tiled_mlp_tokens=mem.tiled_mlp_tokens,
+            )
+        except ValueError as exc:  # e.g. more blocks asked for than the model has
+            raise ConfigError(f"memory: {exc}") from None
+        logger.info(
+            "activations: n_swap=%s n_checkpoint=%s offload_checkpoint=%s tiled_mlp_tokens=%s",
+            mem.n_swap,
+            mem.n_checkpoint,
+            mem.offload_checkpoint,
+            mem.tiled_mlp_tokens,
+        )
 
     def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of token losses of one micro-batch (labels are never passed to the model, so
@@ -58,8 +94,25 @@ class Trainable(abc.ABC):
             k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "labels"
         }
         with self._autocast():
-            logits = self.model(**inputs).logits
-        return causal_lm_loss_sum(logits, labels)
+            if self.chunked_loss_tokens is None:
+                return causal_lm_loss_sum(self.model(**inputs).logits, labels)
+            # Full-sequence logits never exist: the body gives hidden states and the head
+            # runs chunk by chunk inside the loss.
+            from protrain.activations import chunked_causal_lm_loss_sum
+
+            causal_lm = _causal_lm(self.model)
+            hidden = causal_lm.base_model(**inputs).last_hidden_state
+            return chunked_causal_lm_loss_sum(
+                hidden,
+                causal_lm.get_output_embeddings(),
+                labels.to(hidden.device),
+                chunk_tokens=self.chunked_loss_tokens,
+            )
+
+    def remove_activation_policies(self) -> None:
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
@@ -84,8 +137,10 @@ class Trainable(abc.ABC):
     def export_model(self) -> nn.Module:
         """The model with its trained weights, ready for `save_pretrained`."""
 
-    def close(self) -> None:  # noqa: B027 (plain PyTorch holds nothing to give back)
-        """Give back what the placement holds (the engine's buffers, threads and hooks)."""
+    def close(self) -> None:
+        """Give back what the placement holds (activation hooks; the engine's buffers,
+        threads and hooks)."""
+        self.remove_activation_policies()
 
     def _autocast(self):
         if self.autocast_dtype is None:
@@ -115,7 +170,8 @@ class PlainTrainable(Trainable):
     ):
         model = model.to(device)
         model.train()
-        super().__init__(model, device, autocast_dtype)
+        super().__init__(model, device, autocast_dtype, cfg.memory.chunked_loss_tokens)
+        self.apply_activation_knobs(cfg)
         self.optimizer = torch.optim.AdamW(
             optimizer_param_groups(model, cfg.weight_decay),
             lr=cfg.learning_rate,
@@ -156,6 +212,7 @@ class PlainTrainable(Trainable):
             params[name].copy_(state[name])
 
     def export_model(self) -> nn.Module:
+        self.remove_activation_policies()
         return self.model
 
 
@@ -172,7 +229,8 @@ class EngineTrainable(Trainable):
         import protrain
 
         model.train()
-        super().__init__(model, device, None)  # the engine computes in `compute_dtype` itself
+        # The engine computes in `compute_dtype` itself: no autocast.
+        super().__init__(model, device, None, cfg.memory.chunked_loss_tokens)
         mem = cfg.memory
         try:
             self.model, self.optimizer, self.layout = protrain.wrap(
@@ -192,6 +250,7 @@ class EngineTrainable(Trainable):
             raise ConfigError(f"memory: {exc}") from None
         self._closed = False
         logger.info("memory layout:\n%s", self.layout)
+        self.apply_activation_knobs(cfg)
 
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
         if max_norm is None:
@@ -222,9 +281,47 @@ class EngineTrainable(Trainable):
     def close(self) -> None:
         import protrain
 
+        self.remove_activation_policies()
         if not self._closed:
             protrain.close(self.model)
             self._closed = True
+
+
+# Model types whose logits are exactly `get_output_embeddings()(last_hidden_state)`: no
+# soft-capping or logit scaling after the head (Gemma 2/3, Cohere and Granite have them).
+CHUNKED_LOSS_MODEL_TYPES = frozenset(
+    {
+        "llama",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "phi3",
+        "gemma",
+        "olmo",
+        "olmo2",
+        "starcoder2",
+        "smollm3",
+    }
+)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal-LM module inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def check_chunked_loss_supported(model: nn.Module) -> None:
+    model_type = getattr(getattr(_causal_lm(model), "config", None), "model_type", None)
+    if model_type not in CHUNKED_LOSS_MODEL_TYPES:
+        raise ConfigError(
+            f"memory.chunked_loss_tokens is not allowed for model type {model_type!r}: its "
+            "logits are not the plain output-embedding of the hidden states, or it is not "
+            f"verified yet; supported types: {', '.join(sorted(CHUNKED_LOSS_MODEL_TYPES))}"
+        )
 
 
 def make_trainable(
