@@ -86,3 +86,35 @@ def test_same_losses_and_parameters_as_plain_pytorch(kind, mode):
                 state[name], ref, atol=1e-6, rtol=0, msg=f"{kind} n_persist={n_persist} {name}"
             )
         protrain.close(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_same_parameters_without_clipping(kind):
+    """Without clipping the host steps are enqueued in backward order: same result."""
+    torch.manual_seed(0)
+    base = build(kind)
+    data = batches(kind, STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            _loss(reference, data[step * ACCUM + mb]).backward()
+        opt.step()
+        opt.zero_grad()
+    n_chunks = _n_chunks(base)
+    for n_persist in (0, n_chunks // 2):
+        model, optimizer, _ = protrain.wrap(
+            copy.deepcopy(base), n_persist=n_persist, lr=LR, weight_decay=WD, device="cpu"
+        )
+        for step in range(STEPS):
+            for mb in range(ACCUM):
+                _loss(model, data[step * ACCUM + mb]).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        state = protrain.state_dict(model)
+        for name, ref in reference.state_dict().items():
+            torch.testing.assert_close(
+                state[name], ref, atol=1e-6, rtol=0, msg=f"{kind} n_persist={n_persist} {name}"
+            )
+        protrain.close(model)

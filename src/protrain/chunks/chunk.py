@@ -51,7 +51,7 @@ class ParamSlot:
     ``host_view``: the same bytes in the host copy (offloaded chunks only).
     ``master``: fp32 master weight (trainable only; on the device for persistent chunks, in
     pinned host memory for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across
-    micro-batches, next to it. ``grad_staging``: pinned host landing place of a low-precision
+    micro-batches, next to it (on the device only from the first gradient to ``zero_grad``). ``grad_staging``: pinned host landing place of a low-precision
     gradient of a later micro-batch, added into ``grad_acc`` on the host (offloaded trainable
     only; the first micro-batch's gradient lands in ``grad_acc`` directly, as fp32).
     """

@@ -133,7 +133,6 @@ class ChunkManager:
                 if c.persistent:
                     if pl.trainable:
                         slot.master = src.to(self.device, torch.float32, copy=True)
-                        slot.grad_acc = torch.zeros_like(slot.master)
                     slot.device_view.copy_(src)
                 else:
                     slot.host_view = c.view(c.host_buffer, pl)

@@ -24,6 +24,14 @@ of the per-tensor norms) and scales the persistent gradients on the device, and 
 coefficient is applied to the offloaded gradients inside their step task, with the same
 multiplication torch does, so the result equals ``torch.nn.utils.clip_grad_norm_`` followed
 by ``AdamW.step``.
+
+Without clipping nothing waits for the whole backward: ``step`` returns while the device
+may still run backward, and the step tasks are enqueued in *backward* order instead, each
+waiting only for its own chunk's gradients to land (``slot.grad_event``), so the host AdamW
+of the last layers runs while the device computes the gradients of the first ones. The next
+forward then waits for the first chunk, the last to be updated; as long as the host work per
+step outlasts the backward, this still ends it earlier than starting it after the backward.
+The order changes only the schedule: every chunk's update does the same arithmetic.
 """
 
 from __future__ import annotations
@@ -159,6 +167,8 @@ class HybridAdamW(torch.optim.Optimizer):
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
         order = list(manager.forward_order)
         order += [c.index for c in manager.offloaded if c.index not in order]
+        if clip_coef is None:  # see [Note: overlap and exact clipping]
+            order.reverse()
         for ci in order:
             chunk = manager.chunks[ci]
             if ci not in self._host_opts:
@@ -183,6 +193,8 @@ class HybridAdamW(torch.optim.Optimizer):
         for s in self._slots:
             s.has_grad = False
             s.param.grad = None
+        for s in self._persistent_slots:  # device accumulators are made by the next backward
+            s.grad_acc = s.master.grad = None
 
     # ---- state --------------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ Called from ``Parameter.register_post_accumulate_grad_hook``, once per parameter
 (or once per use under reentrant checkpointing). The low-precision ``param.grad`` is folded
 into the fp32 accumulator of the parameter's slot and dropped:
 
-- persistent chunk: copied or added on the compute device, at once, on the compute stream;
+- persistent chunk: copied (into a new fp32 tensor, which ``zero_grad`` frees, so that it
+  takes no device memory during forward) or added on the compute device, at once, on the
+  compute stream;
 - offloaded chunk, first gradient since ``zero_grad``: on ``grad_offload_stream``, its 2-norm
   is taken on the device (for global clipping) and it is cast to fp32 on the device, in
   pieces, and copied straight into the pinned fp32 accumulator. The host does nothing;
@@ -54,8 +56,8 @@ class GradSink:
         chunk = self.manager.chunks[slot.chunk]
         with torch.no_grad():
             if chunk.persistent:
-                if first:
-                    slot.grad_acc.copy_(grad)
+                if first:  # allocated here, freed by zero_grad: no room taken in forward
+                    slot.grad_acc = grad.to(torch.float32, copy=True)
                 else:
                     slot.grad_acc.add_(grad)
                 param.grad = None
