@@ -4,8 +4,8 @@
 + offload_grad_transient(n_persist) + allocator_overhead``
 
 - **model states**: for each persistent chunk, its bytes, and per trainable parameter in it
-  the fp32 master, fp32 gradient accumulator and the two fp32 Adam moments (16 bytes per
-  parameter) plus Adam's 4-byte step tensor per trainable tensor; exact, from the layout.
+  the fp32 master and the two fp32 Adam moments (12 bytes per parameter) plus Adam's 4-byte
+  step tensor per trainable tensor; exact, from the layout.
 - **buffer pool**: ``n_buffer`` chunks.
 - **activations**: the traced step (every block checkpointed) gives the peak of every interval
   between block hooks, relative to the step's start (see ``protrain.profile.trace``). A plan's
@@ -15,7 +15,12 @@
   at its measured keep peak instead of its checkpoint peak; in its own backward it does not
   hold the checkpoint input (unless that input is among its saved tensors). A swapped
   block's device copy lives until its transfer ends, so with any swap the largest swapped
-  ``S_j`` is added to block intervals: the swapper's one group in flight.
+  ``S_j`` is added to block intervals: the swapper's one group in flight. The engine makes
+  a persistent chunk's fp32 gradient accumulators in backward and frees them at
+  ``zero_grad``: the trace cuts backward at every accumulation and records the order, so
+  each interval knows exactly which parameters have their 4 bytes per element; those of
+  the trace's persistent chunks are taken out of its peaks, and the plan's put back. The activation side's peak is the largest
+  interval.
 - **offload gradient transient**: the fp32 piece the engine casts an offloaded gradient to
   before copying it to the host (at most 2^26 elements), when the plan offloads trainable
   chunks and the trace did not.
@@ -29,7 +34,7 @@ import numpy as np
 from protrain.profile.trace import ModelProfile
 
 KEEP, CHECKPOINT, SWAP = 0, 1, 2
-ADAM_DEVICE_BYTES_PER_PARAM = 16  # fp32 master, grad accumulator, exp_avg, exp_avg_sq
+ADAM_DEVICE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
 ADAM_STEP_BYTES_PER_TENSOR = 4  # fused AdamW's fp32 step count per parameter tensor
 GRAD_PIECE_NUMEL = 1 << 26  # runtime.grad_offload casts offloaded gradients in such pieces
 _ALIGN = 64
@@ -101,42 +106,59 @@ class MemoryModel:
             [x.fwd_peak_keep_bytes - x.fwd_peak_checkpoint_bytes for x in b], dtype=np.int64
         )
         self.bwd_keep_extra = np.where(in_saved, 0, -self.inp)
-        # interval peaks of the traced step, by kind
-        nb = self.n_blocks
-        self.fwd_base = np.full(nb, np.iinfo(np.int64).min // 4, dtype=np.int64)
-        self.bwd_base = np.full(nb, np.iinfo(np.int64).min // 4, dtype=np.int64)
-        self.head_base = 0
-        self.flat_base = 0  # intervals without blocks' activations: start, optimizer step
-        for iv in p.intervals:
-            if iv.kind == "fwd":
-                self.fwd_base[iv.block] = max(self.fwd_base[iv.block], iv.peak_bytes)
-            elif iv.kind == "bwd":
-                self.bwd_base[iv.block] = max(self.bwd_base[iv.block], iv.peak_bytes)
-            elif iv.kind == "head":
-                self.head_base = max(self.head_base, iv.peak_bytes)
-            else:
-                self.flat_base = max(self.flat_base, iv.peak_bytes)
+        ivs = [iv for iv in p.intervals if iv.kind in ("pre", "fwd", "head", "bwd", "opt")]
+        self.iv_kind = np.asarray([iv.kind for iv in ivs])
+        self.iv_block = np.asarray([iv.block for iv in ivs], dtype=np.int64)
+        # grads[k, n]: bytes of persistent gradient accumulators live in interval k when the
+        # first n chunks are persistent: 4 per parameter accumulated before k in a chunk < n
+        order = np.asarray(p.grad_order, dtype=np.int64).reshape(-1, 2)
+        step = np.zeros((len(order) + 1, self.n_chunks + 2), dtype=np.int64)
+        step[np.arange(1, len(order) + 1), order[:, 0] + 1] = order[:, 1]
+        done = np.cumsum(np.cumsum(step, axis=0), axis=1)[:, : self.n_chunks + 1]
+        done_k = np.asarray([iv.grads_done for iv in ivs], dtype=np.int64)
+        done_k = np.where(np.asarray([iv.kind == "opt" for iv in ivs]), len(order), done_k)
+        self.grads = 4 * done[done_k]
+        traced = self.grads[:, min(p.trace_n_persist, self.n_chunks)]
+        self.iv_base = np.asarray([iv.peak_bytes for iv in ivs], dtype=np.int64) - traced
+        self.is_fwd = self.iv_kind == "fwd"
+        self.is_bwd = self.iv_kind == "bwd"
+        self.is_head = self.iv_kind == "head"
+        # which blocks' retention counts before each interval (prefix length)
+        self.iv_prefix = np.where(
+            self.is_fwd | self.is_bwd, self.iv_block, np.where(self.is_head, self.n_blocks, 0)
+        )
+        self.iv_own = np.where(self.is_fwd | self.is_bwd, self.iv_block, 0)
 
     # ---- terms ----------------------------------------------------------------------
 
-    def activation_peak(self, n_swap, n_checkpoint) -> np.ndarray:
-        """Peak activation bytes for each (n_swap, n_checkpoint) pair (arrays)."""
-        n_swap = np.atleast_1d(np.asarray(n_swap, dtype=np.int64))
-        n_checkpoint = np.atleast_1d(np.asarray(n_checkpoint, dtype=np.int64))
-        pol = policy_matrix(self.n_blocks, n_swap, n_checkpoint)
-        return self.activation_peak_of(pol)
-
-    def activation_peak_of(self, pol: np.ndarray) -> np.ndarray:
+    def interval_activations(self, pol: np.ndarray) -> np.ndarray:
+        """Activation bytes at each traced interval's peak, one row per policy row
+        (persistent gradient accumulators not included: see :meth:`peak_over_persist`)."""
         keep, swap = pol == KEEP, pol == SWAP
         delta = np.where(keep, self.saved - self.inp, 0) + np.where(swap, -self.inp, 0)
         before = np.concatenate([np.zeros((len(pol), 1), np.int64), np.cumsum(delta, 1)], 1)
-        own = keep | swap
+        own = (keep | swap)[:, self.iv_own]
+        own_extra = np.where(
+            self.is_fwd, self.fwd_keep_extra[self.iv_own], self.bwd_keep_extra[self.iv_own]
+        )
         in_flight = np.where(swap, self.saved, 0).max(axis=1, initial=0)[:, None]
-        fwd = self.fwd_base + before[:, :-1] + np.where(own, self.fwd_keep_extra, 0) + in_flight
-        bwd = self.bwd_base + before[:, :-1] + np.where(own, self.bwd_keep_extra, 0) + in_flight
-        peak = np.maximum(fwd.max(axis=1, initial=0), bwd.max(axis=1, initial=0))
-        peak = np.maximum(peak, self.head_base + before[:, -1])
-        return np.maximum(peak, self.flat_base)
+        blockwise = self.is_fwd | self.is_bwd
+        out = self.iv_base + before[:, self.iv_prefix]
+        out = out + np.where(own & blockwise, own_extra, 0) + np.where(blockwise, in_flight, 0)
+        return out
+
+    def peak_over_persist(self, intervals: np.ndarray, n_persist: np.ndarray) -> np.ndarray:
+        """Activation-side peak (activations + persistent gradients) for each ``n_persist``,
+        given one row of :meth:`interval_activations`."""
+        return (intervals[:, None] + self.grads[:, n_persist]).max(axis=0)
+
+    def activation_peak(self, n_swap, n_checkpoint, n_persist) -> np.ndarray:
+        """Activation-side peak bytes for each (n_swap, n_checkpoint) pair at ``n_persist``."""
+        n_swap = np.atleast_1d(np.asarray(n_swap, dtype=np.int64))
+        n_checkpoint = np.atleast_1d(np.asarray(n_checkpoint, dtype=np.int64))
+        pol = policy_matrix(self.n_blocks, n_swap, n_checkpoint)
+        iv = self.interval_activations(pol)
+        return (iv + self.grads[:, n_persist][None, :]).max(axis=1)
 
     def swap_host_bytes(self, pol: np.ndarray) -> np.ndarray:
         return np.where(pol == SWAP, self.saved, 0).sum(axis=1)
@@ -146,7 +168,9 @@ class MemoryModel:
         return {
             "model_states": int(self.model_states[n_persist]),
             "buffer_pool": int(n_buffer * self.chunk_bytes),
-            "activations": int(self.activation_peak(n_swap, n_checkpoint)[0]),
+            "activations_and_gradients": int(
+                self.activation_peak(n_swap, n_checkpoint, n_persist)[0]
+            ),
             "offload_grad_transient": int(self.grad_piece[n_persist]),
             "allocator_overhead": self.allocator_overhead,
         }

@@ -1,21 +1,21 @@
 """The fastest plan whose predicted peak fits the budget.
 
 [Note: why the search is exact and fast]
-Memory is a sum: ``model_states(n_persist) + n_buffer * chunk + activations(n_swap,
-n_checkpoint) + ...``, and step time never gets worse with more persistent chunks' worth
-of traffic removed or more buffers (it is non-increasing in ``n_buffer``) and never gets
-better with more compute or more swap bytes. So:
+Memory is a sum: ``model_states(n_persist) + n_buffer * chunk + activations_and_gradients(
+n_swap, n_checkpoint, n_persist) + ...``; step time is non-increasing in ``n_buffer`` and
+never gets better with more compute or more swap bytes. So:
 
 1. every allowed ``(n_swap, n_checkpoint)`` pair is evaluated at once (numpy over a pairs x
-   blocks matrix) for its activation peak, compute seconds and swap bytes;
-2. pairs dominated on all three (another pair no larger in each) are dropped: they can never
-   be the fastest that fits;
-3. for each remaining pair and every allowed ``n_persist`` (one numpy vector), ``n_buffer`` is
-   the largest that fits (time is non-increasing in it, memory increasing), and the time of
-   that plan is computed.
+   blocks matrix) for its activation bytes in every traced interval, its compute seconds
+   and its swap bytes;
+2. a lower bound of each pair's best time, for every allowed ``n_persist`` at once (a pairs
+   x ``n_persist`` matrix): its peak counted without the persistent gradient accumulators,
+   and ``n_buffer`` the largest that fits (time is non-increasing in it, memory increasing);
+3. pairs in order of that bound are evaluated exactly (intervals x ``n_persist``, the
+   gradients added) until the next bound is no better than the best exact time found.
 
-The work is ``pairs`` (one matrix pass) plus ``frontier pairs x n_persist values`` (vector
-evaluations), reported in :attr:`SearchResult.work`. Knobs the user fixed are single values
+The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
+intervals x ``n_persist``, reported in :attr:`SearchResult.work`. Knobs the user fixed are single values
 in these ranges; nothing else is defaulted.
 """
 
@@ -116,7 +116,9 @@ class PlanProblem:
     # ---- evaluation -------------------------------------------------------------------
 
     def evaluate(self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> dict:
-        """Predicted peak, step time and host bytes of one knob setting (no fit check)."""
+        """Predicted peak, step time and host bytes of one knob setting (no fit check).
+        The engine clamps ``n_buffer`` to the offloaded chunks; so does this."""
+        n_buffer = min(n_buffer, self.memory.n_chunks - n_persist)
         mem = self.memory.terms(n_persist, n_buffer, n_swap, n_checkpoint)
         if self.extra_bytes:
             mem["measured_beyond_model"] = self.extra_bytes
@@ -145,19 +147,16 @@ class PlanProblem:
         )
 
 
-def _frontier(act: np.ndarray, compute: np.ndarray, swap: np.ndarray) -> np.ndarray:
-    """Indices of pairs that no other pair beats or ties on all three at once."""
-    order = np.lexsort((swap, compute, act))
-    kept: list[int] = []
-    kc = np.empty(0)
-    ks = np.empty(0)
-    for i in order:
-        if kept and np.any((kc <= compute[i]) & (ks <= swap[i])):
-            continue
-        kept.append(i)
-        kc = np.append(kc, compute[i])
-        ks = np.append(ks, swap[i])
-    return np.asarray(kept, dtype=np.int64)
+def _fit_buffers(problem: PlanProblem, room: np.ndarray, n_p: np.ndarray):
+    """(n_buffer, fits) for each entry of ``room`` (bytes left for the pool) and ``n_p``."""
+    mem = problem.memory
+    least, most = problem.buffer_bounds(n_p)
+    fixed_nb = problem.fixed.get("n_buffer")
+    if fixed_nb is not None:
+        nb = np.broadcast_to(np.minimum(fixed_nb, most), room.shape)  # the engine clamps it
+        return nb, (nb >= least) & (room >= nb * mem.chunk_bytes)
+    nb = np.minimum(most, np.floor_divide(np.maximum(room, -1), mem.chunk_bytes))
+    return np.maximum(nb, least), (nb >= least) & (room >= 0)
 
 
 def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
@@ -165,64 +164,86 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     mem, rt = problem.memory, problem.runtime
     s, c = problem.pairs()
     pol = policy_matrix(mem.n_blocks, s, c)
-    act = mem.activation_peak_of(pol)
+    iv = mem.interval_activations(pol)  # pairs x intervals
     compute, swap = rt.pair_terms(pol)
     host_swap = mem.swap_host_bytes(pol)
-    front = _frontier(act, compute, swap)
-
     n_p = problem.persist_values()
-    least, most = problem.buffer_bounds(n_p)
-    fixed_nb = problem.fixed.get("n_buffer")
     constant = mem.model_states[n_p] + mem.grad_piece[n_p] + mem.allocator_overhead
     constant = constant + problem.extra_bytes
-    budget = problem.gpu_budget_bytes
+    host_ok = np.ones((len(s), len(n_p)), dtype=bool)
+    if problem.cpu_budget_bytes is not None:
+        host_ok = mem.host_suffix[n_p][None, :] + host_swap[:, None] <= problem.cpu_budget_bytes
+
+    # Bound: a pair's peak over a few of its intervals (its largest without gradients, and
+    # the intervals that hold the most gradients) is at most its peak over all of them, so
+    # its best time with that peak is a lower bound of its true best time.
+    act_low = _peak_lower_bound(mem, iv, n_p)
+    room = problem.gpu_budget_bytes - constant[None, :] - act_low
+    nb, ok = _fit_buffers(problem, room, n_p[None, :])
+    ok &= host_ok
+    t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None])
+    t_low = np.where(ok, t_low, np.inf).min(axis=1)
+
     best: list[tuple] = []
-    evaluations = 0
-    for i in front:
-        room = budget - constant - act[i]
-        if fixed_nb is not None:
-            nb = np.minimum(fixed_nb, most)  # the engine clamps n_buffer to the offloaded count
-            ok = (nb >= least) & (room >= nb * mem.chunk_bytes)
-        else:
-            nb = np.minimum(most, np.floor_divide(np.maximum(room, -1), mem.chunk_bytes))
-            ok = (nb >= least) & (room >= 0)
-            nb = np.maximum(nb, least)
-        if problem.cpu_budget_bytes is not None:
-            ok &= mem.host_suffix[n_p] + host_swap[i] <= problem.cpu_budget_bytes
-        evaluations += len(n_p)
-        if not ok.any():
+    exact = 0
+    order = np.lexsort((c, s, t_low))  # ties: fewer swapped, then fewer checkpointed blocks
+    for i in order:
+        if not np.isfinite(t_low[i]) or (best and t_low[i] >= best[0][0]):
+            break
+        exact += 1
+        act = mem.peak_over_persist(iv[i], n_p)
+        nb_i, ok_i = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p)
+        ok_i = ok_i & host_ok[i]
+        if not ok_i.any():
             continue
-        t = rt.step_s(n_p, nb, compute[i], swap[i])
-        t = np.where(ok, t, np.inf)
+        t = np.where(ok_i, rt.step_s(n_p, nb_i, compute[i], swap[i]), np.inf)
         j = len(t) - 1 - int(np.argmin(t[::-1]))  # ties: the most persistent chunks
-        peak = int(constant[j] + nb[j] * mem.chunk_bytes + act[i])
-        best.append((float(t[j]), peak, int(n_p[j]), int(nb[j]), int(s[i]), int(c[i])))
-    work = {"pairs": len(s), "frontier_pairs": len(front), "persist_evaluations": evaluations}
+        peak = int(constant[j] + nb_i[j] * mem.chunk_bytes + act[j])
+        fixed_nb = problem.fixed.get("n_buffer")
+        shown_nb = fixed_nb if fixed_nb is not None else int(nb_i[j])  # the user's value
+        best.append((float(t[j]), peak, int(n_p[j]), shown_nb, int(s[i]), int(c[i])))
+        best.sort(key=lambda r: r[0])
+    work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact}
     if not best:
-        raise _no_fit(problem, act, host_swap)
-    # Among equal times: fewer swapped, then fewer checkpointed blocks, more persistent chunks.
-    best.sort(key=lambda r: (round(r[0], 12), r[4], r[5], -r[2], r[1]))
-    step_s, peak, *knobs = best[0]
-    plan = _make_plan(problem, knobs, best[:n_candidates])
+        raise _no_fit(problem, _smallest_budget(problem, iv, constant, n_p), host_swap)
+    plan = _make_plan(problem, best[0][2:], best[:n_candidates])
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
 
 
-def _no_fit(problem: PlanProblem, act: np.ndarray, host_swap: np.ndarray) -> NoPlanFits:
+def _peak_lower_bound(mem, iv: np.ndarray, n_p: np.ndarray) -> np.ndarray:
+    """pairs x n_persist: the activation-side peak over a few intervals only."""
+    grads = mem.grads[:, n_p]  # intervals x n_persist
+    k_star = iv.argmax(axis=1)
+    low = iv[np.arange(len(iv)), k_star][:, None] + grads[k_star]
+    most_grads = grads.argmax(axis=0)  # per n_persist: the interval with the most gradients
+    for k in np.unique(np.concatenate([most_grads, np.flatnonzero(mem.is_head)])):
+        low = np.maximum(low, iv[:, k][:, None] + grads[k][None, :])
+    return low
+
+
+def _smallest_budget(problem: PlanProblem, iv, constant, n_p) -> int:
+    """The least predicted peak of any allowed plan (same bound-then-exact scheme)."""
     mem = problem.memory
-    n_p = problem.persist_values()
-    least, n_off = problem.buffer_bounds(n_p)
-    nb = (
-        np.minimum(problem.fixed.get("n_buffer", 0), n_off)
-        if "n_buffer" in problem.fixed
-        else least
-    )
-    nb = np.where(nb >= least, nb, np.iinfo(np.int64).max // 4)
-    static = mem.model_states[n_p] + mem.grad_piece[n_p] + nb * mem.chunk_bytes
-    smallest = int(static.min() + act.min() + mem.allocator_overhead + problem.extra_bytes)
+    least, most = problem.buffer_bounds(n_p)
+    fixed_nb = problem.fixed.get("n_buffer")
+    nb = np.minimum(fixed_nb, most) if fixed_nb is not None else least
+    static = np.where(nb >= least, constant + nb * mem.chunk_bytes, np.iinfo(np.int64).max // 4)
+    low = iv.max(axis=1) + static.min()
+    smallest = None
+    for i in np.argsort(low):
+        if smallest is not None and low[i] >= smallest:
+            break
+        need = int((static + mem.peak_over_persist(iv[i], n_p)).min())
+        smallest = need if smallest is None else min(smallest, need)
+    return smallest
+
+
+def _no_fit(problem: PlanProblem, smallest: int | None, host_swap: np.ndarray) -> NoPlanFits:
+    mem = problem.memory
     fixed = ", ".join(f"{k}={v}" for k, v in problem.fixed.items()) or "none"
-    if smallest <= problem.gpu_budget_bytes and problem.cpu_budget_bytes is not None:
-        host = int((mem.host_suffix[n_p].min()) + host_swap.min())
+    if smallest is not None and smallest <= problem.gpu_budget_bytes:
+        host = int(mem.host_suffix[problem.persist_values()].min() + host_swap.min())
         return NoPlanFits(
             f"no plan fits the host budget of {problem.cpu_budget_bytes / _GIB:.2f} GiB: the "
             f"least host memory any plan needs is {host / _GIB:.2f} GiB (fixed knobs: {fixed})",

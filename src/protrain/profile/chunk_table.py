@@ -50,6 +50,15 @@ def params_in_order(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
 def chunk_table(
     model: nn.Module, *, compute_dtype: torch.dtype, chunk_size_bytes: int | None = None
 ) -> ChunkTable:
+    return chunk_table_and_index(
+        model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes
+    )[0]
+
+
+def chunk_table_and_index(
+    model: nn.Module, *, compute_dtype: torch.dtype, chunk_size_bytes: int | None = None
+) -> tuple[ChunkTable, dict[str, int]]:
+    """The table, and the chunk index of every parameter name."""
     params = params_in_order(model)
     if chunk_size_bytes is None:
         sizes = [p.numel() * storage_dtype(p, compute_dtype).itemsize for _, p in params]
@@ -79,7 +88,7 @@ def chunk_table(
         prefix = f"{mname}." if mname else ""
         ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
         need = max(need, len(ids - {None}))
-    return ChunkTable(
+    table = ChunkTable(
         chunk_size_bytes=layout.chunk_size_bytes,
         used_bytes=used,
         trainable_numel=tr_numel,
@@ -88,3 +97,4 @@ def chunk_table(
         max_trainable_numel=tr_max,
         min_buffers=max(need, 1),
     )
+    return table, chunk_of

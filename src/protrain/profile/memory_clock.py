@@ -3,7 +3,8 @@
 On CUDA the caching allocator's own statistics answer (``memory_allocated``,
 ``max_memory_allocated``). On the CPU there is no device allocator to ask, so
 :class:`TensorBytesCounter` keeps the books itself: a ``TorchDispatchMode`` sees every op the
-current thread runs and adds the bytes of each new storage an op returns; a weak-reference
+current thread runs and adds the bytes of each new storage an op returns (an output that
+shares the storage of an input, a view or an in-place result, is not new); a weak-reference
 callback subtracts them when the storage is freed. It counts tensor bytes only (no allocator
 rounding), and only storages created while it is active: bytes that existed before are the
 caller's baseline. Work done on other threads (the engine's host optimizer worker) is not
@@ -40,10 +41,19 @@ class TensorBytesCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = None
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
             st = t.untyped_storage()
+            if inputs is None:
+                inputs = {
+                    a.untyped_storage().data_ptr()
+                    for a in tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor) and a.device.type != "meta"
+                }
+            if st.data_ptr() in inputs and st.nbytes():
+                continue
             key = id(st)
             ref = self._tracked.get(key)
             if ref is not None and ref() is st:

@@ -12,7 +12,9 @@ What is measured, and how:
   synchronize) and the memory clock (:mod:`protrain.profile.memory_clock`): the peak of every
   interval between two hooks, from the step's start through the embedding, each block's
   forward, the head and loss, each block's backward (from the gradient of its output to the
-  gradient of the previous block's output) and the optimizer step. The last of ``steps``
+  gradient of the previous block's output, cut again at every parameter's gradient
+  accumulation, so that the gradient bytes the engine holds are constant inside an
+  interval) and the optimizer step. The last of ``steps``
   steps is kept; the first ones warm up kernels and create the optimizer state.
 
 The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then
@@ -39,7 +41,7 @@ from torch import nn
 
 from protrain.activations.swap import is_parameter_like
 from protrain.model.blocks import discover_blocks
-from protrain.profile.chunk_table import ChunkTable, chunk_table
+from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
 from protrain.profile.memory_clock import MemoryClock
 
 log = logging.getLogger(__name__)
@@ -79,6 +81,10 @@ class Interval:
     end_bytes: int
     gathers: int  # offloaded chunks gathered during it
     reserved_overhead_bytes: int  # reserved minus allocated at its peak (CUDA)
+    # Trainable parameters whose gradient was accumulated before the interval began: the
+    # first ``grads_done`` entries of ``ModelProfile.grad_order``. Backward intervals are
+    # cut at every accumulation, so this is constant inside an interval.
+    grads_done: int = 0
 
 
 @dataclass
@@ -98,6 +104,8 @@ class ModelProfile:
     post_bwd_s: float  # after block 0's backward interval (0: that interval runs to the end)
     optimizer_step_s: float
     allocator_overhead_bytes: int
+    # (chunk index, numel) of each trainable parameter, in the order backward accumulated them
+    grad_order: list[tuple[int, int]] = field(default_factory=list)
     trace_s: float = 0.0
     notes: list[str] = field(default_factory=list)
 
@@ -118,6 +126,7 @@ class ModelProfile:
         d["blocks"] = [BlockProfile(**b) for b in d["blocks"]]
         d["intervals"] = [Interval(**i) for i in d["intervals"]]
         d["chunks"] = ChunkTable(**d["chunks"])
+        d["grad_order"] = [tuple(x) for x in d.get("grad_order", [])]
         return cls(**d)
 
     def to_json(self) -> str:
@@ -227,7 +236,14 @@ def _keep_pass(model, blocks, batch, loss_fn, clock: MemoryClock, sync: _Sync):
 class _StepTracer:
     """Hooks that cut one step into intervals and read time and memory at each cut."""
 
-    def __init__(self, blocks, clock: MemoryClock, sync: _Sync, gathers: Callable[[], int]):
+    def __init__(
+        self,
+        blocks,
+        clock: MemoryClock,
+        sync: _Sync,
+        gathers: Callable[[], int],
+        trainable: list[tuple[nn.Parameter, int]],
+    ):
         self.blocks = blocks
         self.clock = clock
         self.sync = sync
@@ -237,6 +253,10 @@ class _StepTracer:
         for i, b in enumerate(blocks):
             self.handles.append(b.module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(b.module.register_forward_hook(self._post(i), with_kwargs=True))
+        for p, chunk in trainable:
+            self.handles.append(
+                p.register_post_accumulate_grad_hook(self._accumulated(chunk, p.numel()))
+            )
 
     def reset(self) -> None:
         self.intervals: list[Interval] = []
@@ -246,16 +266,18 @@ class _StepTracer:
         self.cut_kind, self.cut_block = "pre", -1
         self.base = 0
         self.t_start = 0.0
+        self.grad_order: list[tuple[int, int]] = []
 
     def start(self) -> None:
         self.t_start = self.sync()
         self.base = self.clock.now()
         self.cut_t, self.cut_g = self.t_start, self.gathers()
+        self.cut_grads = 0
         self.clock.reset_peak()
 
-    def cut(self, next_kind: str, next_block: int) -> tuple[float, int]:
+    def cut(self, next_kind: str, next_block: int, *, sync: bool = True) -> tuple[float, int]:
         """Close the running interval and open the next; return (time, bytes) at the cut."""
-        t = self.sync()
+        t = self.sync() if sync else time.perf_counter()
         now = self.clock.now() - self.base
         peak = self.clock.peak() - self.base
         g = self.gathers()
@@ -269,9 +291,11 @@ class _StepTracer:
                 end_bytes=now,
                 gathers=g - self.cut_g,
                 reserved_overhead_bytes=self.clock.reserved_minus_allocated_peak(),
+                grads_done=self.cut_grads,
             )
         )
         self.cut_kind, self.cut_block, self.cut_t, self.cut_g = next_kind, next_block, t, g
+        self.cut_grads = len(self.grad_order)
         self.clock.reset_peak()
         return t, now
 
@@ -296,6 +320,14 @@ class _StepTracer:
                 y.register_hook(self._grad_of_output(i))
             if i == len(self.blocks) - 1:
                 self.cut("head", -1)
+
+        return hook
+
+    def _accumulated(self, chunk: int, numel: int):
+        def hook(param):
+            # After the engine's own hook has taken the gradient: a new interval, same block.
+            self.grad_order.append((chunk, numel))
+            self.cut(self.cut_kind, self.cut_block, sync=False)
 
         return hook
 
@@ -341,7 +373,9 @@ def trace_model(
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layout = discover_blocks(model)
     blocks = layout.blocks
-    table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
+    table, chunk_of = chunk_table_and_index(
+        model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes
+    )
     if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
         n_buffer = min(table.n_chunks - n_persist, table.min_buffers + 1)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
@@ -371,7 +405,8 @@ def trace_model(
                 model, blocks, batch, loss_fn, clock, sync
             )
             handle = apply_activation_knobs(model, 0, len(blocks), device=device, layout=layout)
-            tracer = _StepTracer(blocks, clock, sync, lambda: manager.stats["gathers"])
+            trainable = [(p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
+            tracer = _StepTracer(blocks, clock, sync, lambda: manager.stats["gathers"], trainable)
             for _ in range(steps):
                 tracer.reset()
                 tracer.start()
@@ -392,19 +427,23 @@ def trace_model(
         protrain.close(model)
 
     iv = tracer.intervals
-    bwd_iv = {x.block: x for x in iv if x.kind == "bwd"}
+    bwd_window = {}
+    for x in iv:
+        if x.kind == "bwd":
+            a, _ = bwd_window.get(x.block, (x.start_s, x.end_s))
+            bwd_window[x.block] = (a, x.end_s)
     head = next(x for x in iv if x.kind == "head")
     pre = next(x for x in iv if x.kind == "pre")
     opt = next(x for x in iv if x.kind == "opt")
     block_profiles = []
     for i, b in enumerate(blocks):
         fwd_s = tracer.fwd_s.get(i, keep_fwd_s[i])
-        bwd_window = bwd_iv[i].end_s - bwd_iv[i].start_s if i in bwd_iv else 0.0
+        start, end = bwd_window.get(i, (0.0, 0.0))
         block_profiles.append(
             BlockProfile(
                 name=b.name,
                 fwd_s=fwd_s,
-                bwd_s=max(bwd_window - fwd_s, 0.0),
+                bwd_s=max(end - start - fwd_s, 0.0),
                 recompute_s=fwd_s,
                 saved_bytes=saved[i],
                 input_bytes=input_bytes[i],
@@ -431,6 +470,7 @@ def trace_model(
         post_bwd_s=0.0,
         optimizer_step_s=opt.end_s - opt.start_s,
         allocator_overhead_bytes=overhead,
+        grad_order=list(tracer.grad_order),
         trace_s=time.perf_counter() - t_begin,
     )
     log.info(

@@ -1,0 +1,139 @@
+"""The memory model against measured device bytes, through protrain.wrap, on the CPU device.
+
+The CPU stand-in for a device's allocator is ``protrain.profile.measure``: persistent chunk
+storage and masters, resident offloaded chunks, and every storage the main thread's ops
+create (tensor bytes, no allocator rounding). Tolerance: from 0.5% under to 2% over, for
+traces with every chunk persistent and with every chunk offloaded alike; swap is left out
+(on a CPU device its "host" copies are device bytes too).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain
+from protrain.activations import apply_activation_knobs
+from protrain.plan import PlanProblem, search
+from protrain.plan.auto import parse_bytes, profile_and_plan
+from protrain.plan.closed_loop import check_plan
+from protrain.profile.measure import measure_steps
+from protrain.profile.trace import hf_loss, trace_model
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
+import plan_synthetic as syn  # noqa: E402
+import tiny_llama  # noqa: E402
+
+
+def measured_peak(model, batch, knobs) -> int:
+    n_persist, n_buffer, n_swap, n_checkpoint = knobs
+    model, opt, _ = protrain.wrap(
+        model, n_persist=n_persist, n_buffer=n_buffer or None, device="cpu", lr=1e-3
+    )
+    handle = apply_activation_knobs(model, n_swap, n_checkpoint, device="cpu")
+
+    def step():
+        hf_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        return measure_steps(model, step, steps=1, warmup=1, device="cpu").peak_allocated_bytes
+    finally:
+        handle.remove()
+        protrain.close(model)
+
+
+@pytest.fixture(scope="module")
+def model_and_profiles():
+    model = tiny_llama.build(seed=1)
+    batch = tiny_llama.batch()
+    persistent = trace_model(model, batch, device="cpu")
+    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
+    return model, batch, persistent, offloaded
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        (7, 0, 0, 0),
+        (7, 0, 0, 4),
+        (7, 0, 0, 2),
+        (3, 2, 0, 2),
+        (0, 2, 0, 4),
+        (0, 3, 0, 0),
+        (2, 5, 0, 1),
+        (5, 2, 0, 3),
+        (1, 4, 0, 0),
+    ],  # fmt: skip
+)
+def test_predicted_peak_matches_measured(model_and_profiles, knobs):
+    model, batch, persistent, offloaded = model_and_profiles
+    assert persistent.chunks.n_chunks == 7
+    measured = measured_peak(model, batch, knobs)
+    hw = syn.hardware("cpu")
+    for profile in (persistent, offloaded):
+        predicted = PlanProblem(profile, hw, gpu_budget_bytes=1 << 40).evaluate(*knobs)
+        err = (predicted["peak_bytes"] - measured) / measured
+        assert -0.005 <= err <= 0.02, (profile.trace_n_persist, knobs, err, predicted)
+
+
+def test_planned_knobs_fit_when_run(model_and_profiles):
+    model, batch, persistent, _ = model_and_profiles
+    budget = 3_500_000  # tensor bytes: less than everything kept, so the search must trade
+    plan = search(PlanProblem(persistent, syn.hardware("cpu"), gpu_budget_bytes=budget)).plan
+    assert plan.predicted_peak_bytes <= budget
+    measured = measured_peak(model, batch, tuple(plan.knobs.values()))
+    assert measured <= budget * 1.05, (plan.knobs, measured)
+
+
+def test_auto_plan_keeps_fixed_knobs(caplog):
+    model = tiny_llama.build(seed=2)
+    with caplog.at_level("INFO", logger="protrain.plan.auto"):
+        plan, problem = profile_and_plan(
+            model,
+            tiny_llama.batch(),
+            gpu_budget_bytes="6MB",
+            device="cpu",
+            fixed_knobs={"n_checkpoint": 2, "n_persist": None},
+            hardware=syn.hardware("cpu"),
+        )
+    assert plan.n_checkpoint == 2 and plan.fixed_knobs == {"n_checkpoint": 2}
+    assert plan.predicted_peak_bytes <= 6_000_000
+    assert "knobs fixed by the user: n_checkpoint=2" in caplog.text
+    assert problem.gpu_budget_bytes == 6_000_000
+
+
+def test_parse_bytes():
+    assert parse_bytes("24GiB") == 24 << 30
+    assert parse_bytes("80 GB") == 80 * 10**9
+    assert parse_bytes(123) == 123
+    with pytest.raises(ValueError):
+        parse_bytes("24 parsecs")
+
+
+def test_closed_loop_corrects_a_plan_that_would_not_fit():
+    prof = syn.profile(n_blocks=6, n_chunks=12, seed=7)
+    problem = PlanProblem(prof, syn.hardware(), gpu_budget_bytes=4 << 30)
+    plan = search(problem).plan
+    ok = check_plan(plan, problem, measured_peak_bytes=plan.predicted_peak_bytes - 1,
+                    measured_step_s=plan.predicted_step_s * 1.1)  # fmt: skip
+    assert ok.corrected is None and ok.step_error == pytest.approx(-1 / 11)
+    room = problem.gpu_budget_bytes - plan.predicted_peak_bytes
+    over = plan.predicted_peak_bytes + room + (200 << 20)  # the real peak passes the budget
+    check = check_plan(plan, problem, measured_peak_bytes=over,
+                       measured_step_s=plan.predicted_step_s)  # fmt: skip
+    new = check.corrected
+    assert new is not None and new.knobs != plan.knobs
+    assert new.memory_terms["measured_beyond_model"] == over - plan.predicted_peak_bytes
+    assert new.predicted_peak_bytes <= problem.gpu_budget_bytes
+    assert "corrected after the first steps" in new.reasons[0]
+
+
+def test_torch_state_is_clean_after_measuring(model_and_profiles):
+    model, *_ = model_and_profiles
+    assert not hasattr(model, "_protrain_engine")
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())

@@ -1,0 +1,103 @@
+"""Trace output sanity on a tiny Llama (CPU device, allocation accounting)."""
+
+from __future__ import annotations
+
+import pytest
+import tiny_llama
+import torch
+
+from protrain.activations.estimate import measure_saved_bytes
+from protrain.profile.memory_clock import TensorBytesCounter
+from protrain.profile.timeline import write_timeline_html
+from protrain.profile.trace import ModelProfile, hf_loss, trace_model
+
+
+@pytest.fixture(scope="module")
+def traced():
+    model = tiny_llama.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    profile = trace_model(model, tiny_llama.batch(), device="cpu")
+    return model, before, profile
+
+
+def test_model_is_unchanged_by_the_trace(traced):
+    model, before, _ = traced
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert not hasattr(model, "_protrain_engine")
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_blocks_and_intervals(traced):
+    _, _, p = traced
+    assert p.n_blocks == tiny_llama.N_LAYERS
+    assert (p.batch_size, p.seq_len, p.tokens) == (2, 64, 128)
+    kinds = []
+    for iv in p.intervals:  # backward intervals are cut again at each accumulation
+        if not kinds or kinds[-1] != (iv.kind, iv.block):
+            kinds.append((iv.kind, iv.block))
+    n = p.n_blocks
+    expected = [("pre", -1), *[("fwd", i) for i in range(n)], ("head", -1),
+                *[("bwd", i) for i in reversed(range(n))], ("opt", -1)]  # fmt: skip
+    assert kinds == expected
+    for a, b in zip(p.intervals, p.intervals[1:]):
+        assert a.end_s == pytest.approx(b.start_s)
+    for iv in p.intervals:
+        assert iv.peak_bytes >= iv.end_bytes
+    # the checkpointed forward holds one input per block: the end of forward grows by it
+    fwd = [iv for iv in p.intervals if iv.kind == "fwd"]
+    for a, b, blk in zip(fwd, fwd[1:], p.blocks[1:]):
+        assert b.end_bytes - a.end_bytes == blk.input_bytes
+    assert all(b.fwd_s > 0 and b.recompute_s == b.fwd_s for b in p.blocks)
+    assert p.intervals[-1].end_bytes == 0  # everything of the step is freed after it
+    n_trainable = sum(1 for _ in tiny_llama.build().parameters())
+    assert len(p.grad_order) == n_trainable
+    done = [iv.grads_done for iv in p.intervals if iv.kind == "bwd"]
+    assert done == sorted(done) and done[-1] <= n_trainable
+    assert sum(numel for _, numel in p.grad_order) == sum(p.chunks.trainable_numel)
+
+
+def test_saved_bytes_match_the_activations_probe(traced):
+    model, _, p = traced
+    blocks = list(model.model.layers)
+    measured = measure_saved_bytes(blocks, lambda: hf_loss(model, tiny_llama.batch()))
+    assert [b.saved_bytes for b in p.blocks] == measured
+    x = 2 * 64 * 64 * 4  # batch x seq x hidden, fp32
+    assert all(b.input_bytes == x for b in p.blocks)
+    # fp32: the RMSNorm's cast to fp32 is the input itself, which it saves
+    assert all(b.input_in_saved for b in p.blocks)
+    assert all(b.fwd_peak_keep_bytes >= b.saved_bytes for b in p.blocks)
+    assert all(b.fwd_peak_checkpoint_bytes < b.fwd_peak_keep_bytes for b in p.blocks)
+
+
+def test_trace_offloaded_measures_the_same_activations(traced):
+    model, _, p = traced
+    q = trace_model(model, tiny_llama.batch(), device="cpu", n_persist=0)
+    assert q.trace_n_persist == 0 and q.trace_n_buffer >= 1
+    assert [b.saved_bytes for b in q.blocks] == [b.saved_bytes for b in p.blocks]
+    assert sum(iv.gathers for iv in q.intervals) > 0
+    fwd_p = [iv.peak_bytes for iv in p.intervals if iv.kind == "fwd"]
+    fwd_q = [iv.peak_bytes for iv in q.intervals if iv.kind == "fwd"]
+    assert fwd_p == fwd_q
+
+
+def test_profile_round_trips_and_draws(traced, tmp_path):
+    _, _, p = traced
+    again = ModelProfile.from_json(p.to_json())
+    assert again == p
+    path = write_timeline_html(p, tmp_path / "step.html", title="tiny llama")
+    text = path.read_text()
+    assert "<svg" in text and "polyline" in text and "bwd 0" in text
+
+
+def test_counter_counts_new_storages_only():
+    a = torch.zeros(1000)
+    with TensorBytesCounter() as c:
+        v = a[10:]  # a view: no new bytes
+        assert c.live_bytes == 0
+        b = a + 1
+        assert c.live_bytes == 4000
+        a.add_(1)  # in place: none either
+        del b
+        assert c.live_bytes == 0 and c.peak_bytes == 4000
+    del v
