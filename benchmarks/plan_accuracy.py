@@ -1,0 +1,244 @@
+"""Plan accuracy: profile + plan + real steps with the plan's knobs, predicted vs measured.
+
+For every configuration (the benchmark matrix of shared/BENCHMARKS.md that the engine
+runs, and further ones over budgets 16/24/40/80 GiB, batch 1-8, sequence 512-8192, full
+fine-tuning and LoRA), in a fresh child process:
+
+1. cap the CUDA caching allocator at the budget (``set_per_process_memory_fraction``);
+2. build the model (random weights, on the host), trace it under the engine
+   (``protrain.plan.auto.profile_model``) and search (``protrain.plan.search``), timed apart;
+3. wrap it with the plan's knobs (``protrain.wrap`` + ``apply_activation_knobs``), run
+   warm-up and timed steps, read the peak allocated and reserved bytes;
+4. run the closed-loop check on what was measured;
+
+and append one JSON line per configuration (the results format of shared/BENCHMARKS.md,
+plus ``plan_s``, ``trace_s``, ``search_s``, ``peak_error``, ``step_error`` and
+``closed_loop_corrected``). The summary at the end gives the median and worst peak error
+(against reserved bytes, the memory the budget limits) and the median step-time error.
+
+    python benchmarks/plan_accuracy.py --out benchmarks/results/2026-11-22-plan-accuracy.jsonl
+    python benchmarks/plan_accuracy.py --only full-3b,extra-8b-lora-24-b2-s4096
+    python benchmarks/plan_accuracy.py --tiny     # CPU smoke test of the script, no budget
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+_GIB = 1 << 30
+
+# name: (model, mode, budget GiB, batch, seq, workload id of the matrix or "extra")
+CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
+    "fits-b1": ("llama1b", "full", 80, 1, 2048, "fits"),
+    "fits-b8": ("llama1b", "full", 80, 8, 2048, "fits"),
+    "full-3b": ("llama3b", "full", 24, 4, 2048, "full-3b"),
+    "full-8b": ("llama8b", "full", 80, 4, 2048, "full-8b"),
+    "lora-14b": ("qwen14b", "lora", 24, 4, 2048, "lora-14b"),
+    "extra-1b-full-16-b2-s1024": ("llama1b", "full", 16, 2, 1024, "extra"),
+    "extra-1b-full-24-b4-s4096": ("llama1b", "full", 24, 4, 4096, "extra"),
+    "extra-1b-lora-16-b8-s2048": ("llama1b", "lora", 16, 8, 2048, "extra"),
+    "extra-3b-full-16-b1-s2048": ("llama3b", "full", 16, 1, 2048, "extra"),
+    "extra-3b-full-40-b2-s4096": ("llama3b", "full", 40, 2, 4096, "extra"),
+    "extra-3b-lora-16-b4-s8192": ("llama3b", "lora", 16, 4, 8192, "extra"),
+    "extra-3b-lora-24-b1-s512": ("llama3b", "lora", 24, 1, 512, "extra"),
+    "extra-8b-full-40-b1-s2048": ("llama8b", "full", 40, 1, 2048, "extra"),
+    "extra-8b-full-80-b8-s1024": ("llama8b", "full", 80, 8, 1024, "extra"),
+    "extra-8b-lora-24-b2-s4096": ("llama8b", "lora", 24, 2, 4096, "extra"),
+    "extra-8b-lora-16-b1-s8192": ("llama8b", "lora", 16, 1, 8192, "extra"),
+    "extra-8b-lora-40-b4-s2048": ("llama8b", "lora", 40, 4, 2048, "extra"),
+    "extra-14b-lora-40-b2-s2048": ("qwen14b", "lora", 40, 2, 2048, "extra"),
+    "extra-14b-lora-80-b8-s512": ("qwen14b", "lora", 80, 8, 512, "extra"),
+}
+TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny")}  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--out", type=Path, help="default: benchmarks/results/<date>-plan-accuracy.jsonl"
+    )
+    p.add_argument("--only", help="comma-separated configuration names")
+    p.add_argument("--steps", type=int, default=3, help="timed steps")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--run-id")
+    p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (smoke test)")
+    p.add_argument("--timeout-s", type=int, default=1800, help="per configuration")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent,
+                             capture_output=True, text=True)  # fmt: skip
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
+    """In this process: budget, model, plan, steps; the row."""
+    import torch
+
+    from materialize import build_on_meta, materialize
+    from workloads import LORA_RANK, MODEL_SHAPES, hf_config
+
+    model_name, mode, budget_gib, batch, seq, workload = cfg
+    tiny = model_name == "tiny"
+    device = torch.device("cpu") if tiny else torch.device("cuda", 0)
+    row = {
+        "workload": workload, "config": name, "system": "protrain", "model": model_name,
+        "mode": mode, "budget_gib": budget_gib, "batch": batch, "seq": seq, "status": "ok",
+        "run_id": args.run_id, "commit": git_commit(),
+    }  # fmt: skip
+    t_start = time.perf_counter()
+    try:
+        import protrain
+        from protrain.activations import apply_activation_knobs
+        from protrain.plan.auto import profile_model
+        from protrain.plan.closed_loop import check_plan
+        from protrain.plan.search import PlanProblem, search
+        from protrain.profile.hardware import measure_hardware
+        from protrain.profile.measure import measure_steps
+        from protrain.profile.trace import hf_loss
+
+        budget = int(budget_gib * _GIB) if not tiny else 1 << 40
+        if device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+            row["gpu"] = torch.cuda.get_device_name(device)
+        dtype = torch.bfloat16 if mode == "lora" else torch.float32
+        model = build_on_meta(hf_config(model_name), dtype, LORA_RANK if mode == "lora" else None)
+        materialize(model, "cpu", fill_device=device)
+        model.train()
+        vocab = MODEL_SHAPES[model_name]["vocab_size"]
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.randint(vocab, (batch, seq), generator=gen).to(device)
+        sample = {"input_ids": ids, "labels": ids}
+
+        t0 = time.perf_counter()
+        hw = measure_hardware(device)
+        t1 = time.perf_counter()
+        profile = profile_model(model, sample, gpu_budget_bytes=budget, device=device)
+        t2 = time.perf_counter()
+        problem = PlanProblem(profile, hw, gpu_budget_bytes=budget)
+        result = search(problem)
+        t3 = time.perf_counter()
+        plan = result.plan
+        row.update(
+            hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
+            plan_s=round(t3 - t0, 2), search_work=result.work, plan=plan.knobs,
+            predicted_peak_gib=round(plan.predicted_peak_bytes / _GIB, 3),
+            predicted_step_s=round(plan.predicted_step_s, 4),
+            predicted_memory_terms_gib={k: round(v / _GIB, 3) for k, v in plan.memory_terms.items()},
+            predicted_time_terms={k: round(v, 4) for k, v in plan.time_terms.items()},
+            trace_n_persist=profile.trace_n_persist, n_chunks=plan.n_chunks,
+        )  # fmt: skip
+        print(plan, file=sys.stderr)
+
+        model, optimizer, _ = protrain.wrap(
+            model, n_persist=plan.n_persist, n_buffer=plan.n_buffer or None, device=device,
+            lr=1e-5, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            chunk_size_bytes=plan.chunk_size_bytes,
+        )  # fmt: skip
+        handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
+
+        def step():
+            hf_loss(model, sample).backward()
+            optimizer.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            row["time_to_first_step_s"] = round(time.perf_counter() - t_start, 1)
+        m = measure_steps(model, step, steps=args.steps, warmup=args.warmup, device=device)
+        check = check_plan(plan, problem, measured_peak_bytes=m.peak_reserved_bytes,
+                           measured_step_s=m.step_s)  # fmt: skip
+        row.update(
+            step_s=round(m.step_s, 4), tokens_per_s=round(batch * seq / m.step_s, 1),
+            peak_alloc_gib=round(m.peak_allocated_bytes / _GIB, 3),
+            peak_reserved_gib=round(m.peak_reserved_bytes / _GIB, 3),
+            peak_error=round(check.peak_error, 4), step_error=round(check.step_error, 4),
+            closed_loop_corrected=check.corrected.knobs if check.corrected else None,
+        )  # fmt: skip
+        handle.remove()
+        protrain.close(model)
+    except Exception as e:  # one row per failure; the traceback goes to stderr
+        traceback.print_exc()
+        text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        oom = "out of memory" in text.lower()
+        row.update(status="oom" if oom else "error", error=text[:500])
+    return row
+
+
+def summarize(rows: list[dict]) -> str:
+    ok = [r for r in rows if r.get("status") == "ok"]
+    lines = [f"{len(ok)} of {len(rows)} configurations ran; "
+             f"{sum(r.get('status') == 'oom' for r in rows)} ran out of memory"]  # fmt: skip
+    if ok:
+        peak = [abs(r["peak_error"]) for r in ok]
+        step = [abs(r["step_error"]) for r in ok]
+        lines.append(
+            f"peak error vs reserved: median {100 * statistics.median(peak):.1f}%, worst "
+            f"{100 * max(peak):.1f}%; step error: median {100 * statistics.median(step):.1f}%, "
+            f"worst {100 * max(step):.1f}%; search: worst "
+            f"{max(r['search_s'] for r in ok):.3f} s; plan (hardware + trace + search): worst "
+            f"{max(r['plan_s'] for r in ok):.1f} s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    configs = TINY if args.tiny else CONFIGS
+    if args.child:
+        print(json.dumps(run_one(args.child, configs[args.child], args)))
+        return 0
+    names = args.only.split(",") if args.only else list(configs)
+    unknown = [n for n in names if n not in configs]
+    if unknown:
+        print(f"unknown configurations {unknown}; known: {sorted(configs)}", file=sys.stderr)
+        return 2
+    run_id = args.run_id or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
+    day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    out = args.out or HERE / "results" / f"{day}-plan-accuracy{'-tiny' if args.tiny else ''}.jsonl"
+    rows = []
+    for name in names:
+        cmd = [sys.executable, __file__, "--child", name, "--run-id", run_id,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+        if args.tiny:
+            cmd.append("--tiny")
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+            row = json.loads(last) if last.startswith("{") else {
+                "config": name, "status": "error", "run_id": run_id,
+                "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:500],
+            }  # fmt: skip
+            if proc.returncode != 0 or row.get("status") != "ok":
+                sys.stderr.write(proc.stderr[-4000:])
+        except subprocess.TimeoutExpired:
+            row = {"config": name, "status": "error", "run_id": run_id, "error": "timeout"}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(summarize(rows), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
