@@ -3,7 +3,24 @@ over ``(n_persist, n_buffer, n_swap, n_checkpoint)`` (``search``), the ``Plan`` 
 (``plan``), its explanation (``explain``), profile + search in one call (``auto``) and the
 check of a plan against the first real steps (``closed_loop``)."""
 
+from protrain.plan.auto import parse_bytes, plan_for, profile_and_plan, profile_model
+from protrain.plan.closed_loop import PlanCheck, check_plan
+from protrain.plan.explain import candidates_table, explain
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.search import NoPlanFits, PlanProblem, search
 
-__all__ = ["KNOBS", "NoPlanFits", "Plan", "PlanProblem", "search"]
+__all__ = [
+    "KNOBS",
+    "NoPlanFits",
+    "Plan",
+    "PlanCheck",
+    "PlanProblem",
+    "candidates_table",
+    "check_plan",
+    "explain",
+    "parse_bytes",
+    "plan_for",
+    "profile_and_plan",
+    "profile_model",
+    "search",
+]

@@ -108,9 +108,11 @@ class PlanProblem:
         return np.arange(n + 1, dtype=np.int64)
 
     def buffer_bounds(self, n_persist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Least and most ``n_buffer`` the engine accepts for each ``n_persist``."""
+        """Least and most ``n_buffer`` the runtime runs with, for each ``n_persist``: what the
+        engine checks (one module's chunks, and 2), and the chunks one block spans."""
         n_off = self.memory.n_chunks - n_persist
-        least = np.minimum(n_off, max(self.runtime.min_buffers, 2))
+        t = self.profile.chunks
+        least = np.minimum(n_off, max(t.min_buffers, 2, t.block_chunks))
         return least, n_off
 
     # ---- evaluation -------------------------------------------------------------------

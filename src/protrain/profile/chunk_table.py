@@ -26,6 +26,10 @@ class ChunkTable:
     trainable_tensors: list[int]  # per chunk
     max_trainable_numel: list[int]  # per chunk: its largest trainable tensor
     min_buffers: int  # most offloaded chunks one module needs at once (all offloaded)
+    # Most chunks one block's parameters span. In a block's backward every module of it may
+    # hold its chunks until its own backward ends (q, k and v projections wait for the same
+    # input gradient), so the runtime needs this many buffers, whatever one module needs.
+    block_chunks: int = 1
 
     @property
     def n_chunks(self) -> int:
@@ -97,4 +101,12 @@ def chunk_table_and_index(
         max_trainable_numel=tr_max,
         min_buffers=max(need, 1),
     )
+    try:
+        from protrain.model.blocks import discover_blocks
+
+        blocks = discover_blocks(model).blocks
+    except ValueError:
+        blocks = []
+    spans = [len({chunk_of[n] for n in b.param_names if n in chunk_of}) for b in blocks]
+    table.block_chunks = max(spans, default=1)
     return table, chunk_of
