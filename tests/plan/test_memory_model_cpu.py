@@ -163,3 +163,23 @@ def test_lora_trace_and_memory_model():
         measured = measured_peak(model, batch, knobs)
         err = (problem.evaluate(*knobs)["peak_bytes"] - measured) / measured
         assert -0.005 <= err <= 0.02, (knobs, err)
+
+
+def test_apply_plan_executes_the_knobs():
+    from protrain.plan import apply_plan
+
+    model = tiny_llama.build(seed=4)
+    batch = tiny_llama.batch()
+    plan, _ = profile_and_plan(model, batch, gpu_budget_bytes=3_500_000, device="cpu",
+                               hardware=syn.hardware("cpu"))  # fmt: skip
+    model, opt, layout, handle = apply_plan(model, plan, device="cpu", lr=1e-3)
+    try:
+        assert (layout.n_persist, layout.n_chunks) == (plan.n_persist, plan.n_chunks)
+        policies = [p.value for p in handle.policies]
+        assert policies.count("checkpoint") == plan.n_checkpoint
+        assert policies.count("swap") == plan.n_swap
+        hf_loss(model, batch).backward()
+        opt.step()
+    finally:
+        handle.remove()
+        protrain.close(model)

@@ -137,3 +137,38 @@ def profile_and_plan(
 def plan_for(model: nn.Module, sample_batch: dict, **kwargs) -> Plan:
     """The fastest plan that fits: :func:`profile_and_plan` without the problem."""
     return profile_and_plan(model, sample_batch, **kwargs)[0]
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: Plan,
+    *,
+    device: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    **wrap_kwargs,
+):
+    """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs.
+
+    Returns ``(model, optimizer, layout, activation_handle)``; undo with
+    ``activation_handle.remove()`` and ``protrain.close(model)``. ``wrap_kwargs`` are the
+    optimizer settings of ``protrain.wrap`` (lr, betas, eps, weight_decay, param_groups).
+    """
+    import protrain
+    from protrain.activations import apply_activation_knobs
+
+    device = _device(device)
+    model, optimizer, layout = protrain.wrap(
+        model,
+        n_persist=plan.n_persist,
+        n_buffer=plan.n_buffer if plan.n_persist < plan.n_chunks else None,
+        device=device,
+        compute_dtype=compute_dtype,
+        chunk_size_bytes=plan.chunk_size_bytes,
+        **wrap_kwargs,
+    )
+    try:
+        handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
+    except BaseException:
+        protrain.close(model)
+        raise
+    return model, optimizer, layout, handle

@@ -21,9 +21,11 @@
   each interval knows exactly which parameters have their 4 bytes per element; those of
   the trace's persistent chunks are taken out of its peaks, and the plan's put back. The activation side's peak is the largest
   interval.
-- **offload gradient transient**: the fp32 piece the engine casts an offloaded gradient to
-  before copying it to the host (at most 2^26 elements), when the plan offloads trainable
-  chunks and the trace did not.
+- **offload gradient transient**: the fp32 piece (at most 2^26 elements of the largest
+  offloaded trainable parameter) the engine makes on the device when it casts an offloaded
+  gradient before copying it to the host, and when it copies updated fp32 masters in before
+  casting them into the chunk; counted when the plan offloads trainable chunks and the trace
+  did not (otherwise the trace measured it).
 - **allocator overhead**: reserved minus allocated at the traced peak (CUDA).
 """
 
