@@ -8,7 +8,7 @@ import torch
 
 from protrain.activations.estimate import measure_saved_bytes
 from protrain.profile.memory_clock import TensorBytesCounter
-from protrain.profile.timeline import write_timeline_html
+from protrain.profile.timeline import write_timeline_html, write_timeline_png
 from protrain.profile.trace import ModelProfile, hf_loss, trace_model
 
 
@@ -88,6 +88,10 @@ def test_profile_round_trips_and_draws(traced, tmp_path):
     path = write_timeline_html(p, tmp_path / "step.html", title="tiny llama")
     text = path.read_text()
     assert "<svg" in text and "polyline" in text and "bwd 0" in text
+    from PIL import Image
+
+    png = write_timeline_png(p, tmp_path / "step.png")
+    assert Image.open(png).size == (1100, 420)
 
 
 def test_counter_counts_new_storages_only():
