@@ -56,7 +56,8 @@ def test_search_finds_the_fastest_fitting_plan(budget_gib):
     assert plan.predicted_peak_bytes <= problem.gpu_budget_bytes
     assert plan.predicted_step_s == pytest.approx(expected[0], rel=1e-9)
     ev = problem.evaluate(*plan.knobs.values())
-    assert ev["peak_bytes"] == plan.predicted_peak_bytes
+    assert ev["peak_bytes"] == plan.predicted_peak_bytes == sum(plan.memory_terms.values())
+    assert plan.memory_terms["other_resident"] == 100 * syn.MIB
     assert problem.allowed(*plan.knobs.values())
 
 

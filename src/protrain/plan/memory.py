@@ -1,7 +1,7 @@
 """Predicted peak device memory: a sum of measured terms.
 
 ``peak = model_states(n_persist) + buffer_pool(n_buffer) + activations(n_swap, n_checkpoint)
-+ offload_grad_transient(n_persist) + allocator_overhead``
++ offload_grad_transient(n_persist) + other_resident + allocator_overhead``
 
 - **model states**: for each persistent chunk, its bytes, and per trainable parameter in it
   the fp32 master and the two fp32 Adam moments (12 bytes per parameter) plus Adam's 4-byte
@@ -26,6 +26,8 @@
   gradient before copying it to the host, and when it copies updated fp32 masters in before
   casting them into the chunk; counted when the plan offloads trainable chunks and the trace
   did not (otherwise the trace measured it).
+- **other resident bytes** (CUDA): allocated at the traced step's start beyond the trace's
+  model states (module buffers, library workspaces).
 - **allocator overhead**: reserved minus allocated at the traced peak (CUDA).
 """
 
@@ -95,6 +97,12 @@ class MemoryModel:
             else 4 * suffix_max
         )
         self.allocator_overhead = int(profile.allocator_overhead_bytes)
+        # CUDA: what was resident at the traced step's start beyond the trace's model states
+        # (module buffers, library workspaces): measured, and the same for every plan.
+        self.other_resident = 0
+        if profile.step_start_bytes is not None:
+            traced_states = int(self.model_states[min(profile.trace_n_persist, self.n_chunks)])
+            self.other_resident = max(0, profile.step_start_bytes - traced_states)
         self._prepare_activations()
 
     def _prepare_activations(self) -> None:
@@ -174,6 +182,7 @@ class MemoryModel:
                 self.activation_peak(n_swap, n_checkpoint, n_persist)[0]
             ),
             "offload_grad_transient": int(self.grad_piece[n_persist]),
+            "other_resident": self.other_resident,
             "allocator_overhead": self.allocator_overhead,
         }
 

@@ -104,6 +104,9 @@ class ModelProfile:
     post_bwd_s: float  # after block 0's backward interval (0: that interval runs to the end)
     optimizer_step_s: float
     allocator_overhead_bytes: int
+    # CUDA: allocated bytes (buffer pool excluded) when the traced step began: model states,
+    # buffers, library workspaces. None on the CPU, whose counter sees only new storages.
+    step_start_bytes: int | None = None
     # (chunk index, numel) of each trainable parameter, in the order backward accumulated them
     grad_order: list[tuple[int, int]] = field(default_factory=list)
     trace_s: float = 0.0
@@ -472,6 +475,7 @@ def trace_model(
         optimizer_step_s=opt.end_s - opt.start_s,
         allocator_overhead_bytes=overhead,
         grad_order=list(tracer.grad_order),
+        step_start_bytes=tracer.base if device.type == "cuda" else None,
         trace_s=time.perf_counter() - t_begin,
     )
     log.info(
