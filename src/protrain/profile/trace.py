@@ -25,7 +25,9 @@ interval peaks are activation and transient bytes, which the plan's memory model
 with its model-state terms.
 
 A block's recompute time is its measured forward time: recomputation is the same forward
-at the same shape. Its backward time is its backward interval less that recompute.
+at the same shape. Its backward time is its backward intervals less that recompute. On CUDA
+every time leaves out the compute stream's stalls on parameter gathers (the engine's CUDA
+event timing of those waits), so a trace with offloaded chunks still measures compute.
 """
 
 from __future__ import annotations
@@ -85,6 +87,13 @@ class Interval:
     # first ``grads_done`` entries of ``ModelProfile.grad_order``. Backward intervals are
     # cut at every accumulation, so this is constant inside an interval.
     grads_done: int = 0
+    # Seconds the compute stream stalled on parameter gathers inside the interval (CUDA
+    # events; 0 on the CPU): not compute, so the runtime model leaves it out.
+    copy_wait_s: float = 0.0
+
+    @property
+    def compute_s(self) -> float:
+        return max(self.end_s - self.start_s - self.copy_wait_s, 0.0)
 
 
 @dataclass
@@ -246,8 +255,10 @@ class _StepTracer:
         sync: _Sync,
         gathers: Callable[[], int],
         trainable: list[tuple[nn.Parameter, int]],
+        copy_wait: Callable[[], float] = lambda: 0.0,
     ):
         self.blocks = blocks
+        self.copy_wait = copy_wait
         self.clock = clock
         self.sync = sync
         self.gathers = gathers
@@ -270,17 +281,22 @@ class _StepTracer:
         self.base = 0
         self.t_start = 0.0
         self.grad_order: list[tuple[int, int]] = []
+        self.pending_wait = 0.0
 
     def start(self) -> None:
         self.t_start = self.sync()
         self.base = self.clock.now()
         self.cut_t, self.cut_g = self.t_start, self.gathers()
         self.cut_grads = 0
+        self.copy_wait()  # drop the stalls from before the step
+        self.pending_wait = 0.0
         self.clock.reset_peak()
 
     def cut(self, next_kind: str, next_block: int, *, sync: bool = True) -> tuple[float, int]:
         """Close the running interval and open the next; return (time, bytes) at the cut."""
         t = self.sync() if sync else time.perf_counter()
+        wait = self.pending_wait + (self.copy_wait() if sync else 0.0)
+        self.pending_wait = 0.0
         now = self.clock.now() - self.base
         peak = self.clock.peak() - self.base
         g = self.gathers()
@@ -295,6 +311,7 @@ class _StepTracer:
                 gathers=g - self.cut_g,
                 reserved_overhead_bytes=self.clock.reserved_minus_allocated_peak(),
                 grads_done=self.cut_grads,
+                copy_wait_s=wait,
             )
         )
         self.cut_kind, self.cut_block, self.cut_t, self.cut_g = next_kind, next_block, t, g
@@ -316,7 +333,9 @@ class _StepTracer:
             if t0 is None or self.cut_kind != "fwd" or self.cut_block != i:
                 return
             t = self.sync()
-            self.fwd_s[i] = t - t0
+            wait = self.copy_wait()
+            self.pending_wait += wait
+            self.fwd_s[i] = max(t - t0 - wait, 0.0)
             self.fwd_peak[i] = self.clock.peak() - self.base - entry
             y = _first_grad_output(out)
             if y is not None:
@@ -410,7 +429,13 @@ def trace_model(
             )
             handle = apply_activation_knobs(model, 0, len(blocks), device=device, layout=layout)
             trainable = [(p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
-            tracer = _StepTracer(blocks, clock, sync, lambda: manager.stats["gathers"], trainable)
+            copy_wait = lambda: 0.0  # noqa: E731
+            if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
+                manager.time_copy_waits = True
+                copy_wait = manager.copy_wait_s
+            tracer = _StepTracer(
+                blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
+            )
             for _ in range(steps):
                 tracer.reset()
                 tracer.start()
@@ -431,23 +456,22 @@ def trace_model(
         protrain.close(model)
 
     iv = tracer.intervals
-    bwd_window = {}
+    bwd_compute: dict[int, float] = {}
     for x in iv:
         if x.kind == "bwd":
-            a, _ = bwd_window.get(x.block, (x.start_s, x.end_s))
-            bwd_window[x.block] = (a, x.end_s)
+            bwd_compute[x.block] = bwd_compute.get(x.block, 0.0) + x.compute_s
     head = next(x for x in iv if x.kind == "head")
     pre = next(x for x in iv if x.kind == "pre")
     opt = next(x for x in iv if x.kind == "opt")
     block_profiles = []
     for i, b in enumerate(blocks):
         fwd_s = tracer.fwd_s.get(i, keep_fwd_s[i])
-        start, end = bwd_window.get(i, (0.0, 0.0))
+
         block_profiles.append(
             BlockProfile(
                 name=b.name,
                 fwd_s=fwd_s,
-                bwd_s=max(end - start - fwd_s, 0.0),
+                bwd_s=max(bwd_compute.get(i, 0.0) - fwd_s, 0.0),
                 recompute_s=fwd_s,
                 saved_bytes=saved[i],
                 input_bytes=input_bytes[i],
@@ -469,8 +493,8 @@ def trace_model(
         trace_n_persist=chunk_layout.n_persist,
         trace_n_buffer=chunk_layout.n_buffer,
         step_s=t_end - tracer.t_start,
-        pre_fwd_s=pre.end_s - pre.start_s,
-        head_s=head.end_s - head.start_s,
+        pre_fwd_s=pre.compute_s,
+        head_s=head.compute_s,
         post_bwd_s=0.0,
         optimizer_step_s=opt.end_s - opt.start_s,
         allocator_overhead_bytes=overhead,
