@@ -105,3 +105,13 @@ def test_counter_counts_new_storages_only():
         del b
         assert c.live_bytes == 0 and c.peak_bytes == 4000
     del v
+
+
+def test_tiled_mlp_is_traced_as_it_will_run():
+    model = tiny_llama.build(seed=5)
+    plain = trace_model(model, tiny_llama.batch(seq=64), device="cpu")
+    tiled = trace_model(model, tiny_llama.batch(seq=64), device="cpu", tiled_mlp_tokens=16)
+    assert not hasattr(model, "_protrain_activations")
+    # tiles keep the MLP's intermediate activations one tile at a time in the keep forward
+    assert all(t.fwd_peak_keep_bytes < p.fwd_peak_keep_bytes
+               for t, p in zip(tiled.blocks, plain.blocks))  # fmt: skip

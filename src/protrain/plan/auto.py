@@ -51,6 +51,7 @@ def profile_model(
     compute_dtype: torch.dtype | None = None,
     chunk_size_bytes: int | None = None,
     loss_fn: LossFn = hf_loss,
+    tiled_mlp_tokens: int | None = None,
 ) -> ModelProfile:
     """Trace under the engine: every chunk persistent when the model states take at most half
     the budget, else every chunk offloaded; a trace that runs out of memory is retried
@@ -68,6 +69,7 @@ def profile_model(
         compute_dtype=compute_dtype,
         chunk_size_bytes=table.chunk_size_bytes,
         loss_fn=loss_fn,
+        tiled_mlp_tokens=tiled_mlp_tokens,
     )
     try:
         return trace_model(model, sample_batch, n_persist=n_persist, **kwargs)
@@ -92,6 +94,7 @@ def profile_and_plan(
     loss_fn: LossFn = hf_loss,
     hardware: HardwareProfile | None = None,
     profile: ModelProfile | None = None,
+    tiled_mlp_tokens: int | None = None,
 ) -> tuple[Plan, PlanProblem]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`)."""
     t0 = time.perf_counter()
@@ -108,6 +111,7 @@ def profile_and_plan(
             compute_dtype=compute_dtype,
             chunk_size_bytes=chunk_size_bytes,
             loss_fn=loss_fn,
+            tiled_mlp_tokens=tiled_mlp_tokens,
         )
     fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
     log.info(
@@ -145,6 +149,7 @@ def apply_plan(
     *,
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
+    tiled_mlp_tokens: int | None = None,
     **wrap_kwargs,
 ):
     """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs.
@@ -152,6 +157,7 @@ def apply_plan(
     Returns ``(model, optimizer, layout, activation_handle)``; undo with
     ``activation_handle.remove()`` and ``protrain.close(model)``. ``wrap_kwargs`` are the
     optimizer settings of ``protrain.wrap`` (lr, betas, eps, weight_decay, param_groups).
+    ``tiled_mlp_tokens`` must be what the profile was traced with.
     """
     import protrain
     from protrain.activations import apply_activation_knobs
@@ -167,7 +173,13 @@ def apply_plan(
         **wrap_kwargs,
     )
     try:
-        handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
+        handle = apply_activation_knobs(
+            model,
+            plan.n_swap,
+            plan.n_checkpoint,
+            device=device,
+            tiled_mlp_tokens=tiled_mlp_tokens,
+        )
     except BaseException:
         protrain.close(model)
         raise

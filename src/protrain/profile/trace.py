@@ -375,12 +375,15 @@ def trace_model(
     chunk_size_bytes: int | None = None,
     loss_fn: LossFn = hf_loss,
     steps: int = 2,
+    tiled_mlp_tokens: int | None = None,
 ) -> ModelProfile:
     """Trace ``model`` at ``sample_batch`` under the chunk engine; return its profile.
 
     ``n_persist``/``n_buffer`` are the engine's knobs during the trace (None: every chunk
     persistent); the caller picks ``n_persist=0`` for a model that does not fit. The model
-    is unchanged afterwards (wrapped with ``lr=0`` and closed again).
+    is unchanged afterwards (wrapped with ``lr=0`` and closed again). ``loss_fn`` is the
+    training loss (e.g. a chunked loss); ``tiled_mlp_tokens`` traces with tiled MLPs, as
+    training will run them.
     """
     import protrain
     from protrain.activations import apply_activation_knobs
@@ -424,10 +427,23 @@ def trace_model(
     tracer = None
     try:
         with MemoryClock(device, exclude=pool_bytes) as clock:
+            if tiled_mlp_tokens is not None:
+                handle = apply_activation_knobs(
+                    model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
+                )
             saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
                 model, blocks, batch, loss_fn, clock, sync
             )
-            handle = apply_activation_knobs(model, 0, len(blocks), device=device, layout=layout)
+            if handle is not None:
+                handle.remove()
+            handle = apply_activation_knobs(
+                model,
+                0,
+                len(blocks),
+                device=device,
+                layout=layout,
+                tiled_mlp_tokens=tiled_mlp_tokens,
+            )
             trainable = [(p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
             copy_wait = lambda: 0.0  # noqa: E731
             if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
