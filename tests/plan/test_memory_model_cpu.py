@@ -183,3 +183,16 @@ def test_apply_plan_executes_the_knobs():
     finally:
         handle.remove()
         protrain.close(model)
+
+
+def test_trace_persist_fills_half_the_budget():
+    from protrain.plan.auto import trace_persist
+    from protrain.profile.chunk_table import chunk_table
+
+    table = chunk_table(tiny_llama.build(), compute_dtype=torch.float32)
+    per = [table.chunk_size_bytes + 16 * n + 4 * t
+           for n, t in zip(table.trainable_numel, table.trainable_tensors)]  # fmt: skip
+    assert trace_persist(table, sum(per)) is None
+    assert trace_persist(table, sum(per[:3])) == 3
+    assert trace_persist(table, sum(per[:3]) - 1) == 2
+    assert trace_persist(table, 0) == 0

@@ -7,13 +7,14 @@ import logging
 import re
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
-from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM
+from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.search import PlanProblem, search
-from protrain.profile.chunk_table import chunk_table
+from protrain.profile.chunk_table import ChunkTable, chunk_table
 from protrain.profile.hardware import HardwareProfile, measure_hardware
 from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
 
@@ -42,6 +43,20 @@ def _device(device) -> torch.device:
     return device
 
 
+def trace_persist(table: ChunkTable, states_budget_bytes: int) -> int | None:
+    """Most leading chunks whose model states (chunk, fp32 master, Adam moments, and the
+    fp32 gradient accumulators backward makes) fit ``states_budget_bytes``; None: all.
+    Persistent chunks also keep the host free of their masters and optimizer state."""
+    trn = np.asarray(table.trainable_numel, dtype=np.int64)
+    per_chunk = (
+        table.chunk_size_bytes
+        + (ADAM_DEVICE_BYTES_PER_PARAM + 4) * trn
+        + ADAM_STEP_BYTES_PER_TENSOR * np.asarray(table.trainable_tensors, dtype=np.int64)
+    )
+    fits = int(np.searchsorted(np.cumsum(per_chunk), states_budget_bytes, side="right"))
+    return None if fits >= table.n_chunks else fits
+
+
 def profile_model(
     model: nn.Module,
     sample_batch: dict,
@@ -53,17 +68,14 @@ def profile_model(
     loss_fn: LossFn = hf_loss,
     tiled_mlp_tokens: int | None = None,
 ) -> ModelProfile:
-    """Trace under the engine: every chunk persistent when the model states take at most half
-    the budget, else every chunk offloaded; a trace that runs out of memory is retried
-    offloaded."""
+    """Trace under the engine with as many persistent chunks as fit in half the budget (the
+    other half for the trace's activations, its buffers and gradients), the rest offloaded;
+    a trace that runs out of memory is retried with every chunk offloaded."""
     device = _device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
-    states = table.chunk_size_bytes * table.n_chunks + ADAM_DEVICE_BYTES_PER_PARAM * sum(
-        table.trainable_numel
-    )
-    n_persist = None if states <= gpu_budget_bytes // 2 else 0
+    n_persist = trace_persist(table, gpu_budget_bytes // 2)
     kwargs = dict(
         device=device,
         compute_dtype=compute_dtype,
