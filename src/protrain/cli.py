@@ -1,4 +1,4 @@
-"""`protrain` command line: train, preprocess, inspect-data.
+"""`protrain` command line: train, plan, profile, preprocess, inspect-data.
 
 Mistakes in the user's input (config, data, output directory) are printed as one line
 starting with `error:` and exit with status 2; anything else is a bug and keeps its
@@ -60,6 +60,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in output_dir",
     )
 
+    p_plan = sub.add_parser(
+        "plan", help="profile one step and print the memory plan and its best candidates"
+    )
+    add_config_args(p_plan)
+
+    p_profile = sub.add_parser(
+        "profile", help="profile one step and write a picture of its memory over time"
+    )
+    add_config_args(p_profile)
+    p_profile.add_argument(
+        "--out",
+        default="protrain-profile.html",
+        metavar="PATH",
+        help="where to write the picture: HTML, or PNG when PATH ends in .png "
+        "(default: protrain-profile.html)",
+    )
+
     p_pre = sub.add_parser("preprocess", help="tokenize the datasets and cache them")
     add_config_args(p_pre)
 
@@ -95,6 +112,30 @@ def _run(args: argparse.Namespace) -> int:
 
         result = train(cfg, resume=args.resume)
         print(f"done: {result.steps} steps; model written to {result.final_dir}")
+        return 0
+
+    if args.command == "plan":
+        from protrain.plan import candidates_table, explain
+        from protrain.train.planning import plan_memory, planning_inputs
+
+        model, batch, settings = planning_inputs(cfg)
+        plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+        print(explain(plan, with_candidates=False))
+        print("best candidates:")
+        print(candidates_table(plan))
+        return 0
+    if args.command == "profile":
+        from protrain.profile.timeline import write_timeline_html, write_timeline_png
+        from protrain.train.planning import planning_inputs, profile_memory
+
+        model, batch, settings = planning_inputs(cfg)
+        profile = profile_memory(model, batch, settings)
+        title = f"{cfg.model.name_or_path}, batch {cfg.micro_batch_size} x {cfg.sequence_len}"
+        if args.out.lower().endswith(".png"):
+            path = write_timeline_png(profile, args.out)
+        else:
+            path = write_timeline_html(profile, args.out, title=title)
+        print(f"profile of one step written to {path}")
         return 0
 
     from protrain.train.modeling import load_tokenizer

@@ -94,11 +94,17 @@ class MemoryConfig(StrictModel):
     With no knob set, training runs on plain PyTorch. Setting `n_persist` or `n_buffer`
     turns on the chunked engine with those knobs. The activation knobs (`n_swap`,
     `n_checkpoint`, `tiled_mlp_tokens`, `chunked_loss_tokens`) work with or without it.
+    With `auto: true` the planner profiles one step and picks the fastest knobs whose
+    predicted peak fits `gpu_budget`; knobs set next to it are kept, the others searched.
     """
 
     auto: bool = Field(False, description="Search the fastest plan that fits the budgets.")
-    gpu_budget: ByteSize | None = None
-    cpu_budget: ByteSize | None = None
+    gpu_budget: ByteSize | None = Field(
+        None, description="Device memory the plan may use (auto), e.g. 24GiB."
+    )
+    cpu_budget: ByteSize | None = Field(
+        None, description="Host memory the plan may use (auto); default: not limited."
+    )
     n_persist: int | None = Field(None, ge=0, description="Chunks kept on the GPU.")
     n_buffer: int | None = Field(None, ge=1, description="GPU buffers for offloaded chunks.")
     chunk_size: ByteSize | None = Field(None, description="Chunk size; default: least waste.")
@@ -115,17 +121,37 @@ class MemoryConfig(StrictModel):
     )
 
     @model_validator(mode="after")
-    def _auto_available(self) -> MemoryConfig:
-        if self.auto:
+    def _check_auto(self) -> MemoryConfig:
+        if self.auto and self.gpu_budget is None:
             raise ValueError(
-                "memory.auto: automatic planning is not available in this version; "
-                "set memory.n_persist and memory.n_buffer explicitly"
+                "memory.auto = true needs memory.gpu_budget, the device memory the plan may "
+                "use (e.g. gpu_budget: 24GiB)"
+            )
+        if not self.auto and (self.gpu_budget is not None or self.cpu_budget is not None):
+            raise ValueError(
+                "memory.gpu_budget/cpu_budget are read only by the planner: set memory.auto = "
+                "true, or remove them"
+            )
+        if self.auto and self.offload_checkpoint:
+            raise ValueError(
+                "memory.offload_checkpoint = true is not planned by memory.auto (the plan "
+                "chooses keep, swap or checkpoint per block): remove one of them"
             )
         return self
 
     @property
+    def fixed_knobs(self) -> dict[str, int | None]:
+        """The planner's knobs as the user set them (None: searched)."""
+        return {
+            "n_persist": self.n_persist,
+            "n_buffer": self.n_buffer,
+            "n_swap": self.n_swap,
+            "n_checkpoint": self.n_checkpoint,
+        }
+
+    @property
     def engine_enabled(self) -> bool:
-        return self.n_persist is not None or self.n_buffer is not None
+        return self.auto or self.n_persist is not None or self.n_buffer is not None
 
     @property
     def activation_knobs_set(self) -> bool:
@@ -174,6 +200,12 @@ class TrainConfig(DataSettings):
     def _check_combinations(self) -> TrainConfig:
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
+        if self.gradient_checkpointing and self.memory.auto:
+            raise ValueError(
+                "gradient_checkpointing = true and memory.auto = true both set: the plan "
+                "chooses which blocks are recomputed; remove gradient_checkpointing (or fix "
+                "memory.n_checkpoint)"
+            )
         if self.gradient_checkpointing and (self.memory.n_swap or self.memory.n_checkpoint):
             raise ValueError(
                 "gradient_checkpointing = true and memory.n_swap/n_checkpoint both set: use "
@@ -184,11 +216,11 @@ class TrainConfig(DataSettings):
         if self.mixed_precision == "fp16" and self.memory.engine_enabled:
             raise ValueError(
                 "mixed_precision = 'fp16' is not allowed with the chunked engine "
-                "(memory.n_persist/n_buffer): use bf16 or no"
+                "(memory.auto or memory.n_persist/n_buffer): use bf16 or no"
             )
         if self.adapter.type == "qlora" and self.memory.engine_enabled:
             raise ValueError(
-                "adapter.type: qlora with the chunked engine (memory.n_persist/n_buffer) is "
+                "adapter.type: qlora with the chunked engine (memory.auto or n_persist/n_buffer) is "
                 "not supported yet; use lora, or remove the memory knobs"
             )
         return self

@@ -3,7 +3,8 @@
 1. check the output directory, log the resolved config, seed everything;
 2. tokenizer and data, validated in full before anything is written;
 3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
-   engine (`protrain.wrap`) when the `memory:` section asks for it; the LR scheduler;
+   engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
+   chose for the first micro-batch under `memory.auto`; the LR scheduler;
 4. resume from the latest checkpoint when asked;
 5. the loop: gradient accumulation over micro-batches, global-norm clipping, optimizer and
    scheduler steps, metrics, evaluation and checkpoints;
@@ -39,6 +40,7 @@ from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
 from protrain.train.metrics import MetricsWriter
 from protrain.train.modeling import build_model, build_tiny_base, load_tokenizer, resolve_device
+from protrain.train.planning import sample_batch
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 from protrain.train.trainable import Trainable, make_trainable
 
@@ -56,9 +58,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     output_dir = Path(cfg.output_dir)
     resume_from = _check_output_dir(output_dir, resume)
     logger.info("resolved config:\n%s", _yaml(cfg))
-    _seed_everything(cfg.seed)
+    seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    autocast_dtype = _autocast_dtype(cfg.mixed_precision, device)
+    autocast_dtype = resolve_autocast_dtype(cfg.mixed_precision, device)
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
@@ -80,7 +82,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
 
     # -- 3. model, optimizer (plain or chunked engine), scheduler
     built = build_model(cfg, tokenizer)
-    trainable = make_trainable(built.model, cfg, device, autocast_dtype)
+    trainable = make_trainable(
+        built.model, cfg, device, autocast_dtype, lambda: sample_batch(cfg, train_data, collate)
+    )
     scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
 
     # -- 4. resume
@@ -132,6 +136,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
             tokens_seen += window_tokens - tokens_logged
             tokens_logged = window_tokens
             progress.update(1)
+
+            # A planned placement compares its prediction with the first steps once; a
+            # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
+            plan_record = trainable.check_plan(step, total_steps)
+            if plan_record is not None:
+                metrics.write(step, plan_record)
+                scheduler.optimizer = trainable.optimizer
 
             if step % cfg.logging_steps == 0 or step == total_steps:
                 record = {
@@ -265,7 +276,7 @@ def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     )
 
 
-def _autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+def resolve_autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
     if mixed_precision == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
@@ -279,7 +290,7 @@ def _autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype |
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
 
 
-def _seed_everything(seed: int) -> None:
+def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

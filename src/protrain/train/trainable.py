@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,6 +38,32 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
 
 def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def loss_sum(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    chunked_loss_tokens: int | None = None,
+) -> torch.Tensor:
+    """Sum of token losses of one micro-batch, as the loop computes it (and the planner
+    traces it)."""
+    labels = batch["labels"]
+    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
+    if chunked_loss_tokens is None:
+        return causal_lm_loss_sum(model(**inputs).logits, labels)
+    # Full-sequence logits never exist: the body gives hidden states and the head runs
+    # chunk by chunk inside the loss.
+    from protrain.activations import chunked_causal_lm_loss_sum
+
+    causal_lm = _causal_lm(model)
+    hidden = causal_lm.base_model(**inputs).last_hidden_state
+    return chunked_causal_lm_loss_sum(
+        hidden,
+        causal_lm.get_output_embeddings(),
+        labels.to(hidden.device),
+        chunk_tokens=chunked_loss_tokens,
+    )
 
 
 class Trainable(abc.ABC):
@@ -89,25 +117,8 @@ class Trainable(abc.ABC):
     def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sum of token losses of one micro-batch (labels are never passed to the model, so
         that the loss is computed once, here, in fp32)."""
-        labels = batch["labels"]
-        inputs = {
-            k: v.to(self.device, non_blocking=True) for k, v in batch.items() if k != "labels"
-        }
         with self._autocast():
-            if self.chunked_loss_tokens is None:
-                return causal_lm_loss_sum(self.model(**inputs).logits, labels)
-            # Full-sequence logits never exist: the body gives hidden states and the head
-            # runs chunk by chunk inside the loss.
-            from protrain.activations import chunked_causal_lm_loss_sum
-
-            causal_lm = _causal_lm(self.model)
-            hidden = causal_lm.base_model(**inputs).last_hidden_state
-            return chunked_causal_lm_loss_sum(
-                hidden,
-                causal_lm.get_output_embeddings(),
-                labels.to(hidden.device),
-                chunk_tokens=self.chunked_loss_tokens,
-            )
+            return loss_sum(self.model, batch, self.device, self.chunked_loss_tokens)
 
     def remove_activation_policies(self) -> None:
         if self.activations is not None:
@@ -116,6 +127,11 @@ class Trainable(abc.ABC):
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
+        """After optimizer step `step`: a metrics record when the placement's plan was
+        checked against the measured steps (only planned placements have one)."""
+        return None
 
     @abc.abstractmethod
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
@@ -287,6 +303,179 @@ class EngineTrainable(Trainable):
             self._closed = True
 
 
+class AutoTrainable(EngineTrainable):
+    """`memory: {auto: true}`: the planner profiles one step of the real model at the first
+    micro-batch, searches the fastest knobs that fit `gpu_budget` (the ones the user set are
+    kept) and the engine runs the plan. After the first steps the measured peak and step
+    time are checked against the prediction; a plan that would pass the budget is replaced
+    in place (model and optimizer state carried over exactly).
+
+    [Note: what is measured]
+    The planner predicts one micro-batch's forward and backward plus the optimizer step, so
+    the measured step time is the last micro-batch of an optimizer step through the
+    optimizer step. The peak is the allocator's reserved peak on CUDA; on the CPU, the
+    engine's device-side tensor bytes (what the planner's CPU accounting counts) over the
+    first two optimizer steps (the first creates the optimizer state, the second runs with
+    it), counted from the freshly applied plan as `protrain.profile.measure` does.
+    """
+
+    CHECK_AFTER_STEPS = 3
+    PEAK_STEPS = 2  # CPU: counted steps (the second is the first with optimizer state)
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+        sample_batch: dict[str, torch.Tensor],
+    ):
+        from protrain.train.planning import PlanSettings, plan_memory
+
+        model.train()
+        Trainable.__init__(self, model, device, None, cfg.memory.chunked_loss_tokens)
+        self.cfg = cfg
+        self.settings = PlanSettings.from_config(cfg, device, autocast_dtype)
+        self.plan, self.problem = plan_memory(model, sample_batch, self.settings,
+                                              cfg.memory.fixed_knobs)  # fmt: skip
+        logger.info("memory plan:\n%s", self.plan)
+        self._closed = True
+        self._apply(self.plan)
+        self._checked = False
+        self._peak_counter = None  # CPU: the tensor-bytes counter over the first steps
+        self._measured_peak_bytes = 0
+        self._micro = 0  # micro-batches of the current optimizer step so far
+        self._steps_run = 0
+        self._t_step: float | None = None
+        self._step_times: list[float] = []
+        self._last_step_s = 0.0
+
+    def _apply(self, plan) -> None:
+        from protrain.plan import apply_plan
+
+        cfg = self.cfg
+        try:
+            self.model, self.optimizer, self.layout, self.activations = apply_plan(
+                self.model,
+                plan,
+                device=self.device,
+                compute_dtype=self.settings.compute_dtype,
+                tiled_mlp_tokens=self.settings.tiled_mlp_tokens,
+                lr=cfg.learning_rate,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_epsilon,
+                weight_decay=cfg.weight_decay,
+                param_groups=optimizer_param_groups(self.model, cfg.weight_decay),
+            )
+        except ValueError as exc:
+            raise ConfigError(f"memory: {exc}") from None
+        self._closed = False
+        logger.info("memory layout:\n%s", self.layout)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if torch.is_grad_enabled() and not self._checked:  # training, not evaluation
+            self._micro += 1
+            if self._steps_run == 0 and self._micro == 1 and self.device.type != "cuda":
+                self._start_peak_counter()
+            if self._micro == self.cfg.gradient_accumulation_steps:
+                self._t_step = self._now()
+        return super().forward_loss_sum(batch)
+
+    def optimizer_step(self) -> None:
+        super().optimizer_step()
+        if self._t_step is None:
+            return
+        step_s = self._now() - self._t_step
+        self._t_step, self._micro = None, 0
+        self._steps_run += 1
+        # Timed: steps after the first (warm-up) that ran without the CPU counter's overhead.
+        if self._steps_run > 1 and self._peak_counter is None:
+            self._step_times.append(step_s)
+        self._last_step_s = step_s
+        if self._steps_run == self.PEAK_STEPS:
+            self._stop_peak_counter()
+
+    def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
+        from protrain.plan import NoPlanFits, check_plan
+
+        if self._checked or self._steps_run == 0:
+            return None
+        if self._steps_run < self.CHECK_AFTER_STEPS and step < total_steps:
+            return None
+        self._checked = True
+        self._stop_peak_counter()
+        times = self._step_times or [self._last_step_s]
+        measured_step_s = sum(times) / len(times)
+        if self.device.type == "cuda":
+            measured_peak = torch.cuda.max_memory_reserved(self.device)
+        else:
+            measured_peak = self._measured_peak_bytes
+        record = {
+            "plan_predicted_peak_gib": self.plan.predicted_peak_bytes / 2**30,
+            "plan_measured_peak_gib": measured_peak / 2**30,
+            "plan_predicted_step_s": self.plan.predicted_step_s,
+            "plan_measured_step_s": measured_step_s,
+        }
+        try:
+            check = check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
+                               measured_step_s=measured_step_s)  # fmt: skip
+        except NoPlanFits as exc:
+            from protrain.train.planning import no_plan_fits_message
+
+            message = no_plan_fits_message(exc, self.settings)
+            raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
+        if check.corrected is not None:
+            self.replan(check.corrected)
+            record["plan_corrected"] = True
+        return record
+
+    def replan(self, plan) -> None:
+        """Run `plan` from here on: the model and optimizer state move over exactly."""
+        import protrain
+
+        model_state = protrain.state_dict(self.model)
+        optimizer_state = self.optimizer.state_dict()
+        self.close()
+        self._apply(plan)
+        protrain.load_state_dict(self.model, model_state)
+        self.optimizer.load_state_dict(optimizer_state)
+        self.plan = plan
+        logger.info("memory plan, corrected:\n%s", plan)
+
+    def close(self) -> None:
+        self._stop_peak_counter()
+        super().close()
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _start_peak_counter(self) -> None:
+        from protrain.profile.measure import engine_static_device_bytes
+        from protrain.profile.memory_clock import TensorBytesCounter
+
+        manager = self.model._protrain_engine.manager
+        static = engine_static_device_bytes(self.model)
+        chunk = manager.layout.chunk_size_bytes
+        peak = [0]
+
+        def sample(counter: TensorBytesCounter) -> None:
+            peak[0] = max(peak[0], static + counter.live_bytes + len(manager.resident) * chunk)
+
+        self._peak_counter = (TensorBytesCounter(on_op=sample), peak)
+        self._peak_counter[0].__enter__()
+
+    def _stop_peak_counter(self) -> None:
+        if self._peak_counter is not None:
+            counter, peak = self._peak_counter
+            self._peak_counter = None
+            counter.__exit__(None, None, None)
+            self._measured_peak_bytes = peak[0]
+
+
 # Model types whose logits are exactly `get_output_embeddings()(last_hidden_state)`: no
 # soft-capping or logit scaling after the head (Gemma 2/3, Cohere and Granite have them).
 CHUNKED_LOSS_MODEL_TYPES = frozenset(
@@ -325,8 +514,16 @@ def check_chunked_loss_supported(model: nn.Module) -> None:
 
 
 def make_trainable(
-    model: nn.Module, cfg: TrainConfig, device: torch.device, autocast_dtype: torch.dtype | None
+    model: nn.Module,
+    cfg: TrainConfig,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None,
+    sample_batch: Callable[[], dict[str, torch.Tensor]],
 ) -> Trainable:
+    """The trainable the `memory:` section asks for; `sample_batch()` (the first micro-batch)
+    is called only when a plan is made."""
+    if cfg.memory.auto:
+        return AutoTrainable(model, cfg, device, autocast_dtype, sample_batch())
     if cfg.memory.engine_enabled:
         return EngineTrainable(model, cfg, device, autocast_dtype)
     return PlainTrainable(model, cfg, device, autocast_dtype)

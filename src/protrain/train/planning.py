@@ -1,0 +1,181 @@
+"""What `memory: {auto: true}` needs from the application: a sample batch of the real data
+at the real shape, the loop's loss as the planner's `loss_fn`, and one call to the planner
+with the budgets and the knobs the user fixed. Used by `AutoTrainable` and by
+`protrain plan` / `protrain profile`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from protrain.train.config import TrainConfig
+from protrain.train.errors import ConfigError
+from protrain.train.loss import IGNORE_INDEX, count_trained_tokens
+from protrain.train.sampling import MicroBatchStream, StreamPosition
+
+_GIB = 1 << 30
+
+
+def sample_batch(cfg: TrainConfig, train_data, collate) -> dict[str, torch.Tensor]:
+    """The first micro-batch of the training stream, collated, padded to `sequence_len`
+    tokens (the widest a micro-batch can be), with its labels."""
+    stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
+    _, rows = next(stream.iterate(StreamPosition()))
+    batch = collate([train_data[i] for i in rows])
+    width = cfg.sequence_len * (cfg.micro_batch_size if cfg.sample_packing else 1)
+    return _pad_tokens(batch, width, collate.pad_id)
+
+
+def _pad_tokens(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict:
+    ids = batch["input_ids"]
+    n_pad = width - ids.shape[1]
+    if n_pad <= 0:
+        return batch
+    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX}
+    out = {}
+    for key, t in batch.items():
+        if not torch.is_tensor(t) or t.shape[:2] != ids.shape:
+            out[key] = t  # media and other non-token tensors
+        elif key == "position_ids":
+            tail = torch.arange(n_pad, dtype=t.dtype).expand(t.shape[0], n_pad)
+            out[key] = torch.cat([t, tail], dim=1)
+        else:
+            pad = t.new_full((t.shape[0], n_pad), fill.get(key, 0))
+            out[key] = torch.cat([t, pad], dim=1)
+    return out
+
+
+def planner_loss(device: torch.device, chunked_loss_tokens: int | None):
+    """The loop's loss (chunked when configured) as the planner's `loss_fn(model, batch)`."""
+    from protrain.train.trainable import loss_sum
+
+    def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
+        n = max(count_trained_tokens(batch["labels"]), 1)
+        return loss_sum(model, batch, device, chunked_loss_tokens) / n
+
+    return loss_fn
+
+
+@dataclass
+class PlanSettings:
+    """The planner's arguments that come from the config and the device."""
+
+    device: torch.device
+    compute_dtype: torch.dtype
+    gpu_budget_bytes: int
+    cpu_budget_bytes: int | None
+    chunk_size_bytes: int | None
+    tiled_mlp_tokens: int | None
+    chunked_loss_tokens: int | None
+
+    @classmethod
+    def from_config(
+        cls, cfg: TrainConfig, device: torch.device, autocast_dtype: torch.dtype | None
+    ) -> PlanSettings:
+        mem = cfg.memory
+        if mem.gpu_budget is None:
+            raise ConfigError(
+                "memory.gpu_budget is not set: the planner needs the device memory it may "
+                "use (e.g. --set memory.gpu_budget=24GiB)"
+            )
+        return cls(
+            device=device,
+            compute_dtype=autocast_dtype or torch.float32,
+            gpu_budget_bytes=int(mem.gpu_budget),
+            cpu_budget_bytes=int(mem.cpu_budget) if mem.cpu_budget is not None else None,
+            chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
+            tiled_mlp_tokens=mem.tiled_mlp_tokens,
+            chunked_loss_tokens=mem.chunked_loss_tokens,
+        )
+
+
+def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_knobs: dict):
+    """Profile one step and search: `(plan, problem)`. The model is left as it was, and so
+    is the RNG state (the trace's dropout draws do not shift the run's)."""
+    from protrain.plan import NoPlanFits, profile_and_plan
+
+    with torch.random.fork_rng(devices=_rng_devices(settings.device)):
+        try:
+            return profile_and_plan(
+                model,
+                batch,
+                gpu_budget_bytes=settings.gpu_budget_bytes,
+                cpu_budget_bytes=settings.cpu_budget_bytes,
+                device=settings.device,
+                compute_dtype=settings.compute_dtype,
+                chunk_size_bytes=settings.chunk_size_bytes,
+                fixed_knobs=fixed_knobs,
+                loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
+                tiled_mlp_tokens=settings.tiled_mlp_tokens,
+            )
+        except NoPlanFits as exc:
+            raise ConfigError(no_plan_fits_message(exc, settings)) from None
+        except ValueError as exc:  # e.g. a fixed knob this model cannot take
+            raise ConfigError(f"memory: {exc}") from None
+
+
+def profile_memory(model: nn.Module, batch: dict, settings: PlanSettings):
+    """One traced step of the real model at the real batch (the planner's profile)."""
+    from protrain.plan import profile_model
+
+    with torch.random.fork_rng(devices=_rng_devices(settings.device)):
+        return profile_model(
+            model,
+            batch,
+            gpu_budget_bytes=settings.gpu_budget_bytes,
+            device=settings.device,
+            compute_dtype=settings.compute_dtype,
+            chunk_size_bytes=settings.chunk_size_bytes,
+            loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
+            tiled_mlp_tokens=settings.tiled_mlp_tokens,
+        )
+
+
+def no_plan_fits_message(exc, settings: PlanSettings) -> str:
+    budget = f"memory.gpu_budget = {_size(settings.gpu_budget_bytes)}"
+    smallest = exc.smallest_budget_bytes
+    if smallest is None:
+        return f"{budget}: no plan fits, at any budget ({_one_line(exc)})"
+    return (
+        f"{budget}: no plan fits; the smallest budget that would is "
+        f"{_size(smallest)} (set memory.gpu_budget to at least that)"
+    )
+
+
+def _size(n: int) -> str:
+    """Rounded up, so that the named size is enough."""
+    for unit, name in ((_GIB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+        if n >= unit:
+            return f"{math.ceil(n * 100 / unit) / 100:.2f}{name}"
+    return f"{n}B"
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
+    """Model, sample batch and planner settings, built as `protrain train` builds them (same
+    seed, data and model), writing nothing: for `protrain plan` and `protrain profile`."""
+    from protrain.train import loop
+    from protrain.train.data import build_collator, build_train_dataset
+    from protrain.train.modeling import build_model, load_tokenizer, resolve_device
+
+    loop.seed_everything(cfg.seed)
+    device = resolve_device(cfg.device)
+    autocast_dtype = loop.resolve_autocast_dtype(cfg.mixed_precision, device)
+    settings = PlanSettings.from_config(cfg, device, autocast_dtype)
+    tokenizer = load_tokenizer(cfg)
+    train_data = build_train_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
+    collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
+    batch = sample_batch(cfg, train_data, collate)
+    model = build_model(cfg, tokenizer).model
+    model.train()
+    return model, batch, settings
