@@ -1,12 +1,12 @@
 """ProTrain: memory-aware fine-tuning.
 
-The engine API (``wrap``, ``close``, ``state_dict``, ``load_state_dict``) is imported on
+The engine API (``wrap``, ``close``, ``state_dict``, ``load_state_dict``, ``plan_of``) is imported on
 first use, so that ``import protrain`` stays light (no torch import) for the CLI.
 """
 
 __version__ = "0.1.0"
 
-_ENGINE_API = ("wrap", "close", "state_dict", "load_state_dict")
+_ENGINE_API = ("wrap", "close", "state_dict", "load_state_dict", "plan_of")
 __all__ = ["__version__", *_ENGINE_API]
 
 

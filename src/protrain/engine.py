@@ -31,13 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from torch import nn
 
+from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.hybrid_adamw import HybridAdamW
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
 
-__all__ = ["wrap", "close", "state_dict", "load_state_dict", "Engine"]
+__all__ = ["wrap", "close", "state_dict", "load_state_dict", "plan_of", "Engine"]
 
 log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -53,6 +54,8 @@ class Engine:
         self.worker = worker
         self.optimizer = optimizer
         self.layout = layout
+        self.plan = None  # the protrain.plan.Plan when wrap chose the knobs
+        self.activations = None  # the activation-policy handle, when knobs were given
         self.closed = False
 
     def _slot_by_id(self):
@@ -113,6 +116,9 @@ class Engine:
     def close(self) -> None:
         if self.closed:
             return
+        if self.activations is not None:
+            self.activations.remove()
+            self.activations = None
         try:
             self.optimizer.synchronize()
         finally:
@@ -188,19 +194,15 @@ def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> lis
 
 
 def _buffers_needed(model: nn.Module, layout: ChunkLayout) -> int:
-    """Most offloaded chunks any single module needs at once (its own parameters)."""
-    chunk_of = {}
-    for c in layout.chunks:
-        if not c.persistent:
-            for pl in c.placements:
-                for n in pl.names:
-                    chunk_of[n] = c.index
-    need = 0
-    for mname, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
-        need = max(need, len(ids - {None}))
-    return need
+    """Most offloaded chunks one module or one block needs resident at once."""
+    chunk_of = {
+        n: c.index
+        for c in layout.chunks
+        if not c.persistent
+        for pl in c.placements
+        for n in pl.names
+    }
+    return min_resident_chunks(model, chunk_of)
 
 
 def wrap(
@@ -215,13 +217,27 @@ def wrap(
     param_groups: list[dict] | None = None,
     compute_dtype: torch.dtype | None = None,
     chunk_size_bytes: int | None = None,
+    n_swap: int | None = None,
+    n_checkpoint: int | None = None,
+    offload_checkpoint: bool = False,
+    tiled_mlp_tokens: int | None = None,
+    gpu_budget: int | str | None = None,
+    cpu_budget: int | str | None = None,
+    sample_batch: dict | None = None,
+    loss_fn=None,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
     ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
-    chunks resident at once (None: a small default, at least what one module needs).
-    ``compute_dtype``: float32 (default on CPU) or bfloat16 (default on CUDA); trainable
-    parameters keep fp32 masters and fp32 optimizer state either way.
+    chunks resident at once (None: a small default, at least what one module or block
+    needs). ``compute_dtype``: float32 (default on CPU) or bfloat16 (default on CUDA);
+    trainable parameters keep fp32 masters and fp32 optimizer state either way.
+    Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
+    (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
+    host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
+    With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
+    the real shape, the knobs left as None are chosen by profiling and search
+    (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
     if getattr(model, "_protrain_engine", None) is not None:
@@ -233,6 +249,36 @@ def wrap(
         device = torch.device("cuda", torch.cuda.current_device())
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    plan = None
+    if gpu_budget is not None:
+        if sample_batch is None:
+            raise ValueError("protrain.wrap: gpu_budget needs a sample_batch of the real shape")
+        from protrain.plan import profile_and_plan
+
+        plan, _ = profile_and_plan(
+            model,
+            sample_batch,
+            gpu_budget_bytes=gpu_budget,
+            cpu_budget_bytes=cpu_budget,
+            device=device,
+            compute_dtype=compute_dtype,
+            chunk_size_bytes=chunk_size_bytes,
+            fixed_knobs={
+                "n_persist": n_persist,
+                "n_buffer": n_buffer,
+                "n_swap": n_swap,
+                "n_checkpoint": n_checkpoint,
+            },
+            tiled_mlp_tokens=tiled_mlp_tokens,
+            **({"loss_fn": loss_fn} if loss_fn is not None else {}),
+        )
+        n_persist, n_swap, n_checkpoint = plan.n_persist, plan.n_swap, plan.n_checkpoint
+        n_buffer = plan.n_buffer if plan.n_persist < plan.n_chunks else None
+        chunk_size_bytes = plan.chunk_size_bytes
+        log.info("protrain.wrap: plan\n%s", plan)
+    with_activations = n_swap is not None or n_checkpoint is not None or tiled_mlp_tokens
+    if with_activations:
+        _check_activation_knobs(model, n_swap or 0, n_checkpoint or 0, offload_checkpoint)
     if compute_dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
             f"compute_dtype={compute_dtype} is not supported: use torch.float32 or "
@@ -259,8 +305,8 @@ def wrap(
     if need > layout.n_buffer:
         if n_buffer is not None:
             raise ValueError(
-                f"n_buffer={n_buffer} is not allowed: a module of this model needs {need} "
-                f"offloaded chunks at once; use n_buffer >= {need}"
+                f"n_buffer={n_buffer} is not allowed: a module or block of this model needs "
+                f"{need} offloaded chunks resident at once; use n_buffer >= {need}"
             )
         layout.n_buffer = need
 
@@ -280,10 +326,46 @@ def wrap(
         groups, manager, worker, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
     )
     engine = Engine(model, manager, hooks, worker, optimizer, layout)
+    engine.plan = plan
     optimizer._close_fn = engine.close
     model._protrain_engine = engine
     log.info("protrain.wrap: %s", layout)
+    if with_activations:
+        from protrain.activations import apply_activation_knobs
+
+        try:
+            engine.activations = apply_activation_knobs(
+                model,
+                n_swap or 0,
+                n_checkpoint or 0,
+                device=device,
+                offload_checkpoint_inputs=offload_checkpoint,
+                tiled_mlp_tokens=tiled_mlp_tokens,
+            )
+        except BaseException:
+            engine.close()
+            raise
     return model, optimizer, layout
+
+
+def _check_activation_knobs(
+    model: nn.Module, n_swap: int, n_checkpoint: int, offload_checkpoint: bool
+) -> None:
+    """The activation knobs checked against the model's blocks before anything moves."""
+    from protrain.activations import place_policies
+    from protrain.model.blocks import discover_blocks
+
+    place_policies(
+        len(discover_blocks(model).blocks),
+        n_swap,
+        n_checkpoint,
+        offload_checkpoint_inputs=offload_checkpoint,
+    )
+
+
+def plan_of(model: nn.Module):
+    """The ``protrain.plan.Plan`` that ``wrap(gpu_budget=...)`` chose (None for explicit knobs)."""
+    return _engine(model).plan
 
 
 def _engine(model: nn.Module) -> Engine:

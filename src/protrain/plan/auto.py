@@ -166,13 +166,13 @@ def apply_plan(
 ):
     """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs.
 
-    Returns ``(model, optimizer, layout, activation_handle)``; undo with
-    ``activation_handle.remove()`` and ``protrain.close(model)``. ``wrap_kwargs`` are the
+    Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
+    undoes both (``activation_handle.remove()`` alone takes the policies off). ``wrap_kwargs`` are the
     optimizer settings of ``protrain.wrap`` (lr, betas, eps, weight_decay, param_groups).
     ``tiled_mlp_tokens`` must be what the profile was traced with.
     """
     import protrain
-    from protrain.activations import apply_activation_knobs
+    from protrain.engine import _engine
 
     device = _device(device)
     model, optimizer, layout = protrain.wrap(
@@ -182,17 +182,12 @@ def apply_plan(
         device=device,
         compute_dtype=compute_dtype,
         chunk_size_bytes=plan.chunk_size_bytes,
+        n_swap=plan.n_swap,
+        n_checkpoint=plan.n_checkpoint,
+        tiled_mlp_tokens=tiled_mlp_tokens,
         **wrap_kwargs,
     )
-    try:
-        handle = apply_activation_knobs(
-            model,
-            plan.n_swap,
-            plan.n_checkpoint,
-            device=device,
-            tiled_mlp_tokens=tiled_mlp_tokens,
-        )
-    except BaseException:
-        protrain.close(model)
-        raise
+    engine = _engine(model)
+    engine.plan = plan
+    handle = engine.activations
     return model, optimizer, layout, handle

@@ -38,7 +38,7 @@ class RuntimeModel:
         )
         self.recompute_s = np.asarray([x.recompute_s for x in b], dtype=np.float64)
         self.saved = np.asarray([x.saved_bytes for x in b], dtype=np.int64)
-        self.min_buffers = max(t.min_buffers, t.block_chunks)
+        self.min_buffers = t.min_buffers
         self.n_chunks = t.n_chunks
         used = np.asarray(t.used_bytes, dtype=np.int64)
         trn = np.asarray(t.trainable_numel, dtype=np.int64)

@@ -109,10 +109,10 @@ class PlanProblem:
 
     def buffer_bounds(self, n_persist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Least and most ``n_buffer`` the runtime runs with, for each ``n_persist``: what the
-        engine checks (one module's chunks, and 2), and the chunks one block spans."""
+        engine checks: the chunks one module or one block needs at once, and at least 2."""
         n_off = self.memory.n_chunks - n_persist
         t = self.profile.chunks
-        least = np.minimum(n_off, max(t.min_buffers, 2, t.block_chunks))
+        least = np.minimum(n_off, max(t.min_buffers, 2))
         return least, n_off
 
     # ---- evaluation -------------------------------------------------------------------

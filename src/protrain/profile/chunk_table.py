@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import choose_chunk_size, plan_layout, storage_dtype
 
 
@@ -25,11 +26,9 @@ class ChunkTable:
     trainable_bytes: list[int]  # per chunk, in the compute dtype
     trainable_tensors: list[int]  # per chunk
     max_trainable_numel: list[int]  # per chunk: its largest trainable tensor
-    min_buffers: int  # most offloaded chunks one module needs at once (all offloaded)
-    # Most chunks one block's parameters span. In a block's backward every module of it may
-    # hold its chunks until its own backward ends (q, k and v projections wait for the same
-    # input gradient), so the runtime needs this many buffers, whatever one module needs.
-    block_chunks: int = 1
+    # Most offloaded chunks one module or one block needs resident at once (all offloaded):
+    # chunks.buffers.min_resident_chunks, the same rule protrain.wrap checks.
+    min_buffers: int
 
     @property
     def n_chunks(self) -> int:
@@ -87,11 +86,7 @@ def chunk_table_and_index(
         for pl in c.placements:
             for n in pl.names:
                 chunk_of[n] = c.index
-    need = 0
-    for mname, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
-        need = max(need, len(ids - {None}))
+    need = min_resident_chunks(model, chunk_of)
     table = ChunkTable(
         chunk_size_bytes=layout.chunk_size_bytes,
         used_bytes=used,
@@ -101,12 +96,4 @@ def chunk_table_and_index(
         max_trainable_numel=tr_max,
         min_buffers=max(need, 1),
     )
-    try:
-        from protrain.model.blocks import discover_blocks
-
-        blocks = discover_blocks(model).blocks
-    except ValueError:
-        blocks = []
-    spans = [len({chunk_of[n] for n in b.param_names if n in chunk_of}) for b in blocks]
-    table.block_chunks = max(spans, default=1)
     return table, chunk_of

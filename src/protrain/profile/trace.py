@@ -402,7 +402,7 @@ def trace_model(
         model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes
     )
     if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
-        need = max(table.min_buffers, table.block_chunks, 2)
+        need = max(table.min_buffers, 2)
         n_buffer = min(table.n_chunks - n_persist, need + 1)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     bsz, seq = _batch_shape(batch)

@@ -1,0 +1,36 @@
+"""The fewest offloaded chunks that must be resident on the device at once.
+
+The runtime gathers a module's chunks before the module runs and keeps them until the
+module's backward is done: a chunk of trainable parameters is let go once their gradients
+are accumulated, a chunk of frozen parameters (LoRA bases) only once the gradient of the
+module's inputs arrives. Two things bound how many offloaded chunks are resident together:
+the chunks holding one module's own parameters, and, in a block that holds frozen
+parameters, the chunks the whole block spans (its projections wait for the same input
+gradients, so their chunks are held together). A buffer pool smaller than this fails in the
+middle of a step; `protrain.wrap` and the planner check it before anything moves.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def min_resident_chunks(model: nn.Module, chunk_of: dict[str, int]) -> int:
+    """Most chunks of `chunk_of` (parameter name -> chunk index, offloaded chunks only)
+    that one module, or one block holding frozen parameters, needs resident at once."""
+    need = 0
+    for mname, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{mname}." if mname else ""
+        ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
+        need = max(need, len(ids - {None}))
+    try:
+        from protrain.model.blocks import discover_blocks
+
+        blocks = discover_blocks(model).blocks
+    except ValueError:  # no block stack: the module rule is all there is
+        blocks = []
+    for block in blocks:
+        if all(p.requires_grad for p in block.module.parameters()):
+            continue
+        need = max(need, len({chunk_of[n] for n in block.param_names if n in chunk_of}))
+    return need

@@ -1,0 +1,76 @@
+"""`protrain.wrap` with activation knobs and with a GPU budget (the plan chooses the rest)."""
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+from protrain.plan import Plan
+
+from .models import batches, build, lora
+from .test_equivalence import LR, WD, train_engine, train_plain
+
+
+def _assert_same(model, reference, losses, ref_losses, atol=1e-5):
+    assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=atol, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_activation_knobs_in_wrap_keep_the_math(mode):
+    data = batches("llama", 6)
+    base = build("llama")
+    if mode == "lora":
+        base = lora(base, "llama")
+    reference = copy.deepcopy(base)
+    ref_losses, _ = train_plain(reference, data)
+    model = copy.deepcopy(base)
+    model, opt, _ = protrain.wrap(
+        model, n_persist=0, device="cpu", lr=LR, weight_decay=WD,
+        n_swap=1, n_checkpoint=1, offload_checkpoint=True, tiled_mlp_tokens=8,
+    )  # fmt: skip
+    assert model._protrain_engine.activations is not None
+    losses, _ = train_engine(model, data, opt)
+    _assert_same(model, reference, losses, ref_losses)
+    protrain.close(model)
+    assert getattr(model, "_protrain_activations", None) is None
+    blocks = model.get_base_model().model.layers if mode == "lora" else model.model.layers
+    assert "forward" not in vars(blocks[0])  # the block's own forward is back
+
+
+def test_activation_knobs_checked_before_anything_moves():
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="more than the model's"):
+        protrain.wrap(model, n_persist=0, device="cpu", n_swap=5, n_checkpoint=5)
+    assert getattr(model, "_protrain_engine", None) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_gpu_budget_chooses_the_missing_knobs_and_keeps_the_math():
+    data = batches("llama", 6)
+    base = build("llama")
+    reference = copy.deepcopy(base)
+    ref_losses, _ = train_plain(reference, data)
+    model = copy.deepcopy(base)
+    model, opt, layout = protrain.wrap(
+        model, device="cpu", lr=LR, weight_decay=WD,
+        gpu_budget="64MiB", sample_batch=data[0], n_checkpoint=1,
+    )  # fmt: skip
+    plan = protrain.plan_of(model)
+    assert isinstance(plan, Plan)
+    assert plan.n_checkpoint == 1  # the fixed knob is kept
+    assert layout.n_persist == plan.n_persist
+    assert plan.predicted_peak_bytes <= 64 * 2**20
+    losses, _ = train_engine(model, data, opt)
+    _assert_same(model, reference, losses, ref_losses)
+    protrain.close(model)
+
+
+def test_gpu_budget_needs_a_sample_batch():
+    with pytest.raises(ValueError, match="sample_batch"):
+        protrain.wrap(build("llama"), device="cpu", gpu_budget="64MiB")
