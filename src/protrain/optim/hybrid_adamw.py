@@ -94,7 +94,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         if self._ready:
-            raise NotImplementedError(
+            raise RuntimeError(
                 "protrain: parameter groups are fixed at wrap time; pass param_groups to wrap()"
             )
         super().add_param_group(param_group)
