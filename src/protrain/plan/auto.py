@@ -3,6 +3,7 @@ application's ``memory: {auto: true}`` use."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import re
 import time
@@ -57,6 +58,18 @@ def trace_persist(table: ChunkTable, states_budget_bytes: int) -> int | None:
     return None if fits >= table.n_chunks else fits
 
 
+def full_logits_bytes(model: nn.Module, batch_size: int, seq_len: int, compute_dtype) -> int:
+    """Bytes of the full-sequence logits a plain loss makes: the compute-dtype logits and
+    their fp32 upcast (0 when the vocabulary size is unknown)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None:
+        out = getattr(model, "get_output_embeddings", lambda: None)()
+        vocab = getattr(getattr(out, "weight", None), "shape", [None])[0]
+    if vocab is None:
+        return 0
+    return int(batch_size * seq_len * vocab * (torch.empty((), dtype=compute_dtype).itemsize + 4))
+
+
 def profile_model(
     model: nn.Module,
     sample_batch: dict,
@@ -68,14 +81,20 @@ def profile_model(
     loss_fn: LossFn = hf_loss,
     tiled_mlp_tokens: int | None = None,
 ) -> ModelProfile:
-    """Trace under the engine with as many persistent chunks as fit in half the budget (the
-    other half for the trace's activations, its buffers and gradients), the rest offloaded;
-    a trace that runs out of memory is retried with every chunk offloaded."""
+    """Trace under the engine with as many persistent chunks as fit in half the budget less
+    the full-sequence logits of a plain loss (the other half for the trace's activations,
+    its buffers and gradients), the rest offloaded; a trace that runs out of memory anyway
+    is retried once with every chunk offloaded, and says so."""
     device = _device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
-    n_persist = trace_persist(table, gpu_budget_bytes // 2)
+    logits = 0
+    if loss_fn is hf_loss:  # a chunked loss never holds the full-sequence logits
+        ids = sample_batch.get("input_ids")
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            logits = full_logits_bytes(model, ids.shape[0], ids.shape[1], compute_dtype)
+    n_persist = trace_persist(table, max(gpu_budget_bytes // 2 - logits, 0))
     kwargs = dict(
         device=device,
         compute_dtype=compute_dtype,
@@ -85,12 +104,21 @@ def profile_model(
     )
     try:
         return trace_model(model, sample_batch, n_persist=n_persist, **kwargs)
-    except torch.cuda.OutOfMemoryError:
+    except torch.OutOfMemoryError as exc:
         if n_persist == 0:
             raise
-        log.info("trace with every chunk persistent ran out of memory; tracing offloaded")
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+    # Retried outside the handler: the exception's traceback holds the failed trace's tensors.
+    gc.collect()
+    if device.type == "cuda":
         torch.cuda.empty_cache()
-        return trace_model(model, sample_batch, n_persist=0, **kwargs)
+    log.warning(
+        "protrain trace with n_persist=%s ran out of memory (%s); retrying with every chunk "
+        "offloaded (n_persist=0)",
+        "all" if n_persist is None else n_persist,
+        reason,
+    )
+    return trace_model(model, sample_batch, n_persist=0, **kwargs)
 
 
 def profile_and_plan(
@@ -107,8 +135,11 @@ def profile_and_plan(
     hardware: HardwareProfile | None = None,
     profile: ModelProfile | None = None,
     tiled_mlp_tokens: int | None = None,
+    clipping: bool = True,
 ) -> tuple[Plan, PlanProblem]:
-    """The plan and the problem it solved (keep the problem for :mod:`closed_loop`)."""
+    """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
+    ``clipping``: whether training clips gradients (it decides when the host optimizer
+    runs; see :mod:`protrain.plan.runtime`)."""
     t0 = time.perf_counter()
     device = _device(device)
     budget = parse_bytes(gpu_budget_bytes)
@@ -137,6 +168,7 @@ def profile_and_plan(
         gpu_budget_bytes=budget,
         cpu_budget_bytes=cpu_budget,
         fixed_knobs=fixed,
+        clipping=clipping,
     )
     t1 = time.perf_counter()
     result = search(problem)

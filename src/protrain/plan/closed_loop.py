@@ -68,6 +68,7 @@ def check_plan(
         cpu_budget_bytes=problem.cpu_budget_bytes,
         fixed_knobs=problem.fixed,
         extra_bytes=problem.extra_bytes + missing,
+        clipping=problem.clipping,
     )
     fits = corrected_problem.evaluate(*plan.knobs.values())["peak_bytes"]
     if fits <= problem.gpu_budget_bytes:

@@ -44,7 +44,7 @@ def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
             f"step {plan.predicted_step_s:.3f} s: compute {t['compute']:.3f} s, copies "
             f"{t['copy']:.3f} s ({t['copy_exposed']:.3f} s not hidden), device optimizer "
             f"{t['device_optimizer']:.3f} s, host optimizer {t['host_optimizer']:.3f} s "
-            f"({t['host_optimizer_exposed']:.3f} s not hidden by the next forward)"
+            f"({t['host_optimizer_exposed']:.3f} s the next forward waits for)"
         )
     if plan.n_checkpoint or plan.n_swap:
         out.append(

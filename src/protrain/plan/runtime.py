@@ -1,21 +1,47 @@
-"""Predicted step time from measured compute, copy traffic, the optimizers and their overlap.
+"""Predicted step time: a sum of measured compute, copy traffic, optimizers and stalls.
 
-- **compute**: the traced step's measured parts: embedding, each block's forward and
-  backward, the head and loss, plus the recompute of every checkpointed block.
+- **compute**: the trace's free-running step (:mod:`protrain.profile.trace`), forward plus
+  backward with no recompute, plus the recompute of every checkpointed block (the blocks'
+  measured forward, apportioned by the per-block intervals). A profile without the
+  free-running step uses the sum of its intervals.
 - **copy traffic** (host-device, shared by parameter gathers and activation swap):
   host-to-device, every offloaded chunk once in forward (trainable parameters as their fp32
   masters, which the engine casts on the device after a host update), again in backward
   except the ``n_buffer`` chunks still resident when backward begins, and swapped
-  activations coming back; device-to-host, the updated chunk written back, the fp32
-  gradients of offloaded trainable parameters, and swapped activations going out. Copy
+  activations coming back; device-to-host, the bf16 write-back of each updated chunk, the
+  fp32 gradients of offloaded trainable parameters, and swapped activations going out. Copy
   seconds: the larger of each direction at its measured bandwidth and the total at the
-  measured both-directions bandwidth.
-- **overlap**: with a spare buffer to prefetch into (``n_buffer`` above what one module needs,
-  or every offloaded chunk resident), copies run under compute and the slower of the two
-  counts; without one, they add. The device optimizer (persistent chunks) runs after
-  backward; the host optimizer (offloaded chunks) overlaps the next forward, and only what
-  exceeds the forward's compute counts. On a CPU device nothing overlaps: the "device" is
-  the host, its copies and its optimizer run on the same cores as compute.
+  measured both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer``
+  above what one module needs, or every offloaded chunk resident) copies run under compute
+  and the slower of the two counts; without one, they add.
+- **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
+  measured device rate, after backward and before the next forward.
+- **host optimizer stall** (see the note): how long the next forward waits for offloaded
+  chunks whose host AdamW step, and the copy of their updated masters, are not done when
+  it needs them.
+
+On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
+run on the same cores as compute, so every term adds.
+
+[Note: the host optimizer's critical path]
+The engine steps offloaded chunks one after another on one host thread, at the measured
+host AdamW rate; a chunk's next gather waits for its step and then copies its fp32 masters
+in (the copies follow one another on the link). Times are counted from the end of
+backward; the next forward starts after the device optimizer, and reaches chunk ``j`` after
+the forward compute of the blocks before ``chunk_first_block[j]``.
+
+- With clipping, steps start once every gradient is on the host (the global norm needs
+  them all; the last to arrive is the first offloaded chunk's largest tensor, at the
+  measured device-to-host rate) and run in forward order.
+- Without clipping, each chunk's step starts when its own gradients are on the host
+  (backward finishes a chunk with the first block that uses it; the backward compute
+  still to run after that point hides it) and steps run in backward order; the first
+  offloaded chunk in forward order is stepped last. Recompute is not counted as hiding time.
+
+Chunk ``j`` arrives at ``A_j = max over i <= j of (ready_i + gather_i + ... + gather_j)``
+and the forward stalls ``max_j(A_j - forward_until_j) - device_optimizer`` (never below 0).
+This depends on ``n_persist`` only (not on ``n_buffer`` or the activation policies), so it is
+one vector, computed once in O(chunks^2).
 """
 
 from __future__ import annotations
@@ -27,19 +53,40 @@ from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
 
 
+def _compute_parts(profile: ModelProfile):
+    """(keep-all forward + backward s, per-block forward s, per-block backward s, pre s)."""
+    b = profile.blocks
+    fwd = np.asarray([x.fwd_s for x in b], dtype=np.float64)
+    bwd = np.asarray([x.bwd_s for x in b], dtype=np.float64)
+    if profile.free_fwd_bwd_s is None:
+        rec = np.asarray([x.recompute_s for x in b], dtype=np.float64)
+        base = profile.pre_fwd_s + fwd.sum() + profile.head_s + bwd.sum() + profile.post_bwd_s
+        return base, fwd, bwd, rec, profile.pre_fwd_s
+
+    def share(x: np.ndarray, total: float) -> np.ndarray:
+        s = x.sum()
+        return total * (x / s if s > 0 else np.full(len(x), 1.0 / max(len(x), 1)))
+
+    blocks_fwd = profile.free_blocks_fwd_s
+    pre = profile.free_pre_fwd_s
+    # The free-running step ran every block checkpointed: its backward held each forward again.
+    base = profile.free_fwd_bwd_s - blocks_fwd
+    fwd_free = share(fwd, blocks_fwd)
+    bwd_total = max(base - pre - blocks_fwd - profile.head_s, 0.0)
+    return base, fwd_free, share(bwd, bwd_total), fwd_free, pre
+
+
 class RuntimeModel:
-    def __init__(self, profile: ModelProfile, hardware: HardwareProfile):
+    def __init__(self, profile: ModelProfile, hardware: HardwareProfile, *, clipping: bool = True):
         self.hw = hardware
-        b = profile.blocks
+        self.clipping = clipping
         t = profile.chunks
-        self.fwd_compute_s = profile.pre_fwd_s + sum(x.fwd_s for x in b)
-        self.base_compute_s = (
-            self.fwd_compute_s + profile.head_s + sum(x.bwd_s for x in b) + profile.post_bwd_s
-        )
-        self.recompute_s = np.asarray([x.recompute_s for x in b], dtype=np.float64)
-        self.saved = np.asarray([x.saved_bytes for x in b], dtype=np.int64)
+        base, block_fwd, block_bwd, recompute, pre = _compute_parts(profile)
+        self.base_compute_s = float(base)
+        self.recompute_s = recompute
+        self.saved = np.asarray([x.saved_bytes for x in profile.blocks], dtype=np.int64)
         self.min_buffers = t.min_buffers
-        self.n_chunks = t.n_chunks
+        self.n_chunks = n = t.n_chunks
         used = np.asarray(t.used_bytes, dtype=np.int64)
         trn = np.asarray(t.trainable_numel, dtype=np.int64)
         frozen = used - np.asarray(t.trainable_bytes, dtype=np.int64)
@@ -51,6 +98,45 @@ class RuntimeModel:
         self.used = prefix(used)
         self.out = prefix(np.where(trn > 0, used, 0) + 4 * trn)  # write-back + fp32 grads
         self.trainable = prefix(trn)
+
+        # Per chunk: when the next forward needs it, and how much backward follows its grads.
+        n_blocks = len(profile.blocks)
+        first = np.asarray(profile.chunk_first_block or [-1] * n, dtype=np.int64)
+        fwd_before = np.concatenate([[0.0], np.cumsum(block_fwd)])  # before block k
+        bwd_before = np.concatenate([[0.0], np.cumsum(block_bwd)])
+        k = np.clip(first, 0, n_blocks)
+        needed_at = np.where(first < 0, 0.0, pre + fwd_before[k])
+        bwd_after = np.where(first < 0, 0.0, bwd_before[k])  # blocks < first run after it
+        self.host_stall_s = self._host_stall(
+            trn, frozen, np.asarray(t.max_trainable_numel, dtype=np.int64), needed_at, bwd_after
+        )
+
+    def _host_stall(self, trn, frozen, last_numel, needed_at, bwd_after) -> np.ndarray:
+        """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
+        hw, n = self.hw, self.n_chunks
+        host_s = trn / hw.cpu_adam_params_per_s
+        gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
+        grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
+        dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
+        stall = np.zeros(n + 1)
+        if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
+            return (self.trainable[n] - self.trainable) / hw.cpu_adam_params_per_s
+        hc = np.concatenate([[0.0], np.cumsum(host_s)])
+        gc = np.concatenate([[0.0], np.cumsum(gather_s)])
+        stepped = trn > 0
+        if not self.clipping:
+            # Backward order: step i ends at max over later-stepped i' >= i of
+            # (grads of i' on the host) + steps i..i'.
+            grads_on_host = np.where(stepped, grad_tail_s - bwd_after, -np.inf)
+            done = np.maximum.accumulate((grads_on_host + hc[1:])[::-1])[::-1] - hc[:-1]
+        for n_p in range(n):
+            if self.clipping:  # forward order from n_p, after the first chunk's last gradient
+                done = grad_tail_s[n_p] + hc[1:] - hc[n_p]
+            ready = np.where(stepped, done, -np.inf)[n_p:]
+            arrive = np.maximum.accumulate(ready - gc[n_p:-1]) + gc[n_p + 1 :]
+            late = np.max(arrive - needed_at[n_p:]) - dev_opt_s[n_p]
+            stall[n_p] = max(late, 0.0) if np.isfinite(late) else 0.0
+        return stall
 
     def pair_terms(self, pol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, swap bytes each way) for each row of block policies."""
@@ -79,12 +165,9 @@ class RuntimeModel:
         concurrent = hw.device != "cpu"
         prefetch = ((n_buffer >= self.min_buffers + 1) | (n_buffer >= n_off)) & concurrent
         overlapped = np.where(prefetch, np.maximum(compute_s, copy_s), compute_s + copy_s)
-        off_params = self.trainable[n] - self.trainable[n_persist]
-        cpu_opt_s = off_params / hw.cpu_adam_params_per_s
-        dev_opt_s = (self.trainable[n_persist]) / hw.device_adam_params_per_s
-        hidden_by = self.fwd_compute_s if concurrent else 0.0
-        exposed_cpu_s = np.maximum(cpu_opt_s - hidden_by, 0.0)
-        total = overlapped + dev_opt_s + exposed_cpu_s
+        dev_opt_s = self.trainable[n_persist] / hw.device_adam_params_per_s
+        stall_s = self.host_stall_s[n_persist]
+        total = overlapped + dev_opt_s + stall_s
         if not breakdown:
             return total
         return total, {
@@ -94,6 +177,8 @@ class RuntimeModel:
             "h2d_bytes": float(h2d),
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
-            "host_optimizer": float(cpu_opt_s),
-            "host_optimizer_exposed": float(exposed_cpu_s),
+            "host_optimizer": float(
+                (self.trainable[n] - self.trainable[n_persist]) / hw.cpu_adam_params_per_s
+            ),
+            "host_optimizer_exposed": float(stall_s),
         }

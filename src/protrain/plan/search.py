@@ -62,6 +62,7 @@ class PlanProblem:
         cpu_budget_bytes: int | None = None,
         fixed_knobs: dict[str, int] | None = None,
         extra_bytes: int = 0,
+        clipping: bool = True,
     ):
         fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
         unknown = sorted(set(fixed) - set(KNOBS))
@@ -75,7 +76,9 @@ class PlanProblem:
         # Bytes the closed loop measured beyond the prediction (0 before any real step).
         self.extra_bytes = int(extra_bytes)
         self.memory = MemoryModel(profile)
-        self.runtime = RuntimeModel(profile, hardware)
+        # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
+        self.clipping = bool(clipping)
+        self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping)
         self._check_fixed()
 
     def _check_fixed(self) -> None:

@@ -28,6 +28,17 @@ A block's recompute time is its measured forward time: recomputation is the same
 at the same shape. Its backward time is its backward intervals less that recompute. On CUDA
 every time leaves out the compute stream's stalls on parameter gathers (the engine's CUDA
 event timing of those waits), so a trace with offloaded chunks still measures compute.
+
+- **Free-running step**: the synchronizations at every cut expose the host's kernel launch
+  time that an unsynchronized step hides under device work, so the intervals sum to more
+  than a real step's compute. One more step, with the tracer's hooks removed, is timed with
+  three synchronizations only (first block's forward, last block's forward, end of backward):
+  its forward and backward seconds (gather stalls left out) are the totals the runtime model
+  uses; the per-block intervals only apportion them.
+
+``chunk_first_block`` maps each chunk to the first block whose forward uses it (-1: used
+before the first block, e.g. the embedding; ``n_blocks``: only after the last one): when
+the next forward needs the chunk, and when backward has finished its gradients.
 """
 
 from __future__ import annotations
@@ -120,6 +131,11 @@ class ModelProfile:
     grad_order: list[tuple[int, int]] = field(default_factory=list)
     trace_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # Free-running step (see the module docstring); None when not measured.
+    free_pre_fwd_s: float | None = None  # step start to the first block's forward
+    free_blocks_fwd_s: float | None = None  # the blocks' forward, first to last
+    free_fwd_bwd_s: float | None = None  # step start to the end of backward (checkpoint-all)
+    chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
 
     @property
     def tokens(self) -> int:
@@ -362,6 +378,58 @@ class _StepTracer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        self.handles = []
+
+
+def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait):
+    """One step timed at three synchronizations only; (pre, blocks' forward, fwd+bwd) s."""
+    marks: dict[str, tuple[float, float]] = {}
+
+    def mark(name):
+        if name not in marks:
+            t = sync()
+            marks[name] = (t, copy_wait())
+
+    h0 = blocks[0].module.register_forward_pre_hook(lambda *_: mark("first"))
+    h1 = blocks[-1].module.register_forward_hook(lambda *_: mark("last"))
+    try:
+        t0 = sync()
+        copy_wait()  # drop the stalls from before the step
+        loss = loss_fn(model, batch)
+        loss.backward()
+        del loss
+        t3 = sync()
+        w3 = copy_wait()
+        optimizer.step()
+        optimizer.zero_grad()
+        optimizer.synchronize()
+    finally:
+        h0.remove()
+        h1.remove()
+    (t1, w1), (t2, w2) = marks["first"], marks["last"]
+    pre = max(t1 - t0 - w1, 0.0)
+    blocks_fwd = max(t2 - t1 - w2, 0.0)
+    return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w3, 0.0)
+
+
+def chunk_first_blocks(blocks, chunk_of: dict[str, int], n_chunks: int) -> list[int]:
+    """Per chunk, the first block whose parameters it holds (-1 before the first block's,
+    ``len(blocks)`` after the last one's): chunks are packed in execution order."""
+    first = [None] * n_chunks
+    for i, b in enumerate(blocks):
+        for name, _ in b.module.named_parameters(remove_duplicate=False):
+            full = f"{b.name}.{name}"
+            c = chunk_of.get(full)
+            if c is not None and first[c] is None:
+                first[c] = i
+    out, nxt = [0] * n_chunks, len(blocks)
+    for c in reversed(range(n_chunks)):  # a chunk with no block parameters: by its place
+        if first[c] is not None:
+            nxt = first[c]
+            out[c] = first[c]
+        else:
+            out[c] = -1 if all(f is None for f in first[:c]) else nxt
+    return out
 
 
 def trace_model(
@@ -464,6 +532,10 @@ def trace_model(
                 optimizer.synchronize()
                 t_end, _ = tracer.cut("end", -1)
             overhead = max((iv.reserved_overhead_bytes for iv in tracer.intervals), default=0)
+            tracer.remove()
+            free_pre, free_blocks, free_total = _free_running_step(
+                model, blocks, batch, loss_fn, optimizer, sync, copy_wait
+            )
     finally:
         if tracer is not None:
             tracer.remove()
@@ -517,13 +589,19 @@ def trace_model(
         grad_order=list(tracer.grad_order),
         step_start_bytes=tracer.base if device.type == "cuda" else None,
         trace_s=time.perf_counter() - t_begin,
+        free_pre_fwd_s=free_pre,
+        free_blocks_fwd_s=free_blocks,
+        free_fwd_bwd_s=free_total,
+        chunk_first_block=chunk_first_blocks(blocks, chunk_of, table.n_chunks),
     )
     log.info(
-        "traced %d blocks at batch %d x %d in %.1f s (step %.3f s)",
+        "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
+        "forward + backward %.3f s)",
         len(blocks),
         bsz,
         seq,
         profile.trace_s,
         profile.step_s,
+        free_total,
     )
     return profile
