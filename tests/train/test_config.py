@@ -71,9 +71,10 @@ def test_warmup_steps_and_ratio_exclusive(tmp_path):
 
 def test_memory_budget_units(tmp_path):
     cfg = validate_config(
-        tiny_config(tmp_path, memory={"n_persist": 1, "n_buffer": 2, "gpu_budget": "24GiB"})
+        tiny_config(tmp_path, memory={"auto": True, "gpu_budget": "24GiB", "cpu_budget": "64GB"})
     )
     assert int(cfg.memory.gpu_budget) == 24 * 2**30
+    assert int(cfg.memory.cpu_budget) == 64 * 10**9
     assert cfg.memory.engine_enabled
 
 
