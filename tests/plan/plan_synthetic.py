@@ -100,4 +100,13 @@ def profile(n_blocks: int, n_chunks: int, *, seed: int = 0, chunk_mib: int = 64)
         allocator_overhead_bytes=64 * MIB,
         grad_order=[(c, trainable[c]) for c in reversed(range(n_chunks))],
         step_start_bytes=100 * MIB,  # traced with nothing persistent: all of it is "other"
+        chunk_first_block=[
+            -1
+            if c == 0
+            else min(
+                (i for i in range(n_blocks) if first[i] <= c < first[i] + per_block),
+                default=n_blocks,
+            )
+            for c in range(n_chunks)
+        ],  # fmt: skip
     )

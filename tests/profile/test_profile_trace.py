@@ -115,3 +115,14 @@ def test_tiled_mlp_is_traced_as_it_will_run():
     # tiles keep the MLP's intermediate activations one tile at a time in the keep forward
     assert all(t.fwd_peak_keep_bytes < p.fwd_peak_keep_bytes
                for t, p in zip(tiled.blocks, plain.blocks))  # fmt: skip
+
+
+def test_free_running_step_and_chunk_blocks(traced):
+    _, _, profile = traced
+    assert profile.free_fwd_bwd_s > profile.free_blocks_fwd_s > 0
+    assert profile.free_pre_fwd_s >= 0
+    first = profile.chunk_first_block
+    assert len(first) == profile.chunks.n_chunks
+    assert first == sorted(first)  # chunks are packed in execution order
+    assert first[0] in (-1, 0)  # the embedding's chunk: before or with the first block
+    assert all(-1 <= f <= profile.n_blocks for f in first)

@@ -1,0 +1,110 @@
+"""The step-time model against the engine's behaviour (docs/design.md, engine sections)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import plan_synthetic as syn
+import pytest
+
+from protrain.plan import PlanProblem, search
+from protrain.plan.runtime import RuntimeModel
+from protrain.profile.chunk_table import ChunkTable
+from protrain.profile.trace import BlockProfile, Interval, ModelProfile
+
+GIB = 1 << 30
+
+
+def llama1b_like(free: bool = True) -> ModelProfile:
+    """The shape of fits-b1 on one H200: 3 chunks of ~427 M bf16 parameters, 16 blocks,
+    a free-running forward + backward of 0.09 s (keep-all)."""
+    n_blocks, chunk = 16, 854 * (1 << 20)
+    blocks = [
+        BlockProfile(f"layers.{i}", 0.003, 0.006, 0.003, 200 << 20, 8 << 20, True,
+                     210 << 20, 24 << 20)
+        for i in range(n_blocks)
+    ]  # fmt: skip
+    trn = [chunk // 2] * 3
+    table = ChunkTable(
+        chunk_size_bytes=chunk,
+        used_bytes=[chunk] * 3,
+        trainable_numel=trn,
+        trainable_bytes=[2 * n for n in trn],
+        trainable_tensors=[40] * 3,
+        max_trainable_numel=[262_668_288, 8 << 20, 8 << 20],  # chunk 0 holds the embedding
+        min_buffers=1,
+    )
+    ivs = [Interval("pre", -1, 0, 0.001, 0, 0, 0, 0), Interval("head", -1, 0, 0.01, 1, 0, 0, 0),
+           Interval("opt", -1, 0, 0.01, 0, 0, 0, 0)]  # fmt: skip
+    return ModelProfile(
+        blocks=blocks, intervals=ivs, chunks=table, batch_size=1, seq_len=2048,
+        device="cuda", compute_dtype="bfloat16", trace_n_persist=3, trace_n_buffer=0,
+        step_s=0.2, pre_fwd_s=0.001, head_s=0.01, post_bwd_s=0.0, optimizer_step_s=0.02,
+        allocator_overhead_bytes=0, step_start_bytes=0,
+        free_pre_fwd_s=0.001 if free else None, free_blocks_fwd_s=0.03 if free else None,
+        free_fwd_bwd_s=0.12 if free else None, chunk_first_block=[-1, 5, 11],
+    )  # fmt: skip
+
+
+def h200_like():
+    return dataclasses.replace(
+        syn.hardware(), cpu_adam_params_per_s=4.1e9, device_adam_params_per_s=50e9
+    )
+
+
+def test_free_running_step_is_the_compute():
+    rt = RuntimeModel(llama1b_like(), h200_like())
+    assert rt.base_compute_s == pytest.approx(0.12 - 0.03)  # checkpoint-all less its recompute
+    assert rt.recompute_s.sum() == pytest.approx(0.03)
+    synced = RuntimeModel(llama1b_like(free=False), h200_like())
+    assert synced.base_compute_s == pytest.approx(0.001 + 16 * 0.009 + 0.01)
+
+
+def test_host_stall_with_clipping_is_the_critical_path():
+    """One offloaded chunk (the last): its step starts after the embedding's gradient is on
+    the host, then its masters are copied in; the forward reaches it after block 11."""
+    p, hw = llama1b_like(), h200_like()
+    rt = RuntimeModel(p, hw, clipping=True)
+    trn, chunk = p.chunks.trainable_numel[2], p.chunks.used_bytes[2]
+    tail = 4 * p.chunks.max_trainable_numel[2] / hw.d2h_bytes_per_s
+    host = trn / hw.cpu_adam_params_per_s
+    gather = (chunk - 2 * trn + 4 * trn) / hw.h2d_bytes_per_s
+    needed = 0.001 + 11 * (0.03 / 16)
+    dev_opt = 2 * trn / hw.device_adam_params_per_s
+    assert rt.host_stall_s[2] == pytest.approx(tail + host + gather - needed - dev_opt)
+    assert rt.host_stall_s[3] == 0.0
+    # Without clipping one chunk's step starts during backward, as soon as its gradients are
+    # on the host; with every chunk offloaded, backward order steps the first chunk the
+    # forward needs last, which can be later than clipping's forward order.
+    no_clip = RuntimeModel(p, hw, clipping=False)
+    assert no_clip.host_stall_s[2] < rt.host_stall_s[2]
+    assert no_clip.host_stall_s[0] > rt.host_stall_s[0]
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_everything_fits_chooses_all_persistent(clipping):
+    """fits-b1: at 80 GiB every chunk fits persistent, and the host AdamW of an offloaded
+    chunk (0.1 s) is not hidden by the 0.03 s forward: all persistent is the fastest."""
+    problem = PlanProblem(llama1b_like(), h200_like(), gpu_budget_bytes=80 * GIB,
+                          clipping=clipping)  # fmt: skip
+    plan = search(problem).plan
+    assert (plan.n_persist, plan.n_swap, plan.n_checkpoint) == (3, 0, 0)
+    best = plan.predicted_step_s
+    for n_p in range(3):
+        ev = problem.evaluate(n_p, 3 - n_p, 0, 0)
+        assert ev["step_s"] > best
+
+
+def test_search_takes_all_persistent_on_a_tie():
+    """Synthetic profile, everything fits: wherever the model says all persistent is at least
+    as fast as any plan, the search chooses it."""
+    prof = syn.profile(6, 8)
+    hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=1e12)
+    problem = PlanProblem(prof, hw, gpu_budget_bytes=1 << 50)
+    n = problem.memory.n_chunks
+    all_persistent = problem.evaluate(n, 0, 0, 0)["step_s"]
+    others = [problem.evaluate(n_p, n - n_p, 0, 0)["step_s"] for n_p in range(n)]
+    plan = search(problem).plan
+    if all_persistent <= min(others):
+        assert plan.n_persist == n
+    assert plan.predicted_step_s <= min(others + [all_persistent]) + 1e-12

@@ -1,0 +1,59 @@
+"""The trace never runs out of memory: the logits are budgeted and an OOM is retried."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain.plan.auto as auto
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
+import tiny_llama  # noqa: E402
+
+
+def test_full_logits_bytes_from_the_config():
+    model = tiny_llama.build()
+    vocab = model.config.vocab_size
+    assert auto.full_logits_bytes(model, 4, 2048, torch.bfloat16) == 4 * 2048 * vocab * 6
+
+
+def test_logits_come_out_of_the_trace_budget(monkeypatch):
+    model, batch = tiny_llama.build(), tiny_llama.batch()
+    seen = []
+    monkeypatch.setattr(auto, "trace_model", lambda m, b, n_persist, **kw: seen.append(n_persist))
+    big = 1 << 40
+    auto.profile_model(model, batch, gpu_budget_bytes=big, device="cpu")
+    logits = auto.full_logits_bytes(model, *batch["input_ids"].shape, torch.float32)
+    auto.profile_model(model, batch, gpu_budget_bytes=2 * logits, device="cpu")
+    assert seen == [None, 0]  # everything fits; the budget's half is all logits: none
+
+
+def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
+    model, batch = tiny_llama.build(), tiny_llama.batch()
+    calls = []
+
+    def fake_trace(m, b, n_persist, **kw):
+        calls.append(n_persist)
+        if n_persist != 0:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB.")
+        return "profile"
+
+    monkeypatch.setattr(auto, "trace_model", fake_trace)
+    with caplog.at_level(logging.WARNING, logger="protrain.plan.auto"):
+        assert auto.profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu") == "profile"
+    assert calls == [None, 0]
+    assert "retrying with every chunk offloaded" in caplog.text
+    assert "3.91 GiB" in caplog.text
+
+
+def test_trace_out_of_memory_with_everything_offloaded_is_raised(monkeypatch):
+    def fake_trace(m, b, n_persist, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory.")
+
+    monkeypatch.setattr(auto, "trace_model", fake_trace)
+    with pytest.raises(torch.OutOfMemoryError):
+        auto.profile_model(tiny_llama.build(), tiny_llama.batch(), gpu_budget_bytes=0, device="cpu")
