@@ -141,7 +141,7 @@ def test_copies_to_the_host_in_flight_are_bounded():
     transfer = HostTransfer("cpu", max_in_flight_bytes=100)
     events = [FakeEvent() for _ in range(4)]
     for e in events:
-        transfer._in_flight.append((e, torch.empty(40, dtype=torch.uint8)))
+        transfer._in_flight.append((e, 40))
         transfer._in_flight_bytes += 40
         transfer._retire_in_flight()
     # 40, 80 fit; at 120 the oldest is waited for (80 left), at 120 again the next one

@@ -6,9 +6,11 @@ device the host side is an ordinary CPU tensor, copies are synchronous and strea
 are absent: the same bookkeeping runs, which is how CPU tests check it.
 
 [Note: who keeps a storage alive while it is copied]
-A device-to-host copy reads its source after the compute stream has moved on; the source is
-held (a reference in ``_in_flight``) until the copy's event has completed, so the caching
-allocator cannot hand its memory to another tensor meanwhile. A host-to-device copy writes a
+A device-to-host copy reads its source after the compute stream has moved on. The source is
+marked with ``record_stream(d2h_stream)`` and not referenced here: the caching allocator
+then hands its memory to no other tensor until the copy has run, and frees it as soon as the
+last other reference is gone, not when this class next polls an event. ``_in_flight`` keeps
+only events and sizes, for the bound on bytes in flight. A host-to-device copy writes a
 buffer allocated on ``h2d_stream``; whoever uses it on the compute stream calls
 ``record_stream`` on it (``wait_ready`` does), so the allocator waits for that use before
 reusing it. Pinned host buffers are recorded by the caching host allocator itself on every
@@ -55,7 +57,7 @@ class HostTransfer:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_in_flight_bytes = max_in_flight_bytes
-        self._in_flight: deque[tuple[object, torch.Tensor]] = deque()  # (event, source)
+        self._in_flight: deque[tuple[object, int]] = deque()  # (event, bytes)
         self._in_flight_bytes = 0
         if self.is_cuda:
             self.d2h_stream = torch.cuda.Stream(self.device)
@@ -78,20 +80,21 @@ class HostTransfer:
             host.copy_(source, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h_stream)
-        self._in_flight.append((event, source))
+        source.record_stream(self.d2h_stream)
+        self._in_flight.append((event, n))
         self._in_flight_bytes += n
         self._retire_in_flight()
         return HostCopy(host, event)
 
     def _retire_in_flight(self) -> None:
         while self._in_flight:
-            event, source = self._in_flight[0]
+            event, n = self._in_flight[0]
             if not event.query():
                 if self._in_flight_bytes <= self.max_in_flight_bytes:
                     break
                 event.synchronize()  # bounded in flight: wait for the oldest copy
             self._in_flight.popleft()
-            self._in_flight_bytes -= source.numel()
+            self._in_flight_bytes -= n
 
     def to_device(self, copy: HostCopy) -> None:
         """Start bringing ``copy`` back to the device (no-op if it is there already)."""
@@ -128,8 +131,8 @@ class HostTransfer:
             self.device_bytes -= copy.nbytes
 
     def synchronize(self) -> None:
-        """Wait for every copy to the host in flight (and drop the sources held for them)."""
+        """Wait for every copy to the host in flight."""
         while self._in_flight:
-            event, source = self._in_flight.popleft()
+            event, n = self._in_flight.popleft()
             event.synchronize()
-            self._in_flight_bytes -= source.numel()
+            self._in_flight_bytes -= n
