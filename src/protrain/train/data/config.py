@@ -82,6 +82,7 @@ class DatasetConfig(BaseModel):
         default=None, description="extra role names mapped onto system/user/assistant/tool"
     )
     field_images: str = "images"
+    field_audios: str = "audios"
     field_prompt: str = "prompt"
     field_completion: str = "completion"
     field_system: str = "system"

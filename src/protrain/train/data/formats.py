@@ -2,7 +2,7 @@
 
 - `chat`: `messages` (role, content), or the legacy `conversations` (from, value).
   Content may be a string or a list of parts (`{"type": "text", "text": ...}`,
-  `{"type": "image", ...}`); an assistant message may carry `reasoning_content`.
+  `{"type": "image", ...}`, `{"type": "audio", ...}`); an assistant message may carry `reasoning_content`.
 - `completion`: `prompt` and `completion` (and an optional `system`).
 - `text`: `text`, trained on every token.
 
@@ -24,6 +24,7 @@ MEDIA_PART_TYPES = ("image", "video", "audio")
 class ChatSample:
     messages: list[dict[str, Any]]  # role in KNOWN_ROLES, content str or list of parts
     images: list[Any] = field(default_factory=list)
+    audios: list[Any] = field(default_factory=list)
 
 
 @dataclass
@@ -162,7 +163,10 @@ def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatS
     images = row.get(cfg.field_images) or []
     if not isinstance(images, list):
         images = [images]
-    return ChatSample(messages=messages, images=images)
+    audios = row.get(cfg.field_audios) or []
+    if not isinstance(audios, list):
+        audios = [audios]
+    return ChatSample(messages=messages, images=images, audios=audios)
 
 
 def _string_field(row: dict[str, Any], key: str, cfg: DatasetConfig, row_index: int) -> str:

@@ -90,6 +90,7 @@ FAMILY_BOUNDARIES = {
     "qwen2_5_vl": _chatml,
     "qwen3_vl": _chatml,
     "qwen3_5": _chatml,
+    "qwen2_audio": _chatml,
     "gemma3": _gemma3,
     "gemma3n": _gemma3,
     "gemma4": _gemma4,
@@ -105,6 +106,7 @@ PROCESSOR_FAMILIES = (
     ("Qwen2VL", "qwen2_vl"),
     ("Qwen3VL", "qwen3_vl"),
     ("Qwen3_5", "qwen3_5"),
+    ("Qwen2Audio", "qwen2_audio"),
     ("Gemma3n", "gemma3n"),
     ("Gemma3", "gemma3"),
     ("Gemma4", "gemma4"),
@@ -124,6 +126,9 @@ MEDIA_TOKENS = (
     "<|audio_pad|>",
     "<|audio_start|>",
     "<|audio_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
     "<start_of_image>",
     "<end_of_image>",
     "<image_soft_token>",
@@ -175,6 +180,8 @@ def detect_family(processor, template: str | None) -> str | None:
         return None
     if "<|vision_start|>" in template:
         return "qwen2_vl"
+    if "<|AUDIO|>" in template and "<|im_start|>" in template:
+        return "qwen2_audio"
     if "<start_of_turn>" in template:
         return "gemma3"
     if "<|turn>" in template:

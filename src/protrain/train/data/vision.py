@@ -1,10 +1,13 @@
-"""Vision-language rows: images, the processor, and masks on the processor's tokens.
+"""Vision- and audio-language rows: images, audio, the processor, and masks on its tokens.
 
 A row's images come from its `images` column (paths, relative to the dataset file, or PIL
 images) and from image parts of its messages (`{"type": "image", "image"|"path": ...}`); a
 part without its own source takes the next image of the column, and a row whose messages
 name no image gets its images at the start of the first user turn (a LLaVA-style `<image>`
-in the text marks the place instead). Every path is checked before anything is tokenized.
+in the text marks the place instead). Audio works the same way: the `audios` column and
+`{"type": "audio", "audio"|"path": ...}` parts (`<audio>` in the text), read by `audio.py`
+for processors with a feature extractor (Qwen2-Audio, Gemma 3n). Every path is checked
+before anything is tokenized.
 
 The chat is rendered by the processor's template (or the `chat_template` override) and
 handed to the processor, which expands each image placeholder into the model's media
@@ -17,11 +20,13 @@ from __future__ import annotations
 
 import difflib
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from protrain.train.data.audio import AudioReader
 from protrain.train.data.config import MANAGED_PROCESSOR_KWARGS, DatasetConfig, DataSettings
 from protrain.train.data.encoding import Encoded, encode_chat
 from protrain.train.data.errors import DataError
@@ -37,6 +42,30 @@ from protrain.train.data.role_boundaries import (
 logger = logging.getLogger("protrain.train.data")
 
 _IMAGE_KEYS = ("image", "path", "url", "image_url")
+_AUDIO_KEYS = ("audio", "path", "url", "audio_url")
+_PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
+
+# Media outputs that are never per token, even when their length happens to equal the
+# number of tokens (audio feature masks are as long as the audio's frames).
+_MEDIA_KEYS = frozenset(
+    {"input_features", "feature_attention_mask", "input_features_mask", "audio_attention_mask"}
+)
+
+
+def _split_placeholders(text: str, kinds: list[str]) -> str | list[dict[str, Any]]:
+    """A LLaVA-style text (`<image>` / `<audio>` marking where media go) as parts; the text
+    itself when it names no media of the given kinds."""
+    marks = {_PLACEHOLDERS[k]: k for k in kinds}
+    if not any(m in text for m in marks):
+        return text
+    pattern = "(" + "|".join(re.escape(m) for m in marks) + ")"
+    parts: list[dict[str, Any]] = []
+    for piece in re.split(pattern, text):
+        if piece in marks:
+            parts.append({"type": marks[piece]})
+        elif piece.strip():
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def processor_from_pretrained_kwargs(settings: DataSettings) -> dict[str, Any]:
@@ -110,6 +139,26 @@ class VisionEncoder:
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is not None and pad != tokenizer.eos_token_id:
             self.never_trained.add(pad)
+        self.feature_extractor = getattr(processor, "feature_extractor", None)
+        self.audio = AudioReader(
+            cfg.path,
+            self.root,
+            getattr(self.feature_extractor, "sampling_rate", None),
+            getattr(self.feature_extractor, "n_samples", None),
+        )
+
+    # --- audio --------------------------------------------------------------------------------
+
+    def _load_audio(self, source: Any, row: int, field: str):
+        if self.feature_extractor is None:
+            raise DataError(
+                f"audio needs a processor that takes audio; {type(self.processor).__name__} "
+                "has no feature extractor",
+                dataset=self.cfg.path,
+                row=row,
+                field=field,
+            )
+        return self.audio.load(source, row, field)
 
     # --- images -------------------------------------------------------------------------------
 
@@ -156,90 +205,112 @@ class VisionEncoder:
                 f"cannot read image {str(path)!r}: {e}", dataset=self.cfg.path, row=row, field=field
             ) from e
 
-    def _place_images(self, sample: ChatSample, row: int) -> tuple[list[dict[str, Any]], list[Any]]:
-        """Messages with bare `{"type": "image"}` parts, and the images in their order."""
-        column = list(sample.images)
-        images: list[Any] = []
+    def _media_kinds(self, sample: ChatSample) -> dict[str, dict[str, Any]]:
+        """Per media kind: the row's column, its field name, its part keys and its loader."""
+        return {
+            "image": {
+                "column": list(sample.images),
+                "field": self.cfg.field_images,
+                "keys": _IMAGE_KEYS,
+                "load": self._load_image,
+                "plural": "images",
+            },
+            "audio": {
+                "column": list(sample.audios),
+                "field": self.cfg.field_audios,
+                "keys": _AUDIO_KEYS,
+                "load": self._load_audio,
+                "plural": "audios",
+            },
+        }
+
+    def _place_media(
+        self, sample: ChatSample, row: int
+    ) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
+        """Messages with bare `{"type": "image"}` / `{"type": "audio"}` parts, and the images
+        and audios in their order. Every source is checked (and read) here, before tokenizing."""
+        kinds = self._media_kinds(sample)
+        loaded: dict[str, list[Any]] = {kind: [] for kind in kinds}
+        used = {kind: 0 for kind in kinds}  # column entries taken by parts without a source
+        n_parts = {kind: 0 for kind in kinds}
         messages: list[dict[str, Any]] = []
-        next_from_column = 0
-        n_parts = 0
         for i, message in enumerate(sample.messages):
             content = message["content"]
-            if isinstance(content, str) and "<image>" in content and column:
-                pieces = content.split("<image>")
-                content = []
-                for k, piece in enumerate(pieces):
-                    if k:
-                        content.append({"type": "image"})
-                    if piece.strip():
-                        content.append({"type": "text", "text": piece})
+            if isinstance(content, str):
+                content = _split_placeholders(
+                    content, [kind for kind, spec in kinds.items() if spec["column"]]
+                )
             if isinstance(content, list):
                 parts = []
                 for j, part in enumerate(content):
                     kind = part["type"]
-                    if kind in ("video", "audio"):
+                    if kind == "video":
                         raise DataError(
-                            f"{kind} parts are not supported yet; only images are",
+                            "video parts are not supported yet; only images and audio are",
                             dataset=self.cfg.path,
                             row=row,
                             field=f"messages[{i}].content[{j}]",
                         )
-                    if kind != "image":
+                    if kind not in kinds:
                         parts.append(part)
                         continue
-                    n_parts += 1
-                    source = next((part[k] for k in _IMAGE_KEYS if part.get(k)), None)
+                    spec = kinds[kind]
+                    n_parts[kind] += 1
+                    source = next((part[k] for k in spec["keys"] if part.get(k)), None)
                     if source is None:
-                        if next_from_column >= len(column):
+                        if used[kind] >= len(spec["column"]):
                             raise DataError(
-                                f"message {i} has more image parts than the row has images ({len(column)})",
+                                f"message {i} has more {kind} parts than the row has "
+                                f"{spec['plural']} ({len(spec['column'])})",
                                 dataset=self.cfg.path,
                                 row=row,
-                                field=self.cfg.field_images,
+                                field=spec["field"],
                             )
-                        source = column[next_from_column]
-                        field = f"{self.cfg.field_images}[{next_from_column}]"
-                        next_from_column += 1
+                        source = spec["column"][used[kind]]
+                        field = f"{spec['field']}[{used[kind]}]"
+                        used[kind] += 1
                     else:
                         field = f"messages[{i}].content[{j}]"
-                    images.append(self._load_image(source, row, field))
-                    parts.append({"type": "image"})
+                    loaded[kind].append(spec["load"](source, row, field))
+                    parts.append({"type": kind})
                 content = parts
             messages.append({**message, "content": content})
-        if n_parts == 0 and column:
-            first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
-            if first_user is None:
+        prefix: list[dict[str, Any]] = []
+        for kind, spec in kinds.items():
+            column = spec["column"]
+            if n_parts[kind] == 0 and column:
+                loaded[kind] = [
+                    spec["load"](src, row, f"{spec['field']}[{k}]") for k, src in enumerate(column)
+                ]
+                prefix += [{"type": kind} for _ in column]
+            elif used[kind] < len(column) and n_parts[kind]:
                 raise DataError(
-                    "the row has images but no user message to put them in",
+                    f"the row has {len(column)} {spec['plural']} but its messages use {used[kind]}",
                     dataset=self.cfg.path,
                     row=row,
-                    field=self.cfg.field_images,
+                    field=spec["field"],
                 )
-            images = [
-                self._load_image(src, row, f"{self.cfg.field_images}[{k}]")
-                for k, src in enumerate(column)
-            ]
+        if prefix:
+            first_user = next((k for k, m in enumerate(messages) if m["role"] == "user"), None)
+            if first_user is None:
+                kind = prefix[0]["type"]
+                raise DataError(
+                    f"the row has {kinds[kind]['plural']} but no user message to put them in",
+                    dataset=self.cfg.path,
+                    row=row,
+                    field=kinds[kind]["field"],
+                )
             content = messages[first_user]["content"]
             text_parts = (
                 [{"type": "text", "text": content}] if isinstance(content, str) else content
             )
-            messages[first_user] = {
-                **messages[first_user],
-                "content": [{"type": "image"} for _ in column] + text_parts,
-            }
-        elif next_from_column < len(column):
-            raise DataError(
-                f"the row has {len(column)} images but its messages use {next_from_column}",
-                dataset=self.cfg.path,
-                row=row,
-                field=self.cfg.field_images,
-            )
-        return messages, images
+            messages[first_user] = {**messages[first_user], "content": prefix + text_parts}
+        return messages, loaded["image"], loaded["audio"]
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, sample: ChatSample, row: int) -> Encoded:
-        messages, images = self._place_images(sample, row)
+        messages, images, audios = self._place_media(sample, row)
         try:
             text = self.renderer.render(messages)
         except TemplateRenderError as e:
@@ -247,6 +318,9 @@ class VisionEncoder:
         call: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
         if images:
             call["images"] = images
+        if audios:
+            call["audio"] = audios
+            call["sampling_rate"] = self.audio.sampling_rate
         try:
             out = self.processor(**call)
         except Exception as e:  # processors raise ValueError, TypeError... for bad input
@@ -254,7 +328,11 @@ class VisionEncoder:
                 f"the processor rejected the row: {type(e).__name__}: {e}",
                 dataset=self.cfg.path,
                 row=row,
-                field=self.cfg.field_images if images else "messages",
+                field=self.cfg.field_images
+                if images
+                else self.cfg.field_audios
+                if audios
+                else "messages",
             ) from e
         ids = out["input_ids"][0].tolist()
         if self.boundaries is not None:
@@ -265,7 +343,7 @@ class VisionEncoder:
         for key, value in out.items():
             if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
                 continue
-            if value.dim() == 2 and value.shape == (1, len(ids)):
+            if key not in _MEDIA_KEYS and value.dim() == 2 and value.shape == (1, len(ids)):
                 extras[key] = value[0].tolist()  # per token, collated like input_ids
             else:
                 extras[key] = value
