@@ -90,3 +90,10 @@ def test_inspect_data_marks_trained_spans():
 def test_version():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("protrain ")
+
+
+def test_model_path_that_does_not_exist(tmp_path):
+    raw = tiny_config(tmp_path, model={"name_or_path": str(tmp_path / "no-model")})
+    proc = run_cli("train", str(write_config(tmp_path, raw)))
+    assert_one_line_error(proc, "model.name_or_path", "no such file or directory")
+    assert not (tmp_path / "run").exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -46,21 +47,27 @@ def resolve_device(name: str) -> torch.device:
 def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
+    key = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
     source = cfg.model.tokenizer or (
         str(TINY_TOKENIZER_DIR) if cfg.model.name_or_path == TINY else cfg.model.name_or_path
     )
+    if _looks_like_path(source) and not Path(source).exists():
+        raise ConfigError(f"{key} = {source!r}: no such file or directory")
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
-    except OSError as exc:
-        raise ConfigError(
-            f"model.tokenizer: cannot load a tokenizer from {source!r}: {exc}"
-        ) from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key} = {source!r}: cannot load a tokenizer from it ({exc})") from None
     if tokenizer.pad_token is None:
         warn_once(f"tokenizer of {source!r} has no pad token; using its EOS token for padding")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _looks_like_path(name: str) -> bool:
+    """A local path rather than a hub id (`org/name`)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
 def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
