@@ -19,8 +19,12 @@ Ownership, in one place:
 
 The training step is plain PyTorch::
 
-    loss = model(**batch).loss; loss.backward()      # repeat for gradient accumulation
+    loss = model(**batch).loss; optimizer.scale_loss(loss).backward()   # repeat to accumulate
     optimizer.clip_grad_norm_(1.0); optimizer.step(); optimizer.zero_grad()
+
+``scale_loss`` is the identity in bf16 and fp32; in fp16 it multiplies by the dynamic loss
+scale, and ``clip_grad_norm_``/``step`` unscale, skip steps with inf or nan gradients and
+update the scale as ``torch.amp.GradScaler`` does (``optim/loss_scaler.py``).
 """
 
 from __future__ import annotations
@@ -35,13 +39,14 @@ from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.hybrid_adamw import HybridAdamW
+from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
 
 __all__ = ["wrap", "close", "state_dict", "load_state_dict", "plan_of", "Engine"]
 
 log = logging.getLogger(__name__)
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class Engine:
@@ -225,13 +230,18 @@ def wrap(
     cpu_budget: int | str | None = None,
     sample_batch: dict | None = None,
     loss_fn=None,
+    loss_scaling: dict | None = None,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
     ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
     chunks resident at once (None: a small default, at least what one module or block
-    needs). ``compute_dtype``: float32 (default on CPU) or bfloat16 (default on CUDA);
-    trainable parameters keep fp32 masters and fp32 optimizer state either way.
+    needs). ``compute_dtype``: float32 (default on CPU), bfloat16 (default on CUDA) or
+    float16; trainable parameters keep fp32 masters and fp32 optimizer state either way.
+    float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
+    ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
+    ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
+    factors powers of two.
     Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
     (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
     host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
@@ -281,9 +291,15 @@ def wrap(
         _check_activation_knobs(model, n_swap or 0, n_checkpoint or 0, offload_checkpoint)
     if compute_dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
-            f"compute_dtype={compute_dtype} is not supported: use torch.float32 or "
-            "torch.bfloat16 (float16 needs loss scaling, which the engine does not do yet)"
+            f"compute_dtype={compute_dtype} is not supported: use torch.float32, "
+            "torch.bfloat16 or torch.float16"
         )
+    fp16 = compute_dtype == torch.float16
+    if loss_scaling is not None and not fp16:
+        raise ValueError(
+            f"loss_scaling is for compute_dtype=torch.float16 only (got {compute_dtype})"
+        )
+    scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     params = _params_in_order(model)
     meta = [names[0] for names, p in params if p.is_meta]
     if meta:
@@ -323,7 +339,14 @@ def wrap(
     sink = GradSink(manager, worker)
     hooks = RuntimeHooks(model, manager, sink)
     optimizer = HybridAdamW(
-        groups, manager, worker, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+        groups,
+        manager,
+        worker,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+        scaler=scaler,
     )
     engine = Engine(model, manager, hooks, worker, optimizer, layout)
     engine.plan = plan

@@ -43,7 +43,9 @@ def test_layout_describes_chunks():
         ({"n_persist": 0, "n_buffer": 1}, "n_buffer=1"),
         ({"n_persist": 0, "n_buffer": -3}, "n_buffer=-3"),
         ({"chunk_size_bytes": 100}, "chunk_size_bytes=100"),
-        ({"compute_dtype": torch.float16}, "compute_dtype"),
+        ({"compute_dtype": torch.float64}, "compute_dtype"),
+        ({"compute_dtype": torch.float16, "loss_scaling": {"growth_factor": 3.0}}, "growth_factor"),
+        ({"loss_scaling": {"init_scale": 1024.0}}, "loss_scaling"),
     ],
 )
 def test_bad_knobs_raise_before_anything_moves(knobs, word):

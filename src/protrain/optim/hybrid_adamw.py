@@ -32,10 +32,28 @@ of the last layers runs while the device computes the gradients of the first one
 forward then waits for the first chunk, the last to be updated; as long as the host work per
 step outlasts the backward, this still ends it earlier than starting it after the backward.
 The order changes only the schedule: every chunk's update does the same arithmetic.
+
+[Note: loss scaling over chunks]
+With fp16 compute the user backpropagates ``scale_loss(loss)`` (the loss times the scale of
+:class:`~protrain.optim.loss_scaler.LossScaler`); accumulators hold scaled fp32 gradients.
+``unscale_`` (called by ``clip_grad_norm_``, or by ``step`` when nothing clipped) runs once
+per step, after the whole backward: persistent gradients are multiplied by ``1 / scale`` and
+checked on the device with GradScaler's own kernel; an offloaded gradient is checked through
+its 2-norm, which the gradient sink already takes on every gradient (a tensor holding inf or
+nan has a non-finite norm), so no offloaded gradient is read again. The offloaded gradients
+themselves are unscaled on the host inside their step task, before the clip coefficient,
+with the same kernel and order as GradScaler then ``clip_grad_norm_``; their norms for
+clipping are ``norm * (1 / scale)``, bit for bit the norm of the unscaled gradient because
+every scale is a power of two. ``step`` then reads the one found-inf flag (one sync, as
+GradScaler's step does), updates the scale, and on inf or nan returns before any update is
+enqueued: no chunk changes, on the device or on the host, and no Adam state is created or
+advanced. Since the decision needs every gradient, an fp16 step always enqueues the host
+updates in forward order. Without fp16 (scaler disabled) none of this runs.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -43,7 +61,9 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot
 from protrain.chunks.manager import ChunkManager
+from protrain.optim.loss_scaler import LossScaler
 
+log = logging.getLogger(__name__)
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
@@ -59,6 +79,7 @@ class HybridAdamW(torch.optim.Optimizer):
         eps: float,
         weight_decay: float,
         close_fn=None,
+        scaler: LossScaler | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._ready = False
@@ -67,6 +88,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self._worker = worker
         self._close_fn = close_fn
         self._clip_coef: torch.Tensor | None = None
+        self.scaler = scaler if scaler is not None else LossScaler(manager.device, enabled=False)
+        self._found_inf: torch.Tensor | None = None  # set by unscale_, read by step
+        self._inv_scale: torch.Tensor | None = None
         slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._slots: list[ParamSlot] = [slot_of[p] for g in self.param_groups for p in g["params"]]
         self._group_of = {
@@ -108,6 +132,35 @@ class HybridAdamW(torch.optim.Optimizer):
                 s.accumulate_future.result()
                 self._manager.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """The loss to call backward on: ``loss * scale`` in fp16, ``loss`` itself otherwise."""
+        return self.scaler.scale(loss)
+
+    @torch.no_grad()
+    def unscale_(self) -> None:
+        """Unscale and check every gradient; see [Note: loss scaling over chunks]."""
+        self._check_open()
+        if not self.scaler.enabled or self._found_inf is not None:
+            return
+        self._wait_accumulations()
+        manager = self._manager
+        if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
+            torch.cuda.current_stream(manager.device).wait_stream(manager.grad_offload_stream)
+        inv_scale = self.scaler.inv_scale()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=manager.device)
+        persistent_grads = [s.grad_acc for s in self._persistent_slots if s.has_grad]
+        if persistent_grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(persistent_grads, found_inf, inv_scale)
+        offloaded_norms = [
+            s.grad_norm.to(manager.device)
+            for s in self._slots
+            if s.has_grad and not manager.chunks[s.chunk].persistent
+        ]
+        if offloaded_norms:
+            bad = ~torch.isfinite(torch.stack(offloaded_norms)).all()
+            found_inf.add_(bad.to(torch.float32))
+        self._found_inf, self._inv_scale = found_inf, inv_scale
+
     @torch.no_grad()
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -115,6 +168,8 @@ class HybridAdamW(torch.optim.Optimizer):
         """Global-norm clipping over all gradients, wherever they live (as torch's)."""
         self._check_open()
         self._wait_accumulations()
+        self.unscale_()
+        inv_scale = None if self._inv_scale is None else self._inv_scale.squeeze()
         manager = self._manager
         device = manager.device
         if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
@@ -125,11 +180,13 @@ class HybridAdamW(torch.optim.Optimizer):
             if not s.has_grad or manager.chunks[s.chunk].persistent:
                 continue
             if float(norm_type) == 2.0 and s.grad_norm is not None:
-                norms.append(s.grad_norm.to(device))
+                norm = s.grad_norm.to(device)
+                norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
-                norms.append(torch.linalg.vector_norm(s.grad_acc, norm_type).to(device))
+                grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
+                norms.append(torch.linalg.vector_norm(grad, norm_type).to(device))
         if not norms:
             return torch.tensor(0.0, device=device)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
@@ -151,9 +208,21 @@ class HybridAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
+        manager = self._manager
+        host_inv_scale = None
+        if self.scaler.enabled:  # see [Note: loss scaling over chunks]
+            self.unscale_()
+            found_inf, inv_scale = self._found_inf, self._inv_scale
+            self._found_inf = self._inv_scale = None
+            skip = bool(found_inf.item())
+            self.scaler.update(found_inf)
+            if skip:
+                self._clip_coef = None
+                log.info("protrain: inf or nan in the gradients, step skipped")
+                return loss
+            host_inv_scale = inv_scale.to("cpu")
         clip_coef = self._clip_coef
         self._clip_coef = None
-        manager = self._manager
 
         if self._device_opt is not None:
             opt, group_map = self._device_opt
@@ -167,7 +236,7 @@ class HybridAdamW(torch.optim.Optimizer):
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
         order = list(manager.forward_order)
         order += [c.index for c in manager.offloaded if c.index not in order]
-        if clip_coef is None:  # see [Note: overlap and exact clipping]
+        if clip_coef is None and host_inv_scale is None:  # [Note: overlap and exact clipping]
             order.reverse()
         for ci in order:
             chunk = manager.chunks[ci]
@@ -183,13 +252,14 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._host_opts[ci],
                 hyper,
                 with_grad,
+                host_inv_scale,
                 host_coef,
                 manager.stats,
             )
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._clip_coef = None
+        self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
             s.has_grad = False
             s.param.grad = None
@@ -230,7 +300,10 @@ class HybridAdamW(torch.optim.Optimizer):
             d["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(d)
-        return {"state": state, "param_groups": groups}
+        out = {"state": state, "param_groups": groups}
+        if self.scaler.enabled:
+            out["loss_scaler"] = self.scaler.state_dict()
+        return out
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.synchronize()
@@ -243,6 +316,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 f"{[len(g['params']) for g in saved_groups]}, this optimizer's "
                 f"{[len(g['params']) for g in self.param_groups]}"
             )
+        if self.scaler.enabled and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
         for g, sg in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
         ordered = [pid for sg in saved_groups for pid in sg["params"]]
@@ -286,8 +361,10 @@ def _set_hyper(opt: torch.optim.Optimizer, group_map: list[int], hyper: list[dic
 
 
 @torch.no_grad()
-def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef, stats) -> None:
-    """Runs on the CPU worker: clip, then AdamW over the chunk's fp32 masters."""
+def _step_host_chunk(
+    chunk: Chunk, opt_and_map, hyper, with_grad, inv_scale, clip_coef, stats
+) -> None:
+    """Runs on the CPU worker: unscale, clip, then AdamW over the chunk's fp32 masters."""
     if chunk.gathered_event is not None:
         chunk.gathered_event.synchronize()  # the last copy-in has read the masters
     for s in with_grad:
@@ -298,6 +375,10 @@ def _step_host_chunk(chunk: Chunk, opt_and_map, hyper, with_grad, clip_coef, sta
     for s in chunk.trainable_slots:
         s.master.grad = s.grad_acc if id(s) in stepping else None
     t0 = time.perf_counter()
+    if inv_scale is not None:  # step() has already found every gradient finite
+        found_inf = torch.zeros(1)
+        grads = [s.grad_acc for s in with_grad]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
     if clip_coef is not None:
         torch._foreach_mul_([s.grad_acc for s in with_grad], clip_coef)
     t1 = time.perf_counter()
