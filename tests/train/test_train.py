@@ -170,6 +170,35 @@ def test_engine_matches_plain_pytorch_and_resumes_exactly(tmp_path):
         assert torch.equal(b[k], c[k]), k
 
 
+def test_engine_fp16_trains_on_cpu_with_loss_scaling_and_resumes(tmp_path):
+    """fp16 through the engine is allowed on the CPU (the engine casts its own weights and
+    scales the loss); plain fp16 autocast on the CPU is still refused."""
+    from protrain.train.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mixed_precision = 'fp16' is not allowed on cpu"):
+        train(validate_config(tiny_config(tmp_path / "p16", device="cpu", mixed_precision="fp16")))
+    plain = train(validate_config(tiny_config(tmp_path / "plain", max_steps=6, device="cpu")))
+    memory = {"n_persist": 1, "n_buffer": 2, "chunk_size": "256KiB"}
+    cfg = validate_config(
+        tiny_config(
+            tmp_path / "a",
+            max_steps=6,
+            save_steps=3,
+            device="cpu",
+            mixed_precision="fp16",
+            memory=memory,
+        )
+    )
+    straight = train(cfg)
+    assert len(straight.losses) == 6
+    assert straight.losses == pytest.approx(plain.losses, rel=2e-2), (straight, plain)
+
+    shutil.rmtree(straight.output_dir / "checkpoint-6")
+    shutil.rmtree(straight.final_dir)
+    resumed = train(cfg, resume=True)
+    assert resumed.losses == straight.losses[3:]
+
+
 ACTIVATION_MEMORY = {
     "n_swap": 1,
     "n_checkpoint": 2,

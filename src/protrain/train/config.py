@@ -213,11 +213,6 @@ class TrainConfig(DataSettings):
             )
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
-        if self.mixed_precision == "fp16" and self.memory.engine_enabled:
-            raise ValueError(
-                "mixed_precision = 'fp16' is not allowed with the chunked engine "
-                "(memory.auto or memory.n_persist/n_buffer): use bf16 or no"
-            )
         if self.adapter.type == "qlora" and self.memory.engine_enabled:
             raise ValueError(
                 "adapter.type: qlora with the chunked engine (memory.auto or n_persist/n_buffer) is "

@@ -60,7 +60,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     logger.info("resolved config:\n%s", _yaml(cfg))
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    autocast_dtype = resolve_autocast_dtype(cfg.mixed_precision, device)
+    autocast_dtype = resolve_autocast_dtype(
+        cfg.mixed_precision, device, engine=cfg.memory.engine_enabled
+    )
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
@@ -276,16 +278,24 @@ def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     )
 
 
-def resolve_autocast_dtype(mixed_precision: str, device: torch.device) -> torch.dtype | None:
+def resolve_autocast_dtype(
+    mixed_precision: str, device: torch.device, engine: bool = False
+) -> torch.dtype | None:
+    """The compute dtype: autocast's for plain runs, the engine's own for engine runs.
+
+    Autocast is refused off CUDA. The chunked engine casts its weights itself and its fp16
+    path (with loss scaling) is tested on the CPU, so engine runs may use fp16 there.
+    """
     if mixed_precision == "auto":
         if device.type == "cuda" and torch.cuda.is_bf16_supported():
             return torch.bfloat16
         return None
     if mixed_precision == "no":
         return None
-    if device.type != "cuda":
+    if device.type != "cuda" and not (engine and mixed_precision == "fp16"):
+        allowed = "no, auto or fp16 (with the chunked engine)" if engine else "no or auto"
         raise ConfigError(
-            f"mixed_precision = {mixed_precision!r} is not allowed on {device}: use no or auto"
+            f"mixed_precision = {mixed_precision!r} is not allowed on {device}: use {allowed}"
         )
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
 

@@ -268,6 +268,10 @@ class EngineTrainable(Trainable):
         logger.info("memory layout:\n%s", self.layout)
         self.apply_activation_knobs(cfg)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        # fp16: times the engine's dynamic loss scale, which clip and step divide out again
+        self.optimizer.scale_loss(loss).backward()
+
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
         if max_norm is None:
             return None
