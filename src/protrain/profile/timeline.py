@@ -19,7 +19,8 @@ _COLORS = {"pre": "#bbbbbb", "fwd": "#4e79a7", "head": "#b07aa1", "bwd": "#f28e2
 _W, _H, _PAD = 1100, 420, 60
 
 
-def timeline_svg(profile: ModelProfile) -> str:
+def _axes(profile: ModelProfile):
+    """Time -> x and bytes -> y on the picture, the plot height, the byte range, the end."""
     ivs = profile.intervals
     t_end = max((iv.end_s for iv in ivs), default=1.0) or 1.0
     top = max([iv.peak_bytes for iv in ivs] + [1])
@@ -31,6 +32,13 @@ def timeline_svg(profile: ModelProfile) -> str:
 
     def y(b: float) -> float:
         return _PAD + plot_h * (1 - (b - bottom) / max(top - bottom, 1))
+
+    return x, y, plot_h, top, bottom, t_end
+
+
+def timeline_svg(profile: ModelProfile) -> str:
+    ivs = profile.intervals
+    x, y, plot_h, top, bottom, t_end = _axes(profile)
 
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
@@ -115,16 +123,7 @@ def write_timeline_png(profile: ModelProfile, path: str | Path) -> Path:
     from PIL import Image, ImageDraw
 
     ivs = profile.intervals
-    t_end = max((iv.end_s for iv in ivs), default=1.0) or 1.0
-    top = max([iv.peak_bytes for iv in ivs] + [1])
-    bottom = min([iv.end_bytes for iv in ivs] + [0])
-    plot_h = _H - 2 * _PAD - 40
-
-    def x(t: float) -> float:
-        return _PAD + (_W - 2 * _PAD) * t / t_end
-
-    def y(b: float) -> float:
-        return _PAD + plot_h * (1 - (b - bottom) / max(top - bottom, 1))
+    x, y, plot_h, top, bottom, t_end = _axes(profile)
 
     def rgb(color: str, alpha: float = 1.0) -> tuple[int, int, int]:
         c = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
