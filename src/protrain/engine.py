@@ -38,7 +38,7 @@ from torch import nn
 from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, plan_layout
 from protrain.chunks.manager import ChunkManager
-from protrain.optim.hybrid_adamw import HybridAdamW
+from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
@@ -309,6 +309,7 @@ def wrap(
         )
     trainable = [p for _, p in params if p.requires_grad]
     groups = _normalize_groups(model, param_groups, trainable)
+    check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), groups)
     layout = plan_layout(
         params,
         compute_dtype=compute_dtype,

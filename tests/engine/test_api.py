@@ -252,3 +252,20 @@ def test_lora_pool_below_what_a_block_holds_is_refused_before_anything_moves():
     losses, _ = train_engine(model, data, opt)
     assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
     protrain.close(model)
+
+
+def test_bad_optimizer_values_raise_before_anything_moves():
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"betas\[1\]=1.5 is not allowed"):
+        _wrap(model, n_persist=0, betas=(0.9, 1.5))
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr=-1"):
+        params = [p for p in model.parameters() if p.requires_grad]
+        _wrap(model, n_persist=0, param_groups=[{"params": params, "lr": -1.0}])
+    assert getattr(model, "_protrain_engine", None) is None
+
+
+def test_optimizer_of_a_closed_engine_says_so():
+    model, opt, _ = _wrap(build("llama"), n_persist=0)
+    protrain.close(model)
+    with pytest.raises(RuntimeError, match="engine is closed"):
+        opt.zero_grad()

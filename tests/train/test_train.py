@@ -1,5 +1,6 @@
 """End-to-end training on the tiny model: falling loss, export, resume, atomic checkpoints."""
 
+import json
 import shutil
 import subprocess
 import sys
@@ -240,3 +241,84 @@ def test_chunked_loss_refused_for_softcapped_logits(tmp_path):
         ConfigError, match="chunked_loss_tokens is not allowed for model type 'gemma2'"
     ):
         check_chunked_loss_supported(Model())
+
+
+def _scale_moves_every_step(monkeypatch):
+    """growth_interval=1: the loss scale changes every step, so a resume that lost it shows."""
+    import protrain.optim.loss_scaler as loss_scaler
+
+    init = loss_scaler.LossScaler.__init__
+
+    def fast_growth(self, *args, **kwargs):
+        kwargs.setdefault("growth_interval", 1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(loss_scaler.LossScaler, "__init__", fast_growth)
+
+
+def test_fp16_engine_resume_carries_the_loss_scale(tmp_path, monkeypatch):
+    _scale_moves_every_step(monkeypatch)
+    memory = {"n_persist": 1, "n_buffer": 2, "chunk_size": "256KiB"}
+    overrides = dict(max_steps=8, save_steps=4, mixed_precision="fp16", device="cpu", memory=memory)
+    straight = train(validate_config(tiny_config(tmp_path / "a", **overrides)))
+    cfg = validate_config(tiny_config(tmp_path / "b", **overrides))
+    first = train(cfg)
+    shutil.rmtree(first.output_dir / "checkpoint-8")
+    shutil.rmtree(first.final_dir)
+    resumed = train(cfg, resume=True)
+    assert resumed.losses == straight.losses[4:]
+
+
+def test_plain_fp16_resume_carries_the_grad_scaler(tmp_path, monkeypatch):
+    """Plain fp16 autocast runs on CUDA; on the CPU the loop is made to take the fp16 path
+    (autocast on the CPU supports it) so that the GradScaler's state is checked here."""
+    import protrain.train.loop as loop
+
+    monkeypatch.setattr(loop, "resolve_autocast_dtype", lambda *a, **k: torch.float16)
+    scaler_cls = torch.amp.GradScaler
+    monkeypatch.setattr(
+        torch.amp, "GradScaler", lambda device: scaler_cls(device, growth_interval=1)
+    )
+    overrides = dict(max_steps=8, save_steps=4, device="cpu")
+    straight = train(validate_config(tiny_config(tmp_path / "a", **overrides)))
+    cfg = validate_config(tiny_config(tmp_path / "b", **overrides))
+    first = train(cfg)
+    shutil.rmtree(first.output_dir / "checkpoint-8")
+    shutil.rmtree(first.final_dir)
+    resumed = train(cfg, resume=True)
+    assert resumed.losses == straight.losses[4:]
+
+
+def test_resume_under_another_data_order_is_refused_and_keeps_the_run(tmp_path):
+    from protrain.train.errors import OutputDirError
+
+    first = train(validate_config(tiny_config(tmp_path, max_steps=4, save_steps=2)))
+    recorded = (first.output_dir / "config.yaml").read_text()
+    metrics = (first.output_dir / "metrics.jsonl").read_text()
+    shutil.rmtree(first.final_dir)
+    with pytest.raises(OutputDirError, match="micro_batch_size: 4 -> 2"):
+        train(validate_config(tiny_config(tmp_path, max_steps=4, micro_batch_size=2)), resume=True)
+    assert (first.output_dir / "config.yaml").read_text() == recorded
+    assert (first.output_dir / "metrics.jsonl").read_text() == metrics
+
+
+def test_resume_moves_superseded_metrics_aside(tmp_path):
+    cfg = validate_config(tiny_config(tmp_path, max_steps=6, save_steps=3))
+    first = train(cfg)
+    shutil.rmtree(first.output_dir / "checkpoint-6")
+    shutil.rmtree(first.final_dir)
+    train(cfg, resume=True)
+    steps = [r["step"] for r in read_metrics(first.output_dir) if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    superseded = (first.output_dir / "metrics.superseded.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in superseded] == [4, 5, 6]
+
+
+def test_accumulation_longer_than_the_data_is_a_config_error(tmp_path):
+    from protrain.train.errors import ConfigError
+
+    raw = tiny_config(tmp_path, max_steps=None, num_epochs=1, micro_batch_size=64,
+                      gradient_accumulation_steps=16)  # fmt: skip
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps = 16 is not allowed"):
+        train(validate_config(raw))
+    assert not (tmp_path / "run").exists()

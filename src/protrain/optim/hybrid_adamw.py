@@ -67,6 +67,25 @@ log = logging.getLogger(__name__)
 _HYPER = ("lr", "betas", "eps", "weight_decay")
 
 
+def check_hyperparameters(defaults: dict, param_groups: list[dict]) -> None:
+    """AdamW's own checks, on the defaults and on every group's values (torch checks only
+    the constructor's arguments), so that a bad value fails before any chunk moves."""
+    for where, values in [("", defaults)] + [
+        (f"param_groups[{i}].", {**defaults, **{k: g[k] for k in _HYPER if k in g}})
+        for i, g in enumerate(param_groups)
+    ]:
+        lr, (beta1, beta2), eps, wd = (values[k] for k in _HYPER)
+        for name, value, ok, rule in (
+            ("lr", lr, lr >= 0, ">= 0"),
+            ("betas[0]", beta1, 0 <= beta1 < 1, "in [0, 1)"),
+            ("betas[1]", beta2, 0 <= beta2 < 1, "in [0, 1)"),
+            ("eps", eps, eps >= 0, ">= 0"),
+            ("weight_decay", wd, wd >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise ValueError(f"{where}{name}={value} is not allowed: use a value {rule}")
+
+
 class HybridAdamW(torch.optim.Optimizer):
     def __init__(
         self,
@@ -259,6 +278,7 @@ class HybridAdamW(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._check_open()
         self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
             s.has_grad = False

@@ -184,7 +184,9 @@ def _split_optimizer_state(sd: dict[str, Any]) -> tuple[dict[str, torch.Tensor],
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
         for g in sd["param_groups"]
     ]
-    return tensors, {"param_groups": groups, "scalars": scalars}
+    # Other top-level entries (the engine's `loss_scaler`) are JSON-able scalar dicts.
+    extra = {k: _json_scalars(v) for k, v in sd.items() if k not in ("state", "param_groups")}
+    return tensors, {"param_groups": groups, "scalars": scalars, "extra": extra}
 
 
 def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, Any]:
@@ -200,7 +202,18 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
         if "betas" in g:
             g["betas"] = tuple(g["betas"])
         groups.append(g)
-    return {"state": state, "param_groups": groups}
+    return {"state": state, "param_groups": groups, **meta.get("extra", {})}
+
+
+def _json_scalars(value: Any) -> Any:
+    """A state entry as JSON: one-element tensors become numbers."""
+    if isinstance(value, dict):
+        return {k: _json_scalars(v) for k, v in value.items()}
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError("checkpoint: only scalar tensors may sit outside the optimizer state")
+        return value.item()
+    return value
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

@@ -38,7 +38,7 @@ from protrain.train.data import (
 from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
-from protrain.train.metrics import MetricsWriter
+from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import build_model, build_tiny_base, load_tokenizer, resolve_device
 from protrain.train.planning import sample_batch
 from protrain.train.sampling import MicroBatchStream, StreamPosition
@@ -89,20 +89,40 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     )
     scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
 
-    # -- 4. resume
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "config.yaml").write_text(_yaml(cfg))
+    # -- 4. resume (the checkpoint is checked against this run before anything is written)
+    data_order = {
+        "rows": len(train_data),
+        "micro_batch_size": cfg.micro_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "seed": cfg.seed,
+    }
     position, step, tokens_seen = StreamPosition(), 0, 0
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from)
+        _check_data_order(state.trainer_state.get("data_order"), data_order, resume_from)
         trainable.load_model_state(state.model_state)
         trainable.optimizer.load_state_dict(state.optimizer_state)
+        trainable.load_extra_state(state.trainer_state.get("extra", {}))
         scheduler.load_state_dict(state.scheduler_state)
         ckpt.restore_rng(state)
         step = state.step
         position = StreamPosition(**state.trainer_state["position"])
         tokens_seen = state.trainer_state["tokens_seen"]
+        moved = set_aside_metrics(output_dir, after_step=step)
         logger.info("resumed from %s at step %d", resume_from, step)
+        if moved:
+            logger.info(
+                "%d metrics records after step %d moved to %s",
+                moved,
+                step,
+                output_dir / "metrics.superseded.jsonl",
+            )
+        _note_config_changes(output_dir / "config.yaml", cfg)
+    else:
+        if set_aside_metrics(output_dir):
+            logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yaml").write_text(_yaml(cfg))
 
     # -- 5. the loop
     metrics = MetricsWriter(output_dir)
@@ -186,7 +206,12 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
                     model_state=trainable.model_state(),
                     optimizer_state=trainable.optimizer.state_dict(),
                     scheduler_state=scheduler.state_dict(),
-                    trainer_state={"position": vars(position), "tokens_seen": tokens_seen},
+                    trainer_state={
+                        "position": vars(position),
+                        "tokens_seen": tokens_seen,
+                        "data_order": data_order,
+                        "extra": trainable.extra_state(),
+                    },
                     save_total_limit=cfg.save_total_limit,
                 )
                 logger.info("saved %s", path)
@@ -260,10 +285,49 @@ def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
 
 
 def _total_steps(cfg: TrainConfig, stream: MicroBatchStream) -> int:
+    """`max_steps`, or the optimizer steps that fit in `num_epochs` (the micro-batch stream
+    runs across epochs, so a window may span an epoch boundary; a last partial window is
+    not run)."""
     if cfg.max_steps is not None:
         return cfg.max_steps
-    per_epoch = max(stream.micro_batches_per_epoch // cfg.gradient_accumulation_steps, 1)
-    return per_epoch * cfg.num_epochs
+    micro_batches = stream.micro_batches_per_epoch * cfg.num_epochs
+    steps = micro_batches // cfg.gradient_accumulation_steps
+    if steps == 0:
+        raise ConfigError(
+            f"gradient_accumulation_steps = {cfg.gradient_accumulation_steps} is not allowed: "
+            f"{cfg.num_epochs} epoch(s) hold only {micro_batches} micro-batches of "
+            f"{cfg.micro_batch_size} rows; lower it, or set max_steps"
+        )
+    left = micro_batches - steps * cfg.gradient_accumulation_steps
+    if left:
+        logger.info("the last %d micro-batches do not fill an accumulation window: not run", left)
+    return steps
+
+
+def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
+    """A checkpoint's data position means something only under the same data order."""
+    if saved is None or saved == now:
+        return
+    diffs = ", ".join(f"{k}: {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+    raise OutputDirError(
+        f"--resume: {checkpoint} was written under another data order ({diffs}); its data "
+        "position does not carry over: restore those settings, or start a new output_dir"
+    )
+
+
+def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
+    """Keep the run's recorded config; say which keys this resume changes."""
+    if not path.exists():
+        path.write_text(_yaml(cfg))
+        return
+    before = yaml.safe_load(path.read_text()) or {}
+    now = json.loads(cfg.model_dump_json())
+    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    if changed:
+        logger.warning(
+            "resuming with changed config keys: %s (config.yaml keeps the original)",
+            ", ".join(changed),
+        )
 
 
 def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):

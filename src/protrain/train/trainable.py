@@ -20,7 +20,7 @@ from torch import nn
 
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
-from protrain.train.log import logger
+from protrain.train.log import logger, warn_once
 from protrain.train.loss import causal_lm_loss_sum
 
 
@@ -120,6 +120,15 @@ class Trainable(abc.ABC):
         with self._autocast():
             return loss_sum(self.model, batch, self.device, self.chunked_loss_tokens)
 
+    def extra_state(self) -> dict[str, Any]:
+        """JSON-able state outside the model and optimizer that a checkpoint must carry."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what `extra_state` returned."""
+        if state:
+            warn_once(f"checkpoint state {sorted(state)} has no use in this run; ignored")
+
     def remove_activation_policies(self) -> None:
         if self.activations is not None:
             self.activations.remove()
@@ -199,6 +208,18 @@ class PlainTrainable(Trainable):
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def extra_state(self) -> dict[str, Any]:
+        return {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        if self.scaler is not None:
+            if "grad_scaler" in state:
+                self.scaler.load_state_dict(state["grad_scaler"])
+            else:
+                warn_once(
+                    "the checkpoint has no GradScaler state (not an fp16 run): a new one starts"
+                )
 
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
         if self.scaler is not None:
