@@ -10,7 +10,7 @@ import plan_synthetic as syn
 import pytest
 
 from protrain.activations.policy import ActivationPolicy, place_policies
-from protrain.plan import NoPlanFits, Plan, PlanProblem, search
+from protrain.plan import NoPlanFits, Plan, PlanProblem, candidates_table, search
 from protrain.plan.memory import CHECKPOINT, KEEP, SWAP, policy_matrix
 
 GIB = 1 << 30
@@ -162,3 +162,63 @@ def test_plan_round_trips_through_json():
     assert again == plan
     assert "best candidates" in str(again) and "n_persist" in str(again)
     assert plan.candidates[0]["predicted_step_s"] == plan.predicted_step_s
+
+
+def brute_force_rows(problem: PlanProblem) -> list[tuple[float, tuple]]:
+    """Every allowed fitting knob setting whose n_buffer matters (the next larger fitting
+    n_buffer is faster, or there is none), fastest first."""
+    n, b = problem.memory.n_chunks, problem.memory.n_blocks
+    fits = {}
+    for knobs in itertools.product(range(n + 1), range(n + 1), range(b + 1), range(b + 1)):
+        if knobs[1] > n - knobs[0] or not problem.allowed(*knobs):
+            continue
+        ev = problem.evaluate(*knobs)
+        if ev["peak_bytes"] <= problem.gpu_budget_bytes:
+            fits[knobs] = ev["step_s"]
+    rows = []
+    for (p, nb, s, c), t in fits.items():
+        up = fits.get((p, nb + 1, s, c))
+        if up is None or t > up:
+            rows.append((t, (p, nb, s, c)))
+    return sorted(rows, key=lambda r: r[0])
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+@pytest.mark.parametrize("budget_gib", [1.6, 2.6, 40.0])
+def test_best_candidates_are_the_k_fastest_fitting_plans(device, budget_gib):
+    prof = syn.profile(n_blocks=4, n_chunks=7, seed=8)
+    problem = PlanProblem(prof, syn.hardware(device), gpu_budget_bytes=int(budget_gib * GIB))
+    result = search(problem, n_candidates=8)
+    plan, cands = result.plan, result.plan.candidates
+    expected = brute_force_rows(problem)
+    assert len(cands) == min(8, len(expected))
+    if budget_gib == 40.0:
+        assert len(cands) == 8  # a generous budget: k rows, not just the chosen plan
+    assert {k: cands[0][k] for k in plan.knobs} == plan.knobs
+    assert cands[0]["predicted_step_s"] == plan.predicted_step_s
+    times = [c["predicted_step_s"] for c in cands]
+    assert times == sorted(times)
+    assert times == pytest.approx([t for t, _ in expected[: len(cands)]], rel=1e-9)
+    keys = [tuple(c[k] for k in plan.knobs) for c in cands]
+    assert len(set(keys)) == len(keys)
+    for c, key in zip(cands, keys):
+        assert problem.allowed(*key)
+        assert c["predicted_peak_bytes"] <= problem.gpu_budget_bytes
+        assert c["predicted_peak_bytes"] == problem.evaluate(*key)["peak_bytes"]
+    table = candidates_table(plan).splitlines()
+    assert len(table) == 1 + len(cands)
+    assert result.work["exact_pairs"] <= result.work["pairs"]
+
+
+def test_best_candidates_work_stays_bounded_for_300_chunks():
+    prof = syn.profile(n_blocks=100, n_chunks=300, seed=6, chunk_mib=32)
+    problem = PlanProblem(prof, syn.hardware(), gpu_budget_bytes=1000 * GIB)  # everything fits
+    t0 = time.perf_counter()
+    result = search(problem, n_candidates=8)
+    elapsed = time.perf_counter() - t0
+    print(f"search (generous budget): {elapsed:.3f} s, work {result.work}")
+    cands = result.plan.candidates
+    assert len(cands) == 8 and cands[0]["predicted_step_s"] == result.plan.predicted_step_s
+    assert [c["predicted_step_s"] for c in cands] == sorted(c["predicted_step_s"] for c in cands)
+    assert result.work["exact_pairs"] <= 200 and result.work["rows"] <= 8 * 8, result.work
+    assert elapsed < 5.0  # generous for CI; about 0.2 s on a 2-core CPU

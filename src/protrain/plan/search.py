@@ -12,10 +12,17 @@ never gets better with more compute or more swap bytes. So:
    x ``n_persist`` matrix): its peak counted without the persistent gradient accumulators,
    and ``n_buffer`` the largest that fits (time is non-increasing in it, memory increasing);
 3. pairs in order of that bound are evaluated exactly (intervals x ``n_persist``, the
-   gradients added) until the next bound is no better than the best exact time found.
+   gradients added) until ``n_candidates`` (k) rows are known and the next bound is no
+   better than the k-th best exact time: the plan is the best row, the k rows are its
+   candidates. A pair's rows are its k best ``n_persist`` values at their largest fitting
+   ``n_buffer``, and for those, the smaller ``n_buffer`` values that make the step slower
+   (``n_buffer`` variations where they matter; one with the same time is not another
+   candidate). Ties: the earlier pair in bound order, then more persistent chunks, then
+   more buffers.
 
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
-intervals x ``n_persist``, reported in :attr:`SearchResult.work`. Knobs the user fixed are single values
+intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
+most), reported in :attr:`SearchResult.work`. Knobs the user fixed are single values
 in these ranges; nothing else is defaulted.
 """
 
@@ -190,11 +197,13 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None])
     t_low = np.where(ok, t_low, np.inf).min(axis=1)
 
-    best: list[tuple] = []
-    exact = 0
+    k = max(int(n_candidates), 1)
+    best: list[tuple] = []  # sort key, then knobs; the k best rows so far
+    exact = rows = 0
     order = np.lexsort((c, s, t_low))  # ties: fewer swapped, then fewer checkpointed blocks
-    for i in order:
-        if not np.isfinite(t_low[i]) or (best and t_low[i] >= best[0][0]):
+    for rank, i in enumerate(order):
+        kth = best[k - 1][0][0] if len(best) >= k else np.inf
+        if not np.isfinite(t_low[i]) or t_low[i] >= kth:
             break
         exact += 1
         act = mem.peak_over_persist(iv[i], n_p)
@@ -203,18 +212,40 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         if not ok_i.any():
             continue
         t = np.where(ok_i, rt.step_s(n_p, nb_i, compute[i], swap[i]), np.inf)
-        j = len(t) - 1 - int(np.argmin(t[::-1]))  # ties: the most persistent chunks
-        peak = int(constant[j] + nb_i[j] * mem.chunk_bytes + act[j])
-        fixed_nb = problem.fixed.get("n_buffer")
-        shown_nb = fixed_nb if fixed_nb is not None else int(nb_i[j])  # the user's value
-        best.append((float(t[j]), peak, int(n_p[j]), shown_nb, int(s[i]), int(c[i])))
+        found = _pair_rows(problem, n_p, nb_i, t, compute[i], swap[i], k, kth)
+        rows += len(found)
+        best += [((tj, rank, -pj, -bj), (pj, bj, int(s[i]), int(c[i]))) for tj, pj, bj in found]
         best.sort(key=lambda r: r[0])
-    work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact}
+        del best[k:]
+    work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact, "rows": rows}
     if not best:
         raise _no_fit(problem, _smallest_budget(problem, iv, constant, n_p), host_swap)
-    plan = _make_plan(problem, best[0][2:], best[:n_candidates])
+    plan = _make_plan(problem, [list(knobs) for _, knobs in best])
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
+
+
+def _pair_rows(problem: PlanProblem, n_p, nb, t, compute_s, swap_bytes, k: int, kth: float):
+    """One pair's best rows ``(step_s, n_persist, n_buffer)``: its ``k`` best ``n_persist``
+    values (ties: the most persistent) at their largest fitting ``n_buffer``, and for those,
+    each smaller ``n_buffer`` that makes the step slower (time is non-increasing in
+    ``n_buffer``: a smaller one with the same time is not a different candidate). Only rows
+    faster than ``kth`` (the k-th best so far) can enter the best k."""
+    fits = np.flatnonzero(np.isfinite(t) & (t < kth))
+    top = fits[np.lexsort((-n_p[fits], t[fits]))][:k]
+    out = [(float(t[j]), int(n_p[j]), int(nb[j])) for j in top]
+    if "n_buffer" in problem.fixed:
+        return out
+    least, _ = problem.buffer_bounds(n_p[top])
+    for j, lo in zip(top, least):
+        below = np.arange(int(lo), int(nb[j]) + 1)
+        if len(below) < 2:
+            continue
+        tb = problem.runtime.step_s(n_p[j], below, compute_s, swap_bytes)
+        tb[-1] = t[j]  # the row above, as computed for the pair
+        slower = np.flatnonzero((tb[:-1] > tb[1:]) & (tb[:-1] < kth))[::-1][: k - 1]
+        out += [(float(tb[m]), int(n_p[j]), int(below[m])) for m in slower]
+    return out
 
 
 def _peak_lower_bound(mem, iv: np.ndarray, n_p: np.ndarray) -> np.ndarray:
@@ -264,10 +295,29 @@ def _no_fit(problem: PlanProblem, smallest: int | None, host_swap: np.ndarray) -
     )
 
 
-def _make_plan(problem: PlanProblem, knobs: list[int], best: list[tuple]) -> Plan:
+def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
+    """The plan of ``best[0]``; ``best`` (knobs, fastest first) becomes its candidates, each
+    evaluated as the plan is."""
     from protrain.plan.explain import reasons_for
 
     p = problem.profile
+    fixed_nb = problem.fixed.get("n_buffer")
+    candidates = []
+    for knobs in best:
+        ev = problem.evaluate(*knobs)
+        if fixed_nb is not None:
+            knobs = [knobs[0], fixed_nb, *knobs[2:]]  # the user's value, not the clamped one
+        t = ev["step_s"]
+        candidates.append(
+            {
+                **dict(zip(KNOBS, knobs)),
+                "predicted_peak_bytes": ev["peak_bytes"],
+                "predicted_step_s": t,
+                "predicted_tokens_per_s": p.tokens / t if t else 0.0,
+                "predicted_host_bytes": ev["host_bytes"],
+            }
+        )
+    knobs = [candidates[0][k] for k in KNOBS]
     ev = problem.evaluate(*knobs)
     plan = Plan(
         **dict(zip(KNOBS, knobs)),
@@ -283,15 +333,7 @@ def _make_plan(problem: PlanProblem, knobs: list[int], best: list[tuple]) -> Pla
         memory_terms=ev["memory_terms"],
         time_terms=ev["time_terms"],
         fixed_knobs=dict(problem.fixed),
-        candidates=[
-            {
-                **dict(zip(KNOBS, k)),
-                "predicted_peak_bytes": peak,
-                "predicted_step_s": t,
-                "predicted_tokens_per_s": p.tokens / t if t else 0.0,
-            }
-            for t, peak, *k in best
-        ],
+        candidates=candidates,
     )
     plan.reasons = reasons_for(plan, problem)
     return plan

@@ -34,7 +34,10 @@ event timing of those waits), so a trace with offloaded chunks still measures co
   than a real step's compute. One more step, with the tracer's hooks removed, is timed with
   three synchronizations only (first block's forward, last block's forward, end of backward):
   its forward and backward seconds (gather stalls left out) are the totals the runtime model
-  uses; the per-block intervals only apportion them.
+  uses; the per-block intervals only apportion them. It runs outside the memory clock: on
+  the CPU the clock is a ``TorchDispatchMode`` that sees every op, and that bookkeeping
+  costs more than a small model's compute (a tiny Llama's traced step took several times
+  its real one), so on the CPU too the totals are a real step's.
 
 ``chunk_first_block`` maps each chunk to the first block whose forward uses it (-1: used
 before the first block, e.g. the embedding; ``n_blocks``: only after the last one): when
@@ -533,9 +536,11 @@ def trace_model(
                 t_end, _ = tracer.cut("end", -1)
             overhead = max((iv.reserved_overhead_bytes for iv in tracer.intervals), default=0)
             tracer.remove()
-            free_pre, free_blocks, free_total = _free_running_step(
-                model, blocks, batch, loss_fn, optimizer, sync, copy_wait
-            )
+        # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
+        # bookkeeping costs more than a small model's compute (see the module docstring).
+        free_pre, free_blocks, free_total = _free_running_step(
+            model, blocks, batch, loss_fn, optimizer, sync, copy_wait
+        )
     finally:
         if tracer is not None:
             tracer.remove()
