@@ -127,24 +127,32 @@ class Engine:
         try:
             self.optimizer.synchronize()
         finally:
-            self.hooks.remove()
-            with torch.no_grad():
-                for s in self.manager.slots():
-                    if s.master is not None:
-                        src = s.master
-                    else:
-                        src = s.host_view if s.host_view is not None else s.device_view
-                    s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
-                    s.param.grad = None
-                devices = {s.orig_device for s in self.manager.slots()}
-                if len(devices) == 1:
-                    self.model.to(devices.pop())  # buffers back where the parameters were
-            self.worker.shutdown(wait=True)
-            self.manager.close()
+            _give_back(self.model, self.manager, self.worker, self.hooks)
             self.optimizer._release()
             if getattr(self.model, "_protrain_engine", None) is self:
                 del self.model._protrain_engine
             self.closed = True
+
+
+def _give_back(model: nn.Module, manager, worker, hooks) -> None:
+    """Undo what wrap built, whatever part of it exists: hooks off, every parameter back in
+    its own storage with its trained value, host memory and the worker thread released."""
+    if hooks is not None:
+        hooks.remove()
+    with torch.no_grad():
+        for s in manager.slots():
+            if s.master is not None:
+                src = s.master
+            else:
+                src = s.host_view if s.host_view is not None else s.device_view
+            s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
+            s.param.grad = None
+        devices = {s.orig_device for s in manager.slots()}
+        if len(devices) == 1:
+            model.to(devices.pop())  # buffers back where the parameters were
+    if worker is not None:
+        worker.shutdown(wait=True)
+    manager.close()
 
 
 def _default_device() -> torch.device:
@@ -329,26 +337,31 @@ def wrap(
 
     trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
     manager = ChunkManager(layout, params, device, trainable_index)
-    model.to(device)  # buffers; parameters are already views of device storage
-    # The worker's CPU kernels use as many intra-op threads as the main thread does.
-    worker = ThreadPoolExecutor(
-        max_workers=1,
-        thread_name_prefix="protrain-host-adam",
-        initializer=torch.set_num_threads,
-        initargs=(torch.get_num_threads(),),
-    )
-    sink = GradSink(manager, worker)
-    hooks = RuntimeHooks(model, manager, sink)
-    optimizer = HybridAdamW(
-        groups,
-        manager,
-        worker,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        scaler=scaler,
-    )
+    worker = hooks = None
+    try:
+        model.to(device)  # buffers; parameters are already views of device storage
+        # The worker's CPU kernels use as many intra-op threads as the main thread does.
+        worker = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="protrain-host-adam",
+            initializer=torch.set_num_threads,
+            initargs=(torch.get_num_threads(),),
+        )
+        sink = GradSink(manager, worker)
+        hooks = RuntimeHooks(model, manager, sink)
+        optimizer = HybridAdamW(
+            groups,
+            manager,
+            worker,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            scaler=scaler,
+        )
+    except BaseException:  # nothing half-built stays on the model
+        _give_back(model, manager, worker, hooks)
+        raise
     engine = Engine(model, manager, hooks, worker, optimizer, layout)
     engine.plan = plan
     optimizer._close_fn = engine.close

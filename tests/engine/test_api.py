@@ -269,3 +269,23 @@ def test_optimizer_of_a_closed_engine_says_so():
     protrain.close(model)
     with pytest.raises(RuntimeError, match="engine is closed"):
         opt.zero_grad()
+
+
+def test_a_wrap_that_fails_half_way_leaves_the_model_as_it_was(monkeypatch):
+    import protrain.engine as engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("optimizer construction failed")
+
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    monkeypatch.setattr(engine, "HybridAdamW", broken)
+    with pytest.raises(RuntimeError, match="optimizer construction failed"):
+        _wrap(model, n_persist=0)
+    assert getattr(model, "_protrain_engine", None) is None
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and torch.equal(p, before[n]), n
+        assert not p._post_accumulate_grad_hooks, n
+    monkeypatch.undo()
+    model, opt, _ = _wrap(model, n_persist=0)  # and it can be wrapped again
+    protrain.close(model)
