@@ -289,3 +289,12 @@ def test_fp16_on_gpu_matches_autocast_fp16_with_grad_scaler(mode):
         # Adam's update is sign-like, so rounding of small gradients moves it by a few percent
         assert (num / den).sqrt() < 0.15, (mode, n_persist, (num / den).sqrt())
         protrain.close(model)
+
+
+def test_step_without_gradients_is_an_error_as_in_grad_scaler():
+    model, opt, _ = _wrap(build("llama"), n_persist=0)
+    scale = opt.scaler.get_scale()
+    with pytest.raises(RuntimeError, match="found no gradients"):
+        opt.step()
+    assert opt.scaler.get_scale() == scale
+    protrain.close(model)

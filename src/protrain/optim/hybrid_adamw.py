@@ -230,6 +230,12 @@ class HybridAdamW(torch.optim.Optimizer):
         manager = self._manager
         host_inv_scale = None
         if self.scaler.enabled:  # see [Note: loss scaling over chunks]
+            if not any(s.has_grad for s in self._slots):
+                # GradScaler's rule: a step that saw no gradient must not grow the scale.
+                raise RuntimeError(
+                    "protrain: step() with fp16 loss scaling found no gradients; call "
+                    "backward() on optimizer.scale_loss(loss) first"
+                )
             self.unscale_()
             found_inf, inv_scale = self._found_inf, self._inv_scale
             self._found_inf = self._inv_scale = None
