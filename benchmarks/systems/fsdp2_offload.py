@@ -14,7 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from materialize import build_on_meta, materialize
 from protrain.model import discover_blocks
 from systems import RowSpec, Trainer
-from systems.plain import enable_checkpointing
+from systems.plain import adamw_trainer, enable_checkpointing
 from workloads import hf_config
 
 
@@ -52,16 +52,4 @@ def setup(spec: RowSpec) -> Trainer:
     for block in discover_blocks(model).blocks:
         fully_shard(block.module, **policy)
     fully_shard(model, **policy)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
-
-    def step(input_ids: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
-        if spec.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss
-
-    return Trainer(step)
+    return adamw_trainer(model, spec, autocast=False)

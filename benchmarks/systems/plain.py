@@ -16,11 +16,17 @@ def setup(spec: RowSpec) -> Trainer:
     materialize(model, spec.device, fill_device=spec.device)
     enable_checkpointing(model)
     model.train()
+    return adamw_trainer(model, spec, autocast=True)
+
+
+def adamw_trainer(model: torch.nn.Module, spec: RowSpec, *, autocast: bool) -> Trainer:
+    """One step of torch's fused AdamW over the trainable parameters, clipped as the row
+    says; `autocast` adds bf16 autocast (plain), off where the wrapper casts (FSDP2)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
 
     def step(input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(spec.device.type, dtype=torch.bfloat16):
+        with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         if spec.max_grad_norm is not None:
