@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         "workload": workload, "config": name, "system": "protrain", "model": model_name,
         "mode": mode, "budget_gib": budget_gib, "batch": batch, "seq": seq, "status": "ok",
         "run_id": args.run_id, "commit": git_commit(),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
     }  # fmt: skip
     t_start = time.perf_counter()
     try:
@@ -214,6 +216,10 @@ def main(argv=None) -> int:
     if unknown:
         print(f"unknown configurations {unknown}; known: {sorted(configs)}", file=sys.stderr)
         return 2
+    # As the application does (protrain.runtime.allocator): the children inherit it.
+    from protrain.runtime.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()
     run_id = args.run_id or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     out = args.out or HERE / "results" / f"{day}-plan-accuracy{'-tiny' if args.tiny else ''}.jsonl"

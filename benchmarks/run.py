@@ -13,12 +13,21 @@ import time
 
 _START = time.perf_counter()  # time to first step counts from here, imports included
 
+import sys  # noqa: E402
+
+from protrain.runtime.allocator import prefer_expandable_segments  # noqa: E402
+
+# ProTrain's application asks the CUDA allocator for expandable segments before CUDA starts
+# (protrain.runtime.allocator); its rows do the same, so that they measure what users run.
+# The baselines keep PyTorch's default allocator. Each row records the setting.
+if "protrain" in sys.argv[1:]:
+    prefer_expandable_segments()
+
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import traceback  # noqa: E402
 from datetime import datetime, timezone  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -197,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        or os.environ.get("PYTORCH_ALLOC_CONF"),
         "cpu_threads": torch.get_num_threads(),
         "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
     }

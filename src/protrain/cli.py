@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from protrain.runtime.allocator import prefer_expandable_segments
+
+    prefer_expandable_segments()  # before anything touches CUDA
     try:
         return _run(args)
     except _user_errors() as exc:

@@ -534,7 +534,11 @@ def trace_model(
                 optimizer.zero_grad()
                 optimizer.synchronize()
                 t_end, _ = tracer.cut("end", -1)
-            overhead = max((iv.reserved_overhead_bytes for iv in tracer.intervals), default=0)
+            # Reserved minus allocated at the step's peak: in the interval holding the
+            # largest allocation (every interval's own figure would count the cache that
+            # an earlier, larger interval left behind).
+            top = max(tracer.intervals, key=lambda iv: iv.peak_bytes, default=None)
+            overhead = top.reserved_overhead_bytes if top is not None else 0
             tracer.remove()
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
