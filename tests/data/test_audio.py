@@ -326,14 +326,14 @@ def test_audio_with_a_processor_that_takes_no_audio(tmp_path):
         _build(tmp_path, qwen2_vl_processor(), [_row("bell.wav")])
 
 
-def test_video_parts_are_still_refused(tmp_path):
+def test_video_parts_need_a_video_processor(tmp_path):
     row = {
         "messages": [
             {"role": "user", "content": [{"type": "video"}]},
             {"role": "assistant", "content": "A"},
         ]
     }
-    with pytest.raises(DataError, match=r"content\[0\]'.*video parts are not supported"):
+    with pytest.raises(DataError, match=r"content\[0\]'.*has no video processor"):
         _build(tmp_path, qwen2_audio_processor(), [row])
 
 

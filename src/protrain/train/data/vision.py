@@ -6,14 +6,17 @@ part without its own source takes the next image of the column, and a row whose 
 name no image gets its images at the start of the first user turn (a LLaVA-style `<image>`
 in the text marks the place instead). Audio works the same way: the `audios` column and
 `{"type": "audio", "audio"|"path": ...}` parts (`<audio>` in the text), read by `audio.py`
-for processors with a feature extractor (Qwen2-Audio, Gemma 3n). Every path is checked
-before anything is tokenized.
+for processors with a feature extractor (Qwen2-Audio, Gemma 3n). Videos come from
+`{"type": "video", "video"|"path": ...}` parts (frame images, a folder of them, or a video file;
+`video.py`) for processors with a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Every path
+is checked before anything is tokenized.
 
 The chat is rendered by the processor's template (or the `chat_template` override) and
 handed to the processor, which expands each image placeholder into the model's media
 tokens. Masks are then found on those tokens by role boundaries (`role_boundaries`); for
 processors of families without built-in boundaries, the masks of the rendered text are
-aligned onto the expanded tokens instead. Media tokens and padding are never trained.
+aligned onto the expanded tokens instead. Media tokens and padding are never trained, nor is
+any text the processor writes in place of a video (Qwen3-VL's `<1.0 seconds>` timestamps).
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from protrain.train.data.role_boundaries import (
     labels_by_boundaries,
     media_token_ids,
 )
+from protrain.train.data.video import Video, VideoReader
 
 logger = logging.getLogger("protrain.train.data")
+_warned_no_offsets: set[str] = set()
 
 _IMAGE_KEYS = ("image", "path", "url", "image_url")
 _AUDIO_KEYS = ("audio", "path", "url", "audio_url")
+_VIDEO_KEYS = ("video", "path", "url", "video_url")
 _PLACEHOLDERS = {"image": "<image>", "audio": "<audio>"}
 
 # Media outputs that are never per token, even when their length happens to equal the
@@ -146,6 +152,11 @@ class VisionEncoder:
             getattr(self.feature_extractor, "sampling_rate", None),
             getattr(self.feature_extractor, "n_samples", None),
         )
+        self.video_processor = getattr(processor, "video_processor", None)
+        sample_frames = None
+        if getattr(self.video_processor, "do_sample_frames", False):
+            sample_frames = self.video_processor.sample_frames
+        self.video = VideoReader(cfg.path, self.root, sample_frames)
 
     # --- audio --------------------------------------------------------------------------------
 
@@ -222,13 +233,20 @@ class VisionEncoder:
                 "load": self._load_audio,
                 "plural": "audios",
             },
+            "video": {  # no column: a video part names its own source
+                "column": [],
+                "field": None,
+                "keys": _VIDEO_KEYS,
+                "load": self.video.load,
+                "plural": "videos",
+            },
         }
 
     def _place_media(
         self, sample: ChatSample, row: int
-    ) -> tuple[list[dict[str, Any]], list[Any], list[Any]]:
-        """Messages with bare `{"type": "image"}` / `{"type": "audio"}` parts, and the images
-        and audios in their order. Every source is checked (and read) here, before tokenizing."""
+    ) -> tuple[list[dict[str, Any]], list[Any], list[Any], list[Video]]:
+        """Messages with bare `{"type": "image"|"audio"|"video"}` parts, and the images, audios
+        and videos in their order. Every source is checked (and read) here, before tokenizing."""
         kinds = self._media_kinds(sample)
         loaded: dict[str, list[Any]] = {kind: [] for kind in kinds}
         used = {kind: 0 for kind in kinds}  # column entries taken by parts without a source
@@ -244,19 +262,28 @@ class VisionEncoder:
                 parts = []
                 for j, part in enumerate(content):
                     kind = part["type"]
-                    if kind == "video":
+                    if kind not in kinds:
+                        parts.append(part)
+                        continue
+                    if kind == "video" and self.video_processor is None:
                         raise DataError(
-                            "video parts are not supported yet; only images and audio are",
+                            f"video needs a processor that takes video; "
+                            f"{type(self.processor).__name__} has no video processor",
                             dataset=self.cfg.path,
                             row=row,
                             field=f"messages[{i}].content[{j}]",
                         )
-                    if kind not in kinds:
-                        parts.append(part)
-                        continue
                     spec = kinds[kind]
                     n_parts[kind] += 1
                     source = next((part[k] for k in spec["keys"] if part.get(k)), None)
+                    if source is None and spec["field"] is None:
+                        raise DataError(
+                            f"a {kind} part needs its source ('{kind}'): a list of frame images, "
+                            "a folder of frame images or a video file",
+                            dataset=self.cfg.path,
+                            row=row,
+                            field=f"messages[{i}].content[{j}]",
+                        )
                     if source is None:
                         if used[kind] >= len(spec["column"]):
                             raise DataError(
@@ -271,7 +298,10 @@ class VisionEncoder:
                         used[kind] += 1
                     else:
                         field = f"messages[{i}].content[{j}]"
-                    loaded[kind].append(spec["load"](source, row, field))
+                    if kind == "video":
+                        loaded[kind].append(self.video.load(source, row, field, part.get("fps")))
+                    else:
+                        loaded[kind].append(spec["load"](source, row, field))
                     parts.append({"type": kind})
                 content = parts
             messages.append({**message, "content": content})
@@ -305,12 +335,12 @@ class VisionEncoder:
                 [{"type": "text", "text": content}] if isinstance(content, str) else content
             )
             messages[first_user] = {**messages[first_user], "content": prefix + text_parts}
-        return messages, loaded["image"], loaded["audio"]
+        return messages, loaded["image"], loaded["audio"], loaded["video"]
 
     # --- encoding -----------------------------------------------------------------------------
 
     def encode(self, sample: ChatSample, row: int) -> Encoded:
-        messages, images, audios = self._place_media(sample, row)
+        messages, images, audios, videos = self._place_media(sample, row)
         try:
             text = self.renderer.render(messages)
         except TemplateRenderError as e:
@@ -321,6 +351,16 @@ class VisionEncoder:
         if audios:
             call["audio"] = audios
             call["sampling_rate"] = self.audio.sampling_rate
+        if videos:
+            call["videos"] = [v.frames for v in videos]
+            # Copies: Qwen3-VL's processor pads `frames_indices` in place.
+            call["video_metadata"] = [
+                {**v.metadata, "frames_indices": list(v.metadata["frames_indices"])} for v in videos
+            ]
+            call["do_sample_frames"] = False  # the frames are final (video.py)
+            # Where the processor wrote each video's expansion, and where each token lies.
+            call["return_text_replacement_offsets"] = True
+            call["return_offsets_mapping"] = True
         try:
             out = self.processor(**call)
         except Exception as e:  # processors raise ValueError, TypeError... for bad input
@@ -334,11 +374,15 @@ class VisionEncoder:
                 if audios
                 else "messages",
             ) from e
+        token_offsets = out.pop("offset_mapping", None)
+        replacements = out.pop("text_replacement_offsets", None)
         ids = out["input_ids"][0].tolist()
         if self.boundaries is not None:
             labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
         else:
             labels = self._aligned_labels(ChatSample(messages, []), ids, row)
+        if videos:
+            labels = self._untrain_video_text(labels, token_offsets, replacements)
         extras: dict[str, Any] = {}
         for key, value in out.items():
             if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
@@ -348,6 +392,28 @@ class VisionEncoder:
             else:
                 extras[key] = value
         return Encoded(ids, labels, text, extras)
+
+    def _untrain_video_text(
+        self, labels: list[int], token_offsets: Any, replacements: Any
+    ) -> list[int]:
+        """Labels with every token of a video's expansion ignored: besides the media tokens,
+        the processor may write text there (Qwen3-VL: a `<1.0 seconds>` timestamp per frame)."""
+        if token_offsets is None or not replacements:
+            key = type(self.processor).__name__
+            if key not in _warned_no_offsets:
+                _warned_no_offsets.add(key)
+                logger.warning(
+                    "%s does not report where it expands videos (return_text_replacement_offsets); "
+                    "of a video's expansion only its media tokens are kept out of training",
+                    key,
+                )
+            return labels
+        spans = [r["new_span"] for r in replacements[0] if r["type"] == "video"]
+        offsets = token_offsets[0].tolist()
+        return [
+            IGNORE_INDEX if any(a < end and b > start for start, end in spans) else lab
+            for lab, (a, b) in zip(labels, offsets)
+        ]
 
     def _aligned_labels(self, sample: ChatSample, ids: list[int], row: int) -> list[int]:
         """Masks of the rendered text, carried onto the expanded tokens by sequence alignment."""
