@@ -44,6 +44,8 @@ def setup(spec: RowSpec) -> Trainer:
     )
 
     def step(input_ids: torch.Tensor) -> torch.Tensor:
+        if spec.max_grad_norm is None:  # host AdamW of each chunk starts inside backward
+            optimizer.step_in_backward()
         loss = model(input_ids=input_ids, labels=input_ids).loss
         loss.backward()
         if spec.max_grad_norm is not None:

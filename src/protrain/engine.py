@@ -358,6 +358,7 @@ def wrap(
             eps=eps,
             weight_decay=weight_decay,
             scaler=scaler,
+            sink=sink,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)

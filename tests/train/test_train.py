@@ -171,6 +171,27 @@ def test_engine_matches_plain_pytorch_and_resumes_exactly(tmp_path):
         assert torch.equal(b[k], c[k]), k
 
 
+def test_engine_without_clipping_steps_in_backward_and_matches_plain(tmp_path, monkeypatch):
+    """max_grad_norm: null: the engine starts offloaded chunks' AdamW inside the last
+    backward of each step (accumulation 2, cosine schedule); same math as plain PyTorch."""
+    from protrain.optim.hybrid_adamw import HybridAdamW
+
+    armed = []
+    original = HybridAdamW.step_in_backward
+    monkeypatch.setattr(
+        HybridAdamW, "step_in_backward", lambda self: (armed.append(1), original(self))[1]
+    )
+    plain = train(validate_config(tiny_config(tmp_path / "plain", max_steps=4, max_grad_norm=None)))
+    memory = {"n_persist": 0, "n_buffer": 2, "chunk_size": "256KiB"}
+    cfg = tiny_config(tmp_path / "a", max_steps=4, max_grad_norm=None, memory=memory)
+    engine = train(validate_config(cfg))
+    assert len(armed) == 4  # once per optimizer step, before its last micro-batch
+    assert engine.losses == pytest.approx(plain.losses, rel=1e-5, abs=1e-6)
+    a, b = final_weights(plain.output_dir), final_weights(engine.output_dir)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
+
+
 def test_engine_fp16_trains_on_cpu_with_loss_scaling_and_resumes(tmp_path):
     """fp16 through the engine is allowed on the CPU (the engine casts its own weights and
     scales the loss); plain fp16 autocast on the CPU is still refused."""

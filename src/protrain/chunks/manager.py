@@ -206,7 +206,10 @@ class ChunkManager:
         """Start the copy-in of ``c`` if it is not on the device. False if there is no room."""
         if c.state in (ChunkState.RESIDENT, ChunkState.IN_FLIGHT):
             return True
-        if c.update_future is not None and not blocking_update and not c.update_future.done():
+        # An update started in backward (step_in_backward) leaves the host copy as it was
+        # until step() marks it stale: gathers before then read the old weights, as they must.
+        updating = c.update_future is not None and c.host_stale
+        if updating and not blocking_update and not c.update_future.done():
             return False
         if len(self.resident) >= self.n_buffer and not self._evict_one(keep | {c.index}):
             if required:
@@ -215,7 +218,7 @@ class ChunkManager:
                     f"buffers hold chunks in use by running modules; raise n_buffer"
                 )
             return False
-        if c.update_future is not None:
+        if updating:
             t0 = time.perf_counter()
             c.update_future.result()
             self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0

@@ -33,6 +33,23 @@ forward then waits for the first chunk, the last to be updated; as long as the h
 step outlasts the backward, this still ends it earlier than starting it after the backward.
 The order changes only the schedule: every chunk's update does the same arithmetic.
 
+[Note: step in backward]
+Without clipping, the update of an offloaded chunk could start the moment its last gradient
+lands, while the device still runs the backward of the layers before it. ``step`` cannot do
+that: it is called after ``backward`` returns, and by then the device is mostly done (the
+host blocks on buffer reuse during backward). ``step_in_backward()`` says ahead of time
+that the next backward is the last of the window and that ``step()`` follows it without
+clipping or loss scaling, at the hyperparameters ``param_groups`` hold now. The gradient
+sink then watches each offloaded chunk (see [Note: chunks complete in backward] in
+``runtime/grad_offload.py``) and the chunk's step task is queued on the host worker from
+inside the backward, right behind its gradient's device-to-host copy. The chunk's host copy
+is marked stale only by ``step()``: a gather later in the same backward (a LoRA chunk's
+frozen weights, say) still reads the weights the forward used, and does not wait for the
+update. ``step()`` then steps the persistent chunks on the device and queues the chunks that
+never completed (parameters without a gradient) as usual. Each update does the same
+arithmetic as in ``step()``; only its start moves. Calling ``clip_grad_norm_`` or changing a
+hyperparameter between the two calls is an error, since updates have already run.
+
 [Note: loss scaling over chunks]
 With fp16 compute the user backpropagates ``scale_loss(loss)`` (the loss times the scale of
 :class:`~protrain.optim.loss_scaler.LossScaler`); accumulators hold scaled fp32 gradients.
@@ -62,6 +79,7 @@ import torch
 from protrain.chunks.chunk import Chunk, ParamSlot
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.loss_scaler import LossScaler
+from protrain.runtime.grad_offload import GradSink
 
 log = logging.getLogger(__name__)
 _HYPER = ("lr", "betas", "eps", "weight_decay")
@@ -99,6 +117,7 @@ class HybridAdamW(torch.optim.Optimizer):
         weight_decay: float,
         close_fn=None,
         scaler: LossScaler | None = None,
+        sink: GradSink | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._ready = False
@@ -110,6 +129,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self.scaler = scaler if scaler is not None else LossScaler(manager.device, enabled=False)
         self._found_inf: torch.Tensor | None = None  # set by unscale_, read by step
         self._inv_scale: torch.Tensor | None = None
+        self._sink = sink
+        self._armed_hyper: list[dict] | None = None  # set by step_in_backward
+        self._armed_started: set[int] = set()  # chunks whose update began in backward
         slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._slots: list[ParamSlot] = [slot_of[p] for g in self.param_groups for p in g["params"]]
         self._group_of = {
@@ -186,6 +208,11 @@ class HybridAdamW(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """Global-norm clipping over all gradients, wherever they live (as torch's)."""
         self._check_open()
+        if self._armed_hyper is not None:
+            raise RuntimeError(
+                "protrain: clip_grad_norm_ after step_in_backward(): clipping needs every "
+                "gradient before any update starts; do not arm the step when clipping"
+            )
         self._wait_accumulations()
         self.unscale_()
         inv_scale = None if self._inv_scale is None else self._inv_scale.squeeze()
@@ -219,6 +246,57 @@ class HybridAdamW(torch.optim.Optimizer):
 
     # ---- step ---------------------------------------------------------------------------
 
+    @property
+    def stats(self) -> dict:
+        """The engine's running counters (seconds waited on copies and on the host
+        optimizer, gathers, updates started in backward), read-only for callers."""
+        return self._manager.stats
+
+    def step_in_backward(self) -> None:
+        """Start each offloaded chunk's update during the next backward, as soon as its
+        gradients are complete; see [Note: step in backward]. Call it before the last
+        backward of an accumulation window, then ``step()`` after that backward, with no
+        clipping and no fp16 loss scaling in between. Exact: the same updates as ``step()``.
+        """
+        self._check_open()
+        if self.scaler.enabled:
+            raise RuntimeError(
+                "protrain: step_in_backward() is not allowed with fp16 loss scaling: the "
+                "skip-on-overflow decision needs every gradient before any update"
+            )
+        if self._armed_hyper is not None:
+            raise RuntimeError("protrain: step_in_backward() was already called for this step")
+        if self._sink is None:
+            raise RuntimeError("protrain: this optimizer was built without a gradient sink")
+        self._armed_hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
+        self._armed_started = set()
+        chunks = {ci: self._manager.chunks[ci].trainable_slots for ci in self._host_opts}
+        self._sink.watch(chunks, self._start_in_backward)
+
+    def _start_in_backward(self, ci: int) -> None:
+        chunk = self._manager.chunks[ci]
+        with_grad = [s for s in chunk.trainable_slots if s.has_grad]
+        self._armed_started.add(ci)
+        stats = self._manager.stats
+        stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
+        # host_stale stays False until step(): see [Note: step in backward]
+        chunk.update_future = self._worker.submit(
+            _step_host_chunk,
+            chunk,
+            self._host_opts[ci],
+            self._armed_hyper,
+            with_grad,
+            None,
+            None,
+            self._manager.stats,
+        )
+
+    def _disarm(self) -> None:
+        if self._sink is not None:
+            self._sink.unwatch()
+        self._armed_hyper = None
+        self._armed_started = set()
+
     @torch.no_grad()
     def step(self, closure=None):
         self._check_open()
@@ -228,6 +306,15 @@ class HybridAdamW(torch.optim.Optimizer):
                 loss = closure()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
+        armed, started = self._armed_hyper, self._armed_started
+        if armed is not None:
+            self._disarm()
+            if hyper != armed:
+                raise RuntimeError(
+                    "protrain: a hyperparameter changed between step_in_backward() and step(); "
+                    f"the updates started in backward used {armed}, param_groups now hold "
+                    f"{hyper}. Change hyperparameters after step(), as LR schedulers do"
+                )
         host_inv_scale = None
         if self.scaler.enabled:  # see [Note: loss scaling over chunks]
             if not any(s.has_grad for s in self._slots):
@@ -267,6 +354,9 @@ class HybridAdamW(torch.optim.Optimizer):
             chunk = manager.chunks[ci]
             if ci not in self._host_opts:
                 continue
+            if ci in started:  # its update runs since backward: [Note: step in backward]
+                chunk.host_stale = True
+                continue
             with_grad = [s for s in chunk.trainable_slots if s.has_grad]
             if not with_grad:
                 continue
@@ -285,6 +375,12 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
+        if self._armed_started:
+            raise RuntimeError(
+                "protrain: zero_grad() after a backward armed by step_in_backward(): updates "
+                "have started; call step() first"
+            )
+        self._disarm()
         self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
             s.has_grad = False

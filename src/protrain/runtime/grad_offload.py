@@ -24,6 +24,16 @@ for the device-to-host copy of the first gradient (``slot.grad_event``). Gradien
 are kept alive for the side stream with ``record_stream``. The accumulator itself is read
 by the chunk's step task, which every gather of the chunk in the next forward waits for, so
 the next step's first copy into it comes after that read.
+
+[Note: chunks complete in backward]
+For ``HybridAdamW.step_in_backward`` the sink can *watch* offloaded chunks: for each, the
+trainable slots whose gradient has not landed in this backward. When a chunk's set empties,
+every gradient of the chunk is complete (autograd accumulates a parameter once per
+backward, after every node that used it), and the sink calls the watcher with the chunk's
+index, from inside the hook, right after handing off the last gradient. A slot that gets a
+second gradient in the same watched backward (reentrant checkpointing of a parameter used in
+two segments, or a watched window with two backwards) is an error: its chunk may already be
+updating with the first part only.
 """
 
 from __future__ import annotations
@@ -44,6 +54,19 @@ class GradSink:
         self.manager = manager
         self.worker = worker
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
+        self._watched: dict[int, set[int]] | None = None  # chunk -> id(slot) still missing
+        self._landed: set[int] = set()
+        self._on_complete = None
+
+    def watch(self, chunks: dict[int, list[ParamSlot]], on_complete) -> None:
+        """Call ``on_complete(chunk_index)`` once each chunk's slots all have their gradient
+        in this backward; see [Note: chunks complete in backward]."""
+        self._watched = {ci: {id(s) for s in slots} for ci, slots in chunks.items() if slots}
+        self._landed = set()
+        self._on_complete = on_complete
+
+    def unwatch(self) -> None:
+        self._watched, self._landed, self._on_complete = None, set(), None
 
     def on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         grad = param.grad
@@ -62,7 +85,17 @@ class GradSink:
                     slot.grad_acc.add_(grad)
                 param.grad = None
                 return
-            if chunk.update_future is not None:  # the last step task reads grad_acc
+            watched = self._watched is not None and slot.chunk in self._watched
+            if self._watched is not None:
+                if id(slot) in self._landed:
+                    raise RuntimeError(
+                        f"protrain: parameter {tuple(param.shape)} of chunk {slot.chunk} got a "
+                        "second gradient in a backward armed by step_in_backward(); arm only "
+                        "the last backward of an accumulation window, and not with reentrant "
+                        "checkpointing of a parameter used in two segments"
+                    )
+                self._landed.add(id(slot))
+            if chunk.update_future is not None:  # the last step's task reads grad_acc
                 self._wait(chunk.update_future)
                 chunk.update_future = None
             if first:
@@ -70,6 +103,12 @@ class GradSink:
             else:
                 self._offload_later(slot, grad)
             param.grad = None
+            if watched:
+                missing = self._watched[slot.chunk]
+                missing.discard(id(slot))
+                if not missing:
+                    del self._watched[slot.chunk]
+                    self._on_complete(slot.chunk)
 
     def _wait(self, future) -> None:
         t0 = time.perf_counter()

@@ -141,9 +141,9 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
                 micro.append(collate([train_data[i] for i in rows]))
             n_trained = sum(count_trained_tokens(b["labels"]) for b in micro)
             step_loss = 0.0
-            for batch in micro:
+            for i, batch in enumerate(micro):
                 loss_sum = trainable.forward_loss_sum(batch)
-                trainable.backward(loss_sum / max(n_trained, 1))
+                trainable.backward(loss_sum / max(n_trained, 1), last=i == len(micro) - 1)
                 step_loss += loss_sum.item()
                 window_tokens += _n_tokens(batch)
             grad_norm = trainable.clip_grad_norm(cfg.max_grad_norm)

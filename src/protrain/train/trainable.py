@@ -134,7 +134,8 @@ class Trainable(abc.ABC):
             self.activations.remove()
             self.activations = None
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+        """Backpropagate one micro-batch; ``last``: the last of the optimizer step."""
         loss.backward()
 
     def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
@@ -206,7 +207,7 @@ class PlainTrainable(Trainable):
         )
         self.scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
     def extra_state(self) -> dict[str, Any]:
@@ -286,10 +287,18 @@ class EngineTrainable(Trainable):
         except ValueError as exc:  # a knob that cannot work for this model
             raise ConfigError(f"memory: {exc}") from None
         self._closed = False
+        self._choose_step_mode(cfg)
         logger.info("memory layout:\n%s", self.layout)
         self.apply_activation_knobs(cfg)
 
-    def backward(self, loss: torch.Tensor) -> None:
+    def _choose_step_mode(self, cfg: TrainConfig) -> None:
+        # Without clipping or fp16 loss scaling, offloaded chunks start their AdamW inside
+        # the last backward of each step (HybridAdamW.step_in_backward; same arithmetic).
+        self._step_in_backward = cfg.max_grad_norm is None and not self.optimizer.scaler.enabled
+
+    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+        if last and self._step_in_backward:
+            self.optimizer.step_in_backward()
         # fp16: times the engine's dynamic loss scale, which clip and step divide out again
         self.optimizer.scale_loss(loss).backward()
 
@@ -395,6 +404,7 @@ class AutoTrainable(EngineTrainable):
         except ValueError as exc:
             raise ConfigError(f"memory: {exc}") from None
         self._closed = False
+        self._choose_step_mode(cfg)
         logger.info("memory layout:\n%s", self.layout)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

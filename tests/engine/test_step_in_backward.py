@@ -1,0 +1,160 @@
+"""optimizer.step_in_backward(): offloaded chunks start their AdamW inside the last backward
+of the window, as soon as their gradients are complete; the result equals plain PyTorch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+from protrain.activations import apply_activation_knobs
+from protrain.model.blocks import discover_blocks
+
+from .models import batches, build, lora
+
+STEPS, ACCUM, LR, WD = 3, 2, 1e-2, 0.01
+
+
+def _loss(model, b):
+    return model(**b).loss / ACCUM
+
+
+def _plain(model, data) -> list[float]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    losses = []
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            loss = _loss(model, data[step * ACCUM + mb])
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _armed(model, data, optimizer, sched=None) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            if mb == ACCUM - 1:
+                optimizer.step_in_backward()
+            loss = _loss(model, data[step * ACCUM + mb])
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        if sched is not None:
+            sched.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _n_chunks(model) -> int:
+    _, opt, layout = protrain.wrap(copy.deepcopy(model), device="cpu")
+    opt.close()
+    return layout.n_chunks
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
+def test_same_as_plain_pytorch(kind, mode, checkpoint):
+    base = build(kind)
+    if mode == "lora":
+        base = lora(base, kind)
+    data = batches(kind, STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses = _plain(reference, data)
+    n_chunks = _n_chunks(base)
+    for n_persist in sorted({0, n_chunks // 2}):
+        model, optimizer, layout = protrain.wrap(
+            copy.deepcopy(base), n_persist=n_persist, lr=LR, weight_decay=WD, device="cpu"
+        )
+        if checkpoint:  # recomputation re-gathers chunks whose update may have begun
+            n_blocks = len(discover_blocks(model).blocks)
+            apply_activation_knobs(model, n_swap=0, n_checkpoint=n_blocks, device="cpu")
+        losses = _armed(model, data, optimizer)
+        assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6), (kind, n_persist)
+        # updates did start inside backward: every offloaded chunk with gradients, each step
+        n_offloaded = sum(
+            1 for c in layout.chunks[n_persist:] if any(p.trainable for p in c.placements)
+        )
+        assert n_offloaded > 0
+        assert optimizer.stats.get("updates_started_in_backward", 0) == STEPS * n_offloaded
+        state = protrain.state_dict(model)
+        for name, ref in reference.state_dict().items():
+            torch.testing.assert_close(
+                state[name], ref, atol=1e-6, rtol=0, msg=f"{kind} {mode} n={n_persist} {name}"
+            )
+        protrain.close(model)
+
+
+def test_lr_scheduler_between_steps_is_exact():
+    base = build("llama")
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(STEPS):
+        for mb in range(ACCUM):
+            _loss(reference, data[step * ACCUM + mb]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cpu"
+    )
+    _armed(model, data, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5))
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    protrain.close(model)
+
+
+def _wrapped():
+    base = build("llama")
+    model, optimizer, _ = protrain.wrap(base, n_persist=0, lr=LR, device="cpu")
+    return model, optimizer, batches("llama", 2)
+
+
+def test_clipping_after_arming_is_an_error():
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    with pytest.raises(RuntimeError, match="clipping needs every gradient"):
+        optimizer.clip_grad_norm_(1.0)
+    optimizer.step()  # the armed step still completes
+    protrain.close(model)
+
+
+def test_arming_two_backwards_is_an_error():
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    with pytest.raises(RuntimeError, match="second gradient"):
+        model(**data[1]).loss.backward()
+    protrain.close(model)
+
+
+def test_changed_lr_and_zero_grad_before_step_are_errors():
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+        optimizer.zero_grad()
+    optimizer.param_groups[0]["lr"] = LR / 2
+    with pytest.raises(RuntimeError, match="hyperparameter changed"):
+        optimizer.step()
+    protrain.close(model)
+
+
+def test_not_with_fp16_loss_scaling():
+    model, optimizer, _ = protrain.wrap(
+        build("llama"), n_persist=0, device="cpu", compute_dtype=torch.float16
+    )
+    with pytest.raises(RuntimeError, match="fp16 loss scaling"):
+        optimizer.step_in_backward()
+    protrain.close(model)
