@@ -75,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-id")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (smoke test)")
     p.add_argument("--timeout-s", type=int, default=1800, help="per configuration")
+    p.add_argument(
+        "--chunked-loss-tokens", type=int, default=4096,
+        help="the loss of traced and measured steps: the application's chunked loss over this "
+             "many tokens at a time (0: the model's own loss, full-sequence fp32 logits)",
+    )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -114,7 +119,12 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         from protrain.profile.hardware import measure_hardware
         from protrain.profile.measure import measure_steps
         from protrain.profile.trace import hf_loss
+        from protrain.train.planning import planner_loss
 
+        loss_fn = hf_loss
+        if args.chunked_loss_tokens:  # as `memory: {chunked_loss_tokens: N}` in the app
+            loss_fn = planner_loss(device, args.chunked_loss_tokens)
+        row["chunked_loss_tokens"] = args.chunked_loss_tokens or None
         budget = int(budget_gib * _GIB) if not tiny else 1 << 40
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
@@ -132,7 +142,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         hw = measure_hardware(device)
         t1 = time.perf_counter()
-        profile = profile_model(model, sample, gpu_budget_bytes=budget, device=device)
+        profile = profile_model(
+            model, sample, gpu_budget_bytes=budget, device=device, loss_fn=loss_fn
+        )
         t2 = time.perf_counter()
         problem = PlanProblem(profile, hw, gpu_budget_bytes=budget, clipping=True)  # as step()
         result = search(problem)
@@ -160,7 +172,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
 
         def step():
-            hf_loss(model, sample).backward()
+            loss_fn(model, sample).backward()
             optimizer.clip_grad_norm_(1.0)
             optimizer.step()
             optimizer.zero_grad()
@@ -226,7 +238,8 @@ def main(argv=None) -> int:
     rows = []
     for name in names:
         cmd = [sys.executable, __file__, "--child", name, "--run-id", run_id,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]  # fmt: skip
+               "--steps", str(args.steps), "--warmup", str(args.warmup),
+               "--chunked-loss-tokens", str(args.chunked_loss_tokens)]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
         try:

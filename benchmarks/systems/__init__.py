@@ -32,6 +32,7 @@ class RowSpec:
     n_persist: int | None = None
     n_buffer: int | None = None
     chunk_size_bytes: int | None = None  # protrain only
+    host_threads: int | None = None  # protrain only: the host AdamW's intra-op threads
 
 
 @dataclass

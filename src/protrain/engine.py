@@ -239,6 +239,7 @@ def wrap(
     sample_batch: dict | None = None,
     loss_fn=None,
     loss_scaling: dict | None = None,
+    host_threads: int | None = None,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -249,7 +250,9 @@ def wrap(
     float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
     ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
     ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
-    factors powers of two.
+    factors powers of two. ``host_threads``: intra-op threads of the host AdamW
+    (default: ``torch.get_num_threads()``); fewer leave cores to the threads that feed the
+    GPU while the host optimizer overlaps backward.
     Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
     (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
     host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
@@ -308,6 +311,8 @@ def wrap(
             f"loss_scaling is for compute_dtype=torch.float16 only (got {compute_dtype})"
         )
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
+    if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
+        raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = _params_in_order(model)
     meta = [names[0] for names, p in params if p.is_meta]
     if meta:
@@ -340,12 +345,12 @@ def wrap(
     worker = hooks = None
     try:
         model.to(device)  # buffers; parameters are already views of device storage
-        # The worker's CPU kernels use as many intra-op threads as the main thread does.
+        # The worker's CPU kernels: as many intra-op threads as the main thread, or host_threads.
         worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="protrain-host-adam",
             initializer=torch.set_num_threads,
-            initargs=(torch.get_num_threads(),),
+            initargs=(host_threads or torch.get_num_threads(),),
         )
         sink = GradSink(manager, worker)
         hooks = RuntimeHooks(model, manager, sink)

@@ -74,3 +74,27 @@ def test_gpu_budget_chooses_the_missing_knobs_and_keeps_the_math():
 def test_gpu_budget_needs_a_sample_batch():
     with pytest.raises(ValueError, match="sample_batch"):
         protrain.wrap(build("llama"), device="cpu", gpu_budget="64MiB")
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
+def test_bad_host_threads_is_refused_before_anything_moves(bad):
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="host_threads=.* is not allowed: use an integer >= 1"):
+        protrain.wrap(model, n_persist=0, device="cpu", host_threads=bad)
+    assert getattr(model, "_protrain_engine", None) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_host_threads_keeps_the_math():
+    data = batches("llama", 6)
+    base = build("llama")
+    reference = copy.deepcopy(base)
+    ref_losses, _ = train_plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cpu", host_threads=1
+    )
+    losses, _ = train_engine(model, data, optimizer)
+    _assert_same(model, reference, losses, ref_losses)
+    protrain.close(model)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import protrain.plan.auto as auto
+from protrain.plan.search import NoPlanFits
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
 import tiny_llama  # noqa: E402
@@ -50,10 +51,21 @@ def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
     assert "3.91 GiB" in caplog.text
 
 
-def test_trace_out_of_memory_with_everything_offloaded_is_raised(monkeypatch):
+@pytest.mark.parametrize("budget", [0, 1 << 40])
+def test_trace_out_of_memory_with_everything_offloaded_is_no_plan(monkeypatch, budget):
+    calls = []
+
     def fake_trace(m, b, n_persist, **kw):
-        raise torch.OutOfMemoryError("CUDA out of memory.")
+        calls.append(n_persist)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB.")
 
     monkeypatch.setattr(auto, "trace_model", fake_trace)
-    with pytest.raises(torch.OutOfMemoryError):
-        auto.profile_model(tiny_llama.build(), tiny_llama.batch(), gpu_budget_bytes=0, device="cpu")
+    with pytest.raises(NoPlanFits) as err:
+        auto.profile_model(
+            tiny_llama.build(), tiny_llama.batch(), gpu_budget_bytes=budget, device="cpu"
+        )
+    assert calls == ([0] if budget == 0 else [None, 0])
+    text = str(err.value)
+    assert "every chunk offloaded" in text and "7.83 GiB" in text
+    assert "chunked_loss_tokens" in text  # the plain loss's logits are named as the way out
+    assert err.value.smallest_budget_bytes is None

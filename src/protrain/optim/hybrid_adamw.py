@@ -501,7 +501,9 @@ def _step_host_chunk(
         found_inf = torch.zeros(1)
         grads = [s.grad_acc for s in with_grad]
         torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-    if clip_coef is not None:
+    # A coefficient of exactly 1 (the norm under max_norm) changes no bit: skip the pass
+    # over the chunk's fp32 gradients, which costs about a third of its AdamW.
+    if clip_coef is not None and float(clip_coef) != 1.0:
         torch._foreach_mul_([s.grad_acc for s in with_grad], clip_coef)
     t1 = time.perf_counter()
     _set_hyper(opt, group_map, hyper)

@@ -14,7 +14,7 @@ from torch import nn
 
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
-from protrain.plan.search import PlanProblem, search
+from protrain.plan.search import NoPlanFits, PlanProblem, search
 from protrain.profile.chunk_table import ChunkTable, chunk_table
 from protrain.profile.hardware import HardwareProfile, measure_hardware
 from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
@@ -102,23 +102,36 @@ def profile_model(
         loss_fn=loss_fn,
         tiled_mlp_tokens=tiled_mlp_tokens,
     )
-    try:
-        return trace_model(model, sample_batch, n_persist=n_persist, **kwargs)
-    except torch.OutOfMemoryError as exc:
-        if n_persist == 0:
-            raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
-    # Retried outside the handler: the exception's traceback holds the failed trace's tensors.
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    log.warning(
-        "protrain trace with n_persist=%s ran out of memory (%s); retrying with every chunk "
-        "offloaded (n_persist=0)",
-        "all" if n_persist is None else n_persist,
-        reason,
+    attempts = [n_persist] if n_persist == 0 else [n_persist, 0]
+    for i, n in enumerate(attempts):
+        try:
+            return trace_model(model, sample_batch, n_persist=n, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+        # Cleaned up outside the handler: the exception's traceback holds the trace's tensors.
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if i + 1 < len(attempts):
+            log.warning(
+                "protrain trace with n_persist=%s ran out of memory (%s); retrying with every "
+                "chunk offloaded (n_persist=0)",
+                "all" if n is None else n,
+                reason,
+            )
+    hint = ""
+    if logits:
+        hint = (
+            f" The full-sequence logits of a plain loss take {logits / 2**30:.2f} GiB at this "
+            "batch: a chunked loss (memory.chunked_loss_tokens) never holds them."
+        )
+    raise NoPlanFits(
+        "the traced step ran out of memory with every chunk offloaded and every block "
+        f"checkpointed ({reason}), so no plan fits the GPU budget of "
+        f"{gpu_budget_bytes / 2**30:.2f} GiB; lower the batch or sequence, or give a larger "
+        f"budget.{hint}",
+        None,
     )
-    return trace_model(model, sample_batch, n_persist=0, **kwargs)
 
 
 def profile_and_plan(
