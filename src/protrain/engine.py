@@ -155,6 +155,17 @@ def _give_back(model: nn.Module, manager, worker, hooks) -> None:
     manager.close()
 
 
+def default_host_threads() -> int:
+    """Intra-op threads of the host AdamW worker when ``host_threads`` is not given: all
+    of this process's threads but two, which stay free for the threads that feed the GPU
+    (the Python thread and autograd's device thread) while the host optimizer overlaps
+    backward. On the 16-core H200 host, full-3b without clipping ran at 6,141 / 6,505 /
+    6,360 / 5,302 tokens/s with 16 / 14 / 12 / 8 threads
+    (benchmarks/results/2026-11-22-engine-step-in-backward.jsonl)."""
+    n = torch.get_num_threads()
+    return n - 2 if n >= 6 else n
+
+
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -251,8 +262,7 @@ def wrap(
     ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
     ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
     factors powers of two. ``host_threads``: intra-op threads of the host AdamW
-    (default: ``torch.get_num_threads()``); fewer leave cores to the threads that feed the
-    GPU while the host optimizer overlaps backward.
+    (default: :func:`default_host_threads`).
     Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
     (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
     host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
@@ -345,12 +355,12 @@ def wrap(
     worker = hooks = None
     try:
         model.to(device)  # buffers; parameters are already views of device storage
-        # The worker's CPU kernels: as many intra-op threads as the main thread, or host_threads.
+        # The worker's CPU kernels run with host_threads intra-op threads.
         worker = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="protrain-host-adam",
             initializer=torch.set_num_threads,
-            initargs=(host_threads or torch.get_num_threads(),),
+            initargs=(host_threads or default_host_threads(),),
         )
         sink = GradSink(manager, worker)
         hooks = RuntimeHooks(model, manager, sink)

@@ -108,3 +108,32 @@ def test_search_takes_all_persistent_on_a_tie():
     if all_persistent <= min(others):
         assert plan.n_persist == n
     assert plan.predicted_step_s <= min(others + [all_persistent]) + 1e-12
+
+
+def test_swap_out_hides_only_under_forward_compute():
+    """Swapped activations leave during forward and come back during backward: a phase's
+    copies hide under that phase's compute only (not under the whole step's)."""
+    profile = llama1b_like()
+    rt = RuntimeModel(profile, h200_like())
+    hw = rt.hw
+    n = rt.n_chunks
+    compute = rt.base_compute_s
+    fwd = rt.fwd_compute_s
+    assert 0 < fwd < compute
+    # swap traffic that fits under the whole step's compute but not under the forward's
+    swap = int(0.8 * compute * hw.d2h_bytes_per_s)
+    t, terms = rt.step_s(n, 0, compute, swap, breakdown=True)
+    out_s = max(swap / hw.d2h_bytes_per_s, swap / hw.duplex_bytes_per_s)
+    back_s = max(swap / hw.h2d_bytes_per_s, swap / hw.duplex_bytes_per_s)
+    bwd = compute - fwd
+    expected = max(fwd, out_s) + max(bwd, back_s) + terms["device_optimizer"]
+    assert t == pytest.approx(expected)
+    assert t > compute + terms["device_optimizer"]  # the forward's swap-out is exposed
+
+
+def test_host_stall_uses_the_rate_measured_under_copies():
+    profile = llama1b_like()
+    quiet = RuntimeModel(profile, h200_like())
+    busy = RuntimeModel(profile, dataclasses.replace(h200_like(), cpu_adam_busy_params_per_s=2.0e9))
+    assert busy.host_adam_rate == 2.0e9 and quiet.host_adam_rate == 4.1e9
+    assert busy.host_stall_s[0] > quiet.host_stall_s[0]

@@ -4,21 +4,25 @@
   backward with no recompute, plus the recompute of every checkpointed block (the blocks'
   measured forward, apportioned by the per-block intervals). A profile without the
   free-running step uses the sum of its intervals.
-- **copy traffic** (host-device, shared by parameter gathers and activation swap):
-  host-to-device, every offloaded chunk once in forward (trainable parameters as their fp32
-  masters, which the engine casts on the device after a host update), again in backward
-  except the ``n_buffer`` chunks still resident when backward begins, and swapped
-  activations coming back; device-to-host, the bf16 write-back of each updated chunk, the
-  fp32 gradients of offloaded trainable parameters, and swapped activations going out. Copy
-  seconds: the larger of each direction at its measured bandwidth and the total at the
-  measured both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer``
-  above what one module needs, or every offloaded chunk resident) copies run under compute
-  and the slower of the two counts; without one, they add.
+- **copy traffic** (host-device, shared by parameter gathers and activation swap), per
+  phase, since each phase's copies can only hide under that phase's compute. Forward:
+  host-to-device, every offloaded chunk once (trainable parameters as their fp32 masters,
+  which the engine casts on the device after a host update); device-to-host, the bf16
+  write-back of each updated chunk and the swapped activations going out. Backward (with
+  the loss head and recomputation): host-to-device, the offloaded chunks again except the
+  ``n_buffer`` still resident when backward begins, and the swapped activations coming
+  back; device-to-host, the fp32 gradients of offloaded trainable parameters. A phase's
+  copy seconds: the larger of each direction at its measured bandwidth and the total at
+  the measured both-directions bandwidth. With a spare buffer to prefetch into
+  (``n_buffer`` above what one module needs, or every offloaded chunk resident) a phase
+  takes the longer of its compute and its copies; without one, they add.
 - **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
   measured device rate, after backward and before the next forward.
 - **host optimizer stall** (see the note): how long the next forward waits for offloaded
   chunks whose host AdamW step, and the copy of their updated masters, are not done when
-  it needs them.
+  it needs them. The host AdamW rate is the one measured while copies run both ways
+  (``cpu_adam_busy_params_per_s``): in training it shares the host's memory bandwidth with
+  the gradient and parameter copies.
 
 On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
 run on the same cores as compute, so every term adds.
@@ -83,6 +87,8 @@ class RuntimeModel:
         t = profile.chunks
         base, block_fwd, block_bwd, recompute, pre = _compute_parts(profile)
         self.base_compute_s = float(base)
+        self.fwd_compute_s = float(pre + block_fwd.sum())
+        self.host_adam_rate = hardware.cpu_adam_busy_params_per_s or hardware.cpu_adam_params_per_s
         self.recompute_s = recompute
         self.saved = np.asarray([x.saved_bytes for x in profile.blocks], dtype=np.int64)
         self.min_buffers = t.min_buffers
@@ -96,7 +102,8 @@ class RuntimeModel:
 
         self.fwd_in = prefix(frozen + 4 * trn)  # forward gather bytes (masters in fp32)
         self.used = prefix(used)
-        self.out = prefix(np.where(trn > 0, used, 0) + 4 * trn)  # write-back + fp32 grads
+        self.write_back = prefix(np.where(trn > 0, used, 0))  # forward, after host updates
+        self.grads_out = prefix(4 * trn)  # backward, fp32
         self.trainable = prefix(trn)
 
         # Per chunk: when the next forward needs it, and how much backward follows its grads.
@@ -114,13 +121,13 @@ class RuntimeModel:
     def _host_stall(self, trn, frozen, last_numel, needed_at, bwd_after) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
-        host_s = trn / hw.cpu_adam_params_per_s
+        host_s = trn / self.host_adam_rate
         gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
         dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
         stall = np.zeros(n + 1)
         if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
-            return (self.trainable[n] - self.trainable) / hw.cpu_adam_params_per_s
+            return (self.trainable[n] - self.trainable) / self.host_adam_rate
         hc = np.concatenate([[0.0], np.cumsum(host_s)])
         gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         stepped = trn > 0
@@ -151,20 +158,30 @@ class RuntimeModel:
         n = self.n_chunks
         n_off = n - n_persist
         resident_at_turn = np.minimum(n_buffer, n_off)
-        h2d = (
-            self.fwd_in[n] - self.fwd_in[n_persist]
-            + self.used[n - resident_at_turn] - self.used[n_persist]
-            + swap_bytes
-        )  # fmt: skip
-        d2h = self.out[n] - self.out[n_persist] + swap_bytes
         hw = self.hw
-        copy_s = np.maximum(
-            np.maximum(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s),
-            (h2d + d2h) / hw.duplex_bytes_per_s,
-        )
+        h2d_f = self.fwd_in[n] - self.fwd_in[n_persist]
+        d2h_f = self.write_back[n] - self.write_back[n_persist] + swap_bytes
+        h2d_b = self.used[n - resident_at_turn] - self.used[n_persist] + swap_bytes
+        d2h_b = self.grads_out[n] - self.grads_out[n_persist]
+
+        def copy_seconds(h2d, d2h):
+            return np.maximum(
+                np.maximum(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s),
+                (h2d + d2h) / hw.duplex_bytes_per_s,
+            )
+
+        copy_f, copy_b = copy_seconds(h2d_f, d2h_f), copy_seconds(h2d_b, d2h_b)
+        compute_f = np.minimum(self.fwd_compute_s, compute_s)
+        compute_b = compute_s - compute_f
         concurrent = hw.device != "cpu"
         prefetch = ((n_buffer >= self.min_buffers + 1) | (n_buffer >= n_off)) & concurrent
-        overlapped = np.where(prefetch, np.maximum(compute_s, copy_s), compute_s + copy_s)
+        overlapped = np.where(
+            prefetch,
+            np.maximum(compute_f, copy_f) + np.maximum(compute_b, copy_b),
+            compute_s + copy_f + copy_b,
+        )
+        copy_s = copy_f + copy_b
+        h2d, d2h = h2d_f + h2d_b, d2h_f + d2h_b
         dev_opt_s = self.trainable[n_persist] / hw.device_adam_params_per_s
         stall_s = self.host_stall_s[n_persist]
         total = overlapped + dev_opt_s + stall_s
@@ -178,7 +195,7 @@ class RuntimeModel:
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
             "host_optimizer": float(
-                (self.trainable[n] - self.trainable[n_persist]) / hw.cpu_adam_params_per_s
+                (self.trainable[n] - self.trainable[n_persist]) / self.host_adam_rate
             ),
             "host_optimizer_exposed": float(stall_s),
         }

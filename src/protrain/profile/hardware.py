@@ -2,7 +2,9 @@
 
 Measured: host-to-device and device-to-host copy bandwidth from pinned memory, both
 directions at once (two streams), the fused AdamW rate on the host (the engine's optimizer
-for offloaded chunks, at the thread count training uses) and on the device, and the
+for offloaded chunks, on a worker thread at the engine's host thread count), alone and
+while copies run both ways (in training the host AdamW overlaps the gradient and parameter
+copies, which share the host's memory bandwidth with it), and on the device, and the
 all-reduce bus bandwidth when ``torch.distributed`` is initialized. A CPU device has no
 copies to measure: the "device" is the host, so its copy rates are host memory-copy rates
 and its device AdamW rate is the host one.
@@ -19,7 +21,9 @@ import logging
 import os
 import platform
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -32,7 +36,7 @@ _COPY_BYTES = 256 << 20  # per copy; large enough to reach the link's bandwidth
 # working set beyond any last-level cache, as the engine's chunks are (a cache-resident
 # timing overstates the host rate).
 _ADAM_NUMEL = 1 << 26
-_PROFILE_VERSION = 2  # part of the cache key: a change of method re-measures
+_PROFILE_VERSION = 3  # part of the cache key: a change of method re-measures
 
 
 @dataclass
@@ -46,6 +50,9 @@ class HardwareProfile:
     device_adam_params_per_s: float
     collective_bytes_per_s: float | None  # all-reduce bus bandwidth; None when not distributed
     cpu_threads: int
+    # host AdamW while pinned copies run both ways (CUDA); the CPU rate on a CPU device.
+    # None: not measured (the runtime model then uses cpu_adam_params_per_s).
+    cpu_adam_busy_params_per_s: float | None = None
     key: str = ""
 
     def to_dict(self) -> dict:
@@ -108,7 +115,7 @@ def measure_hardware(
 
 
 def _measure(device: torch.device) -> HardwareProfile:
-    cpu_adam = _adam_rate(torch.device("cpu"))
+    cpu_adam = _host_adam_rate()
     if device.type != "cuda":
         copy = _host_copy_rate()
         return HardwareProfile(
@@ -119,6 +126,7 @@ def _measure(device: torch.device) -> HardwareProfile:
             duplex_bytes_per_s=copy,
             cpu_adam_params_per_s=cpu_adam,
             device_adam_params_per_s=cpu_adam,
+            cpu_adam_busy_params_per_s=cpu_adam,
             collective_bytes_per_s=None,
             cpu_threads=torch.get_num_threads(),
         )
@@ -131,6 +139,7 @@ def _measure(device: torch.device) -> HardwareProfile:
         duplex_bytes_per_s=duplex,
         cpu_adam_params_per_s=cpu_adam,
         device_adam_params_per_s=_adam_rate(device),
+        cpu_adam_busy_params_per_s=_host_adam_rate(busy_device=device),
         collective_bytes_per_s=_collective_rate(device),
         cpu_threads=torch.get_num_threads(),
     )
@@ -197,6 +206,41 @@ def _adam_rate(device: torch.device) -> float:
             torch.cuda.synchronize(device)
 
     return _ADAM_NUMEL / _best_of(step)
+
+
+def _host_adam_rate(busy_device: torch.device | None = None) -> float:
+    """The host AdamW rate as the engine runs it: on a worker thread with the engine's
+    host thread count; with ``busy_device``, while pinned copies to and from that device
+    keep both directions of the link busy."""
+    from protrain.engine import default_host_threads
+
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads,
+                            initargs=(default_host_threads(),)) as pool:  # fmt: skip
+        if busy_device is None:
+            return pool.submit(_adam_rate, torch.device("cpu")).result()
+        stop = threading.Event()
+        copier = threading.Thread(target=_copy_until, args=(busy_device, stop), daemon=True)
+        copier.start()
+        try:
+            return pool.submit(_adam_rate, torch.device("cpu")).result()
+        finally:
+            stop.set()
+            copier.join()
+
+
+def _copy_until(device: torch.device, stop: threading.Event) -> None:
+    host_in = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    host_out = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
+    s_h2d, s_d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    while not stop.is_set():
+        with torch.cuda.stream(s_h2d):
+            dev_a.copy_(host_in, non_blocking=True)
+        with torch.cuda.stream(s_d2h):
+            host_out.copy_(dev_b, non_blocking=True)
+        s_h2d.synchronize()
+        s_d2h.synchronize()
 
 
 def _collective_rate(device: torch.device) -> float | None:
