@@ -11,6 +11,12 @@ arguments: ``checkpoint`` keeps its arguments alive until backward, the holder l
 the device tensors after forward. The autograd graph still links the block's outputs to its
 inputs' producers, so gradients flow as they do for a plain checkpoint. A key-value cache
 is not passed on, as for a plain checkpoint (see :mod:`protrain.activations.checkpoint`).
+
+[Note: random state of the recomputation]
+``checkpoint`` replays the random state of the devices its tensor arguments live on, so that
+dropout draws the same masks again. The holder is not a tensor, so the block's device is
+named by a zero-size tensor passed beside it (it allocates nothing); without it the CUDA
+random state would not be replayed and a recomputed dropout would draw new masks.
 """
 
 from __future__ import annotations
@@ -37,6 +43,13 @@ class _HeldInputs:
         for k, a in self.kwargs.items():
             self._hold(("kwarg", k), a)
 
+    def device(self) -> torch.device:
+        """The accelerator the block's tensor arguments are on (the swapper's when none is)."""
+        for a in [*self.args, *self.kwargs.values()]:
+            if torch.is_tensor(a) and a.device.type != "cpu":
+                return a.device
+        return self.swapper.device
+
     def _hold(self, where, a) -> None:
         if torch.is_tensor(a) and a.requires_grad:
             self.packed[where] = self.swapper.pack(self.group, a.detach())
@@ -60,7 +73,7 @@ class _HeldInputs:
 def offload_checkpointed_forward(forward: Callable, swapper: ActivationSwapper) -> Callable:
     """``forward`` checkpointed, its gradient-carrying inputs held in host memory."""
 
-    def recompute(held: _HeldInputs):
+    def recompute(held: _HeldInputs, device_marker: torch.Tensor):
         args, kwargs = held.arguments()
         return forward(*args, **kwargs)
 
@@ -68,7 +81,8 @@ def offload_checkpointed_forward(forward: Callable, swapper: ActivationSwapper) 
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         held = _HeldInputs(swapper, args, without_cache(kwargs))
-        out = checkpoint(recompute, held, use_reentrant=False)
+        device_marker = torch.empty(0, device=held.device())  # [Note: random state ...]
+        out = checkpoint(recompute, held, device_marker, use_reentrant=False)
         held.release(out)
         return out
 
