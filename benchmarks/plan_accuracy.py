@@ -190,6 +190,12 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             peak_error=round(check.peak_error, 4), step_error=round(check.step_error, 4),
             closed_loop_corrected=check.corrected.knobs if check.corrected else None,
         )  # fmt: skip
+        # The engine's counters over warm-up and timed steps (gathers, seconds waited on
+        # copies and on the host optimizer, host AdamW seconds), for diagnosing step errors.
+        n = args.steps + args.warmup
+        row["engine_stats_per_step"] = {
+            k: round(v / n, 4) for k, v in optimizer.stats.items() if isinstance(v, (int, float))
+        }
         handle.remove()
         protrain.close(model)
     except Exception as e:  # one row per failure; the traceback goes to stderr
