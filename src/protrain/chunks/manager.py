@@ -89,7 +89,9 @@ class ChunkManager:
         host_bytes = 0
         for spec in self.layout.chunks:
             if not spec.persistent:
-                host_bytes += self.layout.chunk_size_bytes
+                # aligned, so that the views after it start on a 64-byte boundary whatever
+                # the chunk size (a view as fp32 needs an offset divisible by 4)
+                host_bytes += _align64(self.layout.chunk_size_bytes)
                 host_bytes += sum(_host_extra_nbytes(pl) for pl in spec.placements if pl.trainable)
         if host_bytes:
             # One arena for every host copy and gradient landing place, pinned in place with
@@ -117,7 +119,7 @@ class ChunkManager:
             self.chunks.append(c)
             if not c.persistent:
                 c.host_buffer = self._host_arena[arena_off : arena_off + c.nbytes]
-                arena_off += c.nbytes
+                arena_off += _align64(c.nbytes)
             for pl in c.spec.placements:
                 p = by_name[pl.names[0]]
                 src = p.detach()
@@ -181,8 +183,10 @@ class ChunkManager:
         for c in self.offloaded:
             c.users = 0
         if self._order_recorded:
-            for ci in self.forward_order[: self.n_buffer]:
-                if not self._gather(self.chunks[ci], blocking_update=False, required=False):
+            first = self.forward_order[: self.n_buffer]
+            for ci in first:
+                c = self.chunks[ci]
+                if not self._gather(c, blocking_update=False, required=False, keep=set(first)):
                     break
 
     def begin_backward(self) -> None:
@@ -196,8 +200,16 @@ class ChunkManager:
         if ci not in order:
             return
         pos = order.index(ci)
-        for nxt in order[pos + 1 : pos + self.n_buffer]:
-            if not self._gather(self.chunks[nxt], blocking_update=False, required=False, keep=keep):
+        window = order[pos + 1 : pos + self.n_buffer]
+        # A prefetch never evicts a chunk of its own window (needed before the one it
+        # brings in), nor the chunk before ``ci`` in this phase's order: a block across a
+        # chunk boundary alternates between the two (parameters are laid out in registration
+        # order; a Llama layer's norms run first but are registered last). Without this,
+        # prefetches traded the same chunks back and forth: 104 gathers a step on 8B LoRA.
+        protect = keep | set(window) | {ci} | ({order[pos - 1]} if pos > 0 else set())
+        for nxt in window:
+            if not self._gather(self.chunks[nxt], blocking_update=False, required=False,
+                                keep=protect):  # fmt: skip
                 break
 
     def _gather(

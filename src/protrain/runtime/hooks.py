@@ -37,6 +37,17 @@ stopped recomputation is dropped at the next forward. A leaf module's own operat
 all enqueued before any other hook can evict its chunk, so only a module that owns
 parameters *and* calls children with parameters relies on ``n_buffer`` being large enough
 during recomputation.
+
+[Note: where a forward begins]
+A new forward resets the chunk pins and starts the prefetch of the first chunks, in forward
+order (the manager's phase goes back to forward). The root module's forward pre-hook marks
+it, but a caller may run the body without the root: a chunked loss calls
+``model.base_model(...)`` for hidden states and the output embedding itself. Then nothing
+marked the forward, the manager stayed in its backward phase, and every gather prefetched
+in backward order: on an 8B LoRA run, 104 gathers per step where 19 were needed. The input
+embedding is where every forward of a language model starts and which recomputation never
+runs again (activation checkpointing covers blocks), so its pre-hook also begins a forward
+when a backward ran since the last one.
 """
 
 from __future__ import annotations
@@ -48,6 +59,17 @@ from torch import nn
 
 from protrain.chunks.manager import ChunkManager, Phase
 from protrain.runtime.grad_offload import GradSink
+
+
+def _input_embeddings(model: nn.Module) -> nn.Module | None:
+    get = getattr(model, "get_input_embeddings", None)
+    if get is None:
+        return None
+    try:
+        module = get()
+    except (NotImplementedError, AttributeError):
+        return None
+    return module if isinstance(module, nn.Module) else None
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:
@@ -80,6 +102,12 @@ class RuntimeHooks:
         self._params_done: dict[int, set] = {}  # id(module) -> those with gradients this pass
         chunk_of = {s.param: s.chunk for s in manager.slots()}
         self.handles.append(model.register_forward_pre_hook(self._root_pre_forward))
+        # See [Note: where a forward begins].
+        entry = _input_embeddings(model)
+        if entry is not None and entry is not model:
+            self.handles.append(
+                entry.register_forward_pre_hook(self._entry_pre_forward, prepend=True)
+            )
         owners: dict[nn.Parameter, list[nn.Module]] = {}
         for module in model.modules():
             own = list(module.parameters(recurse=False))
@@ -114,6 +142,10 @@ class RuntimeHooks:
         self._params_done.clear()
         for stack in self._stacks:
             stack.clear()
+
+    def _entry_pre_forward(self, module, args):
+        if self.manager.phase is Phase.BACKWARD:  # a backward ran since the last forward
+            self._root_pre_forward(module, args)
 
     def _pre_forward(self, ids: list[int], stack: list[_Call]):
         def hook(module, args, kwargs):

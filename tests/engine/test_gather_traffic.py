@@ -1,0 +1,68 @@
+"""Gathers per step equal what the runtime model counts: every offloaded chunk once in
+forward, and again in backward except the ``n_buffer`` still resident when it begins; also
+when the loss runs the body without the root module (a chunked loss) and when blocks
+straddle chunk boundaries (LoRA, norms registered after the layers that follow them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import protrain
+from protrain.activations import apply_activation_knobs, chunked_causal_lm_loss_sum
+
+
+def _model(mode: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    if mode == "lora":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    return model
+
+
+def _chunked_loss(model, ids):
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = causal_lm.model(input_ids=ids).last_hidden_state  # not through the root
+    return chunked_causal_lm_loss_sum(hidden, causal_lm.lm_head, ids, chunk_tokens=16)
+
+
+def _root_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+@pytest.mark.parametrize("loss", [_chunked_loss, _root_loss], ids=["chunked", "root"])
+@pytest.mark.parametrize("mode", ["full", "lora"])
+@pytest.mark.parametrize(
+    ("n_persist", "n_buffer", "n_checkpoint"), [(0, 3, 12), (2, 3, 0), (0, 4, 6)]
+)
+def test_gathers_per_step_are_the_modelled_traffic(loss, mode, n_persist, n_buffer, n_checkpoint):
+    model = _model(mode)
+    block = model.get_base_model().model.layers[0] if mode == "lora" else model.model.layers[0]
+    block_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
+    # about 2.3 blocks a chunk, so that blocks straddle chunk boundaries
+    chunk = (int(2.3 * block_bytes) + 63) // 64 * 64
+    model, opt, layout = protrain.wrap(
+        model, n_persist=n_persist, n_buffer=n_buffer, device="cpu", chunk_size_bytes=chunk
+    )
+    apply_activation_knobs(model, 0, n_checkpoint, device="cpu")
+    ids = torch.randint(128, (2, 32), generator=torch.Generator().manual_seed(0))
+    n_off = layout.n_chunks - n_persist
+    assert n_off >= 4
+    expected = n_off + n_off - min(layout.n_buffer, n_off)
+    for step in range(3):
+        before = opt.stats["gathers"]
+        loss(model, ids).backward()
+        gathers = opt.stats["gathers"] - before
+        opt.step()
+        opt.zero_grad()
+        if step > 0:  # the first forward records the order
+            assert gathers == expected, (step, gathers, expected)
+    protrain.close(model)
