@@ -158,3 +158,26 @@ def test_not_with_fp16_loss_scaling():
     with pytest.raises(RuntimeError, match="fp16 loss scaling"):
         optimizer.step_in_backward()
     protrain.close(model)
+
+
+def test_a_refused_step_leaves_forward_and_masters_in_agreement():
+    """step() refuses a changed hyperparameter after updates began in backward; the chunks
+    updated there keep their update, and the next forward computes with it."""
+    base = build("llama")
+    data = batches("llama", 2)
+    model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, lr=LR, device="cpu")
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    optimizer.param_groups[0]["lr"] = LR / 2
+    with pytest.raises(RuntimeError, match="hyperparameter changed"):
+        optimizer.step()
+    optimizer.zero_grad()
+    with torch.no_grad():
+        loss = model(**data[1]).loss
+    state = protrain.state_dict(model)
+    protrain.close(model)
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(state)
+    with torch.no_grad():
+        expected = plain(**data[1]).loss
+    assert loss.item() == pytest.approx(expected.item(), abs=1e-6)

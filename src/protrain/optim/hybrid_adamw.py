@@ -310,10 +310,16 @@ class HybridAdamW(torch.optim.Optimizer):
         if armed is not None:
             self._disarm()
             if hyper != armed:
+                # The updates that began in backward have run: the next gathers must read them.
+                manager.release_all()
+                for ci in started:
+                    manager.chunks[ci].host_stale = True
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "
-                    f"{hyper}. Change hyperparameters after step(), as LR schedulers do"
+                    f"{hyper}. The {len(started)} offloaded chunks updated in backward keep "
+                    "their update and nothing else was updated. Change hyperparameters after "
+                    "step(), as LR schedulers do"
                 )
         host_inv_scale = None
         if self.scaler.enabled:  # see [Note: loss scaling over chunks]
