@@ -69,6 +69,7 @@ class Engine:
     @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
         self._check_open()
+        self.optimizer.check_between_steps("protrain.state_dict()")
         self.optimizer.synchronize()
         slots = self._slot_by_id()
         out = {}
@@ -86,6 +87,7 @@ class Engine:
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
         self._check_open()
+        self.optimizer.check_between_steps("protrain.load_state_dict()")
         self.optimizer.synchronize()
         self.manager.release_all()
         slots = self._slot_by_id()

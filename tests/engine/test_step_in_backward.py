@@ -181,3 +181,24 @@ def test_a_refused_step_leaves_forward_and_masters_in_agreement():
     with torch.no_grad():
         expected = plain(**data[1]).loss
     assert loss.item() == pytest.approx(expected.item(), abs=1e-6)
+
+
+def test_state_between_an_armed_backward_and_step_is_an_error():
+    """Between an armed backward and step() the offloaded chunks are stepped and the rest
+    not: no state of that moment is a state plain PyTorch could have, so saving or loading
+    it is refused until step() completes the update."""
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    for call in (
+        lambda: protrain.state_dict(model),
+        lambda: protrain.load_state_dict(model, {}),
+        optimizer.state_dict,
+        lambda: optimizer.load_state_dict({}),
+    ):
+        with pytest.raises(RuntimeError, match="call step\\(\\) first"):
+            call()
+    optimizer.step()
+    optimizer.load_state_dict(optimizer.state_dict())
+    protrain.load_state_dict(model, protrain.state_dict(model))
+    protrain.close(model)

@@ -47,8 +47,9 @@ is marked stale only by ``step()``: a gather later in the same backward (a LoRA 
 frozen weights, say) still reads the weights the forward used, and does not wait for the
 update. ``step()`` then steps the persistent chunks on the device and queues the chunks that
 never completed (parameters without a gradient) as usual. Each update does the same
-arithmetic as in ``step()``; only its start moves. Calling ``clip_grad_norm_`` or changing a
-hyperparameter between the two calls is an error, since updates have already run.
+arithmetic as in ``step()``; only its start moves. Calling ``clip_grad_norm_``,
+``zero_grad``, saving or loading state, or changing a hyperparameter between the two calls is
+an error, since updates have already run.
 
 [Note: loss scaling over chunks]
 With fp16 compute the user backpropagates ``scale_loss(loss)`` (the loss times the scale of
@@ -381,11 +382,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
-        if self._armed_started:
-            raise RuntimeError(
-                "protrain: zero_grad() after a backward armed by step_in_backward(): updates "
-                "have started; call step() first"
-            )
+        self.check_between_steps("zero_grad()")
         self._disarm()
         self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
@@ -395,6 +392,16 @@ class HybridAdamW(torch.optim.Optimizer):
             s.grad_acc = s.master.grad = None
 
     # ---- state --------------------------------------------------------------------------
+
+    def check_between_steps(self, what: str) -> None:
+        """Raise if a backward armed by ``step_in_backward()`` has started updates that
+        ``step()`` has not yet completed: the weights and optimizer state are then half
+        stepped, neither the state before the step nor after it."""
+        if self._armed_started:
+            raise RuntimeError(
+                f"protrain: {what} after a backward armed by step_in_backward(): updates "
+                "have started; call step() first"
+            )
 
     def synchronize(self) -> None:
         """Wait for every host task (accumulations and updates) and raise their errors."""
@@ -413,6 +420,7 @@ class HybridAdamW(torch.optim.Optimizer):
         return self._host_opts[s.chunk][0]
 
     def state_dict(self) -> dict:
+        self.check_between_steps("optimizer.state_dict()")
         self.synchronize()
         state = {}
         for i, s in enumerate(self._slots):
@@ -434,6 +442,7 @@ class HybridAdamW(torch.optim.Optimizer):
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
+        self.check_between_steps("optimizer.load_state_dict()")
         self.synchronize()
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
