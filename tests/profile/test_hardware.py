@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
+import torch
+
+from protrain.profile import hardware
 from protrain.profile.hardware import HardwareProfile, cache_dir, measure_hardware
 
 
@@ -22,3 +26,47 @@ def test_cpu_rates_are_measured_and_cached(tmp_path, monkeypatch):
     d = hw.to_dict() | {"cpu_adam_params_per_s": 1.0}
     files[0].write_text(json.dumps(d))
     assert measure_hardware("cpu").cpu_adam_params_per_s == 1.0
+
+
+def _stand_in_adam(seen: dict):
+    def adam_rate(device):
+        seen["copying"] = seen.get("copying", False)
+        return 1.0
+
+    return adam_rate
+
+
+def test_busy_host_adam_is_timed_only_while_copies_run(monkeypatch):
+    """The busy host AdamW rate is timed after the copies have started (the best of the
+    timings would otherwise be an idle one); the copier thread is stopped and joined."""
+    import threading
+    import time
+
+    seen: dict = {}
+
+    def copier(device, stop, copying):
+        time.sleep(0.2)  # pinned and device buffers take a while to allocate
+        seen["copying"] = True
+        copying.set()
+        stop.wait()
+        seen["stopped"] = True
+
+    monkeypatch.setattr(hardware, "_copy_until", copier)
+    monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
+    threads = threading.active_count()
+    assert hardware._host_adam_rate(busy_device=torch.device("cpu")) == 1.0
+    assert seen == {"copying": True, "stopped": True}
+    assert threading.active_count() == threads
+
+
+def test_busy_host_adam_with_failed_copies_is_an_error(monkeypatch):
+    seen: dict = {}
+
+    def copier(device, stop, copying):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    monkeypatch.setattr(hardware, "_copy_until", copier)
+    monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
+    with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
+        hardware._host_adam_rate(busy_device=torch.device("cpu"))
+    assert seen == {}  # nothing timed without the copies

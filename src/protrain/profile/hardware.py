@@ -218,17 +218,38 @@ def _host_adam_rate(busy_device: torch.device | None = None) -> float:
                             initargs=(default_host_threads(),)) as pool:  # fmt: skip
         if busy_device is None:
             return pool.submit(_adam_rate, torch.device("cpu")).result()
-        stop = threading.Event()
-        copier = threading.Thread(target=_copy_until, args=(busy_device, stop), daemon=True)
+        # Timed only once copies run (the best of the timings would otherwise be an idle
+        # one), and only if they ran throughout: a copier that failed is an error.
+        copying, stop = threading.Event(), threading.Event()
+        failed: list[BaseException] = []
+
+        def copy_until_stopped() -> None:
+            try:
+                _copy_until(busy_device, stop, copying)
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                copying.set()
+
+        copier = threading.Thread(target=copy_until_stopped, daemon=True)
         copier.start()
         try:
-            return pool.submit(_adam_rate, torch.device("cpu")).result()
+            copying.wait()
+            rate = None if failed else pool.submit(_adam_rate, torch.device("cpu")).result()
         finally:
             stop.set()
             copier.join()
+        if failed:
+            raise RuntimeError(
+                "protrain: the copies that keep the link busy while the host AdamW is timed "
+                f"failed: {failed[0]}"
+            ) from failed[0]
+        return rate
 
 
-def _copy_until(device: torch.device, stop: threading.Event) -> None:
+def _copy_until(device: torch.device, stop: threading.Event, copying: threading.Event) -> None:
+    """Copy pinned memory to and from ``device`` until ``stop``; ``copying`` is set once
+    the first copies have run."""
     host_in = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
     host_out = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
     dev_a = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
@@ -241,6 +262,7 @@ def _copy_until(device: torch.device, stop: threading.Event) -> None:
             host_out.copy_(dev_b, non_blocking=True)
         s_h2d.synchronize()
         s_d2h.synchronize()
+        copying.set()
 
 
 def _collective_rate(device: torch.device) -> float | None:
