@@ -127,6 +127,10 @@ class Engine:
             self.activations.remove()
             self.activations = None
         try:
+            self.optimizer.check_between_steps("close()")
+        except RuntimeError as exc:  # closing still gives everything back
+            log.warning("%s; the model is left half stepped", exc)
+        try:
             self.optimizer.synchronize()
         finally:
             _give_back(self.model, self.manager, self.worker, self.hooks)

@@ -202,3 +202,18 @@ def test_state_between_an_armed_backward_and_step_is_an_error():
     optimizer.load_state_dict(optimizer.state_dict())
     protrain.load_state_dict(model, protrain.state_dict(model))
     protrain.close(model)
+
+
+def test_close_between_an_armed_backward_and_step_warns_and_gives_back(caplog):
+    import logging
+
+    from protrain.chunks.manager import registered_host_bytes
+
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    with caplog.at_level(logging.WARNING, logger="protrain.engine"):
+        protrain.close(model)
+    assert "half stepped" in caplog.text
+    assert getattr(model, "_protrain_engine", None) is None
+    assert registered_host_bytes() == 0

@@ -69,3 +69,15 @@ def test_trace_out_of_memory_with_everything_offloaded_is_no_plan(monkeypatch, b
     assert "every chunk offloaded" in text and "7.83 GiB" in text
     assert "chunked_loss_tokens" in text  # the plain loss's logits are named as the way out
     assert err.value.smallest_budget_bytes is None
+
+
+def test_app_message_for_a_trace_out_of_memory_keeps_the_planners_advice():
+    from protrain.train.planning import no_plan_fits_message
+
+    class Settings:
+        gpu_budget_bytes = 16 << 30
+
+    exc = NoPlanFits("the traced step ran out of memory ...; give a larger budget.", None)
+    text = no_plan_fits_message(exc, Settings())
+    assert text.startswith("memory.gpu_budget = 16.00GiB: the traced step ran out of memory")
+    assert "at any budget" not in text

@@ -138,7 +138,9 @@ def no_plan_fits_message(exc, settings: PlanSettings) -> str:
     budget = f"memory.gpu_budget = {_size(settings.gpu_budget_bytes)}"
     smallest = exc.smallest_budget_bytes
     if smallest is None:
-        return f"{budget}: no plan fits, at any budget ({_one_line(exc)})"
+        # No smallest budget is known (the trace itself ran out of memory, say): the
+        # planner's message says why and what to change.
+        return f"{budget}: {_one_line(exc)}"
     return (
         f"{budget}: no plan fits; the smallest budget that would is "
         f"{_size(smallest)} (set memory.gpu_budget to at least that)"
