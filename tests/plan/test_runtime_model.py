@@ -137,3 +137,18 @@ def test_host_stall_uses_the_rate_measured_under_copies():
     busy = RuntimeModel(profile, dataclasses.replace(h200_like(), cpu_adam_busy_params_per_s=2.0e9))
     assert busy.host_adam_rate == 2.0e9 and quiet.host_adam_rate == 4.1e9
     assert busy.host_stall_s[0] > quiet.host_stall_s[0]
+
+
+def test_clipping_adds_the_host_multiplication_at_its_measured_rate():
+    profile = llama1b_like()
+    hw = dataclasses.replace(h200_like(), cpu_adam_busy_params_per_s=2.5e9,
+                             cpu_clip_params_per_s=8e9)  # fmt: skip
+    clip, free = RuntimeModel(profile, hw, clipping=True), RuntimeModel(profile, hw, clipping=False)
+    assert clip.host_s_per_param == pytest.approx(1 / 2.5e9 + 1 / 8e9)
+    assert free.host_s_per_param == pytest.approx(1 / 2.5e9)
+    _, terms = clip.step_s(0, 3, clip.base_compute_s, 0, breakdown=True)
+    trn = sum(profile.chunks.trainable_numel)
+    assert terms["host_optimizer"] == pytest.approx(trn * (1 / 2.5e9 + 1 / 8e9))
+    # not measured: left out, as before
+    unmeasured = RuntimeModel(profile, dataclasses.replace(hw, cpu_clip_params_per_s=None))
+    assert unmeasured.host_s_per_param == pytest.approx(1 / 2.5e9)

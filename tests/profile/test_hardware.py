@@ -17,7 +17,8 @@ def test_cpu_rates_are_measured_and_cached(tmp_path, monkeypatch):
     hw = measure_hardware("cpu")
     assert hw.device == "cpu" and hw.collective_bytes_per_s is None
     for rate in (hw.h2d_bytes_per_s, hw.d2h_bytes_per_s, hw.duplex_bytes_per_s,
-                 hw.cpu_adam_params_per_s, hw.device_adam_params_per_s):  # fmt: skip
+                 hw.cpu_adam_params_per_s, hw.device_adam_params_per_s,
+                 hw.cpu_adam_busy_params_per_s, hw.cpu_clip_params_per_s):  # fmt: skip
         assert rate > 0
     files = list(tmp_path.glob("hardware-*.json"))
     assert len(files) == 1 and hw.key in files[0].name

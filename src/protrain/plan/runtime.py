@@ -22,7 +22,9 @@
   chunks whose host AdamW step, and the copy of their updated masters, are not done when
   it needs them. The host AdamW rate is the one measured while copies run both ways
   (``cpu_adam_busy_params_per_s``): in training it shares the host's memory bandwidth with
-  the gradient and parameter copies.
+  the gradient and parameter copies. With clipping, the host step first multiplies the
+  chunk's fp32 gradients by the clip coefficient: one more pass, at its own measured rate
+  (``cpu_clip_params_per_s``; 0.16-0.42 s a step on full-3b).
 
 On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
 run on the same cores as compute, so every term adds.
@@ -89,6 +91,10 @@ class RuntimeModel:
         self.base_compute_s = float(base)
         self.fwd_compute_s = float(pre + block_fwd.sum())
         self.host_adam_rate = hardware.cpu_adam_busy_params_per_s or hardware.cpu_adam_params_per_s
+        # seconds per offloaded trainable parameter of the host step: AdamW, and with
+        # clipping the multiplication by the clip coefficient before it
+        clip_rate = hardware.cpu_clip_params_per_s if clipping else None
+        self.host_s_per_param = 1.0 / self.host_adam_rate + (1.0 / clip_rate if clip_rate else 0.0)
         self.recompute_s = recompute
         self.saved = np.asarray([x.saved_bytes for x in profile.blocks], dtype=np.int64)
         self.min_buffers = t.min_buffers
@@ -121,13 +127,13 @@ class RuntimeModel:
     def _host_stall(self, trn, frozen, last_numel, needed_at, bwd_after) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
-        host_s = trn / self.host_adam_rate
+        host_s = trn * self.host_s_per_param
         gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
         dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
         stall = np.zeros(n + 1)
         if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
-            return (self.trainable[n] - self.trainable) / self.host_adam_rate
+            return (self.trainable[n] - self.trainable) * self.host_s_per_param
         hc = np.concatenate([[0.0], np.cumsum(host_s)])
         gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         stepped = trn > 0
@@ -195,7 +201,7 @@ class RuntimeModel:
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
             "host_optimizer": float(
-                (self.trainable[n] - self.trainable[n_persist]) / self.host_adam_rate
+                (self.trainable[n] - self.trainable[n_persist]) * self.host_s_per_param
             ),
             "host_optimizer_exposed": float(stall_s),
         }

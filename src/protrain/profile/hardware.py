@@ -36,7 +36,7 @@ _COPY_BYTES = 256 << 20  # per copy; large enough to reach the link's bandwidth
 # working set beyond any last-level cache, as the engine's chunks are (a cache-resident
 # timing overstates the host rate).
 _ADAM_NUMEL = 1 << 26
-_PROFILE_VERSION = 3  # part of the cache key: a change of method re-measures
+_PROFILE_VERSION = 4  # part of the cache key: a change of method re-measures
 
 
 @dataclass
@@ -53,6 +53,9 @@ class HardwareProfile:
     # host AdamW while pinned copies run both ways (CUDA); the CPU rate on a CPU device.
     # None: not measured (the runtime model then uses cpu_adam_params_per_s).
     cpu_adam_busy_params_per_s: float | None = None
+    # the host's multiplication of fp32 gradients by the clip coefficient (one pass over
+    # them before AdamW; busy as above on CUDA). None: not measured (the model omits it).
+    cpu_clip_params_per_s: float | None = None
     key: str = ""
 
     def to_dict(self) -> dict:
@@ -127,6 +130,7 @@ def _measure(device: torch.device) -> HardwareProfile:
             cpu_adam_params_per_s=cpu_adam,
             device_adam_params_per_s=cpu_adam,
             cpu_adam_busy_params_per_s=cpu_adam,
+            cpu_clip_params_per_s=_host_rate(_clip_rate),
             collective_bytes_per_s=None,
             cpu_threads=torch.get_num_threads(),
         )
@@ -140,6 +144,7 @@ def _measure(device: torch.device) -> HardwareProfile:
         cpu_adam_params_per_s=cpu_adam,
         device_adam_params_per_s=_adam_rate(device),
         cpu_adam_busy_params_per_s=_host_adam_rate(busy_device=device),
+        cpu_clip_params_per_s=_host_rate(_clip_rate, busy_device=device),
         collective_bytes_per_s=_collective_rate(device),
         cpu_threads=torch.get_num_threads(),
     )
@@ -208,8 +213,20 @@ def _adam_rate(device: torch.device) -> float:
     return _ADAM_NUMEL / _best_of(step)
 
 
+def _clip_rate() -> float:
+    """Parameters a second of the host step's clip: ``_foreach_mul_`` of fp32 gradients."""
+    g = torch.full((_ADAM_NUMEL,), 1e-3)
+    coef = torch.tensor(0.5)
+    return _ADAM_NUMEL / _best_of(lambda: torch._foreach_mul_([g], coef))
+
+
 def _host_adam_rate(busy_device: torch.device | None = None) -> float:
-    """The host AdamW rate as the engine runs it: on a worker thread with the engine's
+    """The host AdamW rate as the engine runs it (see :func:`_host_rate`)."""
+    return _host_rate(lambda: _adam_rate(torch.device("cpu")), busy_device)
+
+
+def _host_rate(measure, busy_device: torch.device | None = None) -> float:
+    """``measure()`` as the engine's host work runs: on a worker thread with the engine's
     host thread count; with ``busy_device``, while pinned copies to and from that device
     keep both directions of the link busy."""
     from protrain.engine import default_host_threads
@@ -217,7 +234,7 @@ def _host_adam_rate(busy_device: torch.device | None = None) -> float:
     with ThreadPoolExecutor(1, initializer=torch.set_num_threads,
                             initargs=(default_host_threads(),)) as pool:  # fmt: skip
         if busy_device is None:
-            return pool.submit(_adam_rate, torch.device("cpu")).result()
+            return pool.submit(measure).result()
         # Timed only once copies run (the best of the timings would otherwise be an idle
         # one), and only if they ran throughout: a copier that failed is an error.
         copying, stop = threading.Event(), threading.Event()
@@ -235,7 +252,7 @@ def _host_adam_rate(busy_device: torch.device | None = None) -> float:
         copier.start()
         try:
             copying.wait()
-            rate = None if failed else pool.submit(_adam_rate, torch.device("cpu")).result()
+            rate = None if failed else pool.submit(measure).result()
         finally:
             stop.set()
             copier.join()
