@@ -167,7 +167,9 @@ def _host_copy_rate() -> float:
     return a.numel() / _best_of(lambda: b.copy_(a))
 
 
-def _pcie_rates(device: torch.device) -> tuple[float, float, float]:
+def _link_copies(device: torch.device):
+    """Pinned host buffers, device buffers and two streams; returns the three timed copies
+    (host-to-device, device-to-host, both at once), each ending synchronized."""
     host_in = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
     host_out = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
     dev_a = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
@@ -192,12 +194,16 @@ def _pcie_rates(device: torch.device) -> tuple[float, float, float]:
         s_h2d.synchronize()
         s_d2h.synchronize()
 
-    rates = (
+    return h2d, d2h, both
+
+
+def _pcie_rates(device: torch.device) -> tuple[float, float, float]:
+    h2d, d2h, both = _link_copies(device)
+    return (
         _COPY_BYTES / _best_of(h2d),
         _COPY_BYTES / _best_of(d2h),
         2 * _COPY_BYTES / _best_of(both),
     )
-    return rates
 
 
 def _adam_rate(device: torch.device) -> float:
@@ -267,18 +273,9 @@ def _host_rate(measure, busy_device: torch.device | None = None) -> float:
 def _copy_until(device: torch.device, stop: threading.Event, copying: threading.Event) -> None:
     """Copy pinned memory to and from ``device`` until ``stop``; ``copying`` is set once
     the first copies have run."""
-    host_in = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-    host_out = torch.empty(_COPY_BYTES, dtype=torch.uint8, pin_memory=True)
-    dev_a = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
-    dev_b = torch.empty(_COPY_BYTES, dtype=torch.uint8, device=device)
-    s_h2d, s_d2h = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    _, _, both = _link_copies(device)
     while not stop.is_set():
-        with torch.cuda.stream(s_h2d):
-            dev_a.copy_(host_in, non_blocking=True)
-        with torch.cuda.stream(s_d2h):
-            host_out.copy_(dev_b, non_blocking=True)
-        s_h2d.synchronize()
-        s_d2h.synchronize()
+        both()
         copying.set()
 
 
