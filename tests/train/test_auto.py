@@ -169,3 +169,25 @@ def test_profile_command_writes_the_picture(tmp_path, name):
 def test_profile_without_a_budget_is_one_line(tmp_path):
     proc = run_cli("profile", str(write_config(tmp_path, fast_config(tmp_path))))
     assert_one_line_error(proc, "memory.gpu_budget is not set")
+
+
+@pytest.mark.parametrize(
+    ("max_grad_norm", "dtype", "clipping"),
+    [(1.0, None, True), (None, None, False), (None, torch.float16, True)],
+)
+def test_the_plan_assumes_the_host_optimizer_schedule_the_run_uses(
+    tmp_path, monkeypatch, max_grad_norm, dtype, clipping
+):
+    """No clipping (and not fp16): the engine steps offloaded chunks inside backward, and
+    the plan is searched for that schedule; otherwise for steps after the backward."""
+    import protrain.plan as plan_api
+    from protrain.train.planning import PlanSettings, plan_memory
+
+    memory = {"auto": True, "gpu_budget": "1GiB"}
+    cfg = validate_config(tiny_config(tmp_path, max_grad_norm=max_grad_norm, memory=memory))
+    settings = PlanSettings.from_config(cfg, torch.device("cpu"), dtype)
+    assert settings.clipping is clipping
+    seen = {}
+    monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
+    assert plan_memory(torch.nn.Linear(2, 2), {}, settings, {}) == (1, 2)
+    assert seen["clipping"] is clipping

@@ -70,6 +70,10 @@ class PlanSettings:
     chunk_size_bytes: int | None
     tiled_mlp_tokens: int | None
     chunked_loss_tokens: int | None
+    # The host optimizer's schedule the plan assumes: after the whole backward in forward
+    # order (clipping, or fp16 whose overflow check needs every gradient), or inside the
+    # backward (EngineTrainable arms step_in_backward when neither applies).
+    clipping: bool = True
 
     @classmethod
     def from_config(
@@ -89,6 +93,7 @@ class PlanSettings:
             chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
             tiled_mlp_tokens=mem.tiled_mlp_tokens,
             chunked_loss_tokens=mem.chunked_loss_tokens,
+            clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
         )
 
 
@@ -110,6 +115,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
                 fixed_knobs=fixed_knobs,
                 loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
                 tiled_mlp_tokens=settings.tiled_mlp_tokens,
+                clipping=settings.clipping,
             )
         except NoPlanFits as exc:
             raise ConfigError(no_plan_fits_message(exc, settings)) from None
