@@ -257,6 +257,7 @@ def wrap(
     loss_fn=None,
     loss_scaling: dict | None = None,
     host_threads: int | None = None,
+    clipping: bool = True,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -275,6 +276,7 @@ def wrap(
     With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
     the real shape, the knobs left as None are chosen by profiling and search
     (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
+    ``clipping=False`` plans for training without clipping, with ``step_in_backward``.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
     if getattr(model, "_protrain_engine", None) is not None:
@@ -307,6 +309,7 @@ def wrap(
                 "n_checkpoint": n_checkpoint,
             },
             tiled_mlp_tokens=tiled_mlp_tokens,
+            clipping=clipping or compute_dtype == torch.float16,
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         n_persist, n_swap, n_checkpoint = plan.n_persist, plan.n_swap, plan.n_checkpoint

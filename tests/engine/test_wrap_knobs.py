@@ -98,3 +98,23 @@ def test_host_threads_keeps_the_math():
     losses, _ = train_engine(model, data, optimizer)
     _assert_same(model, reference, losses, ref_losses)
     protrain.close(model)
+
+
+@pytest.mark.parametrize("clipping", [True, False])
+def test_gpu_budget_plans_for_the_clipping_schedule_asked_for(monkeypatch, clipping):
+    import protrain.plan as plan_api
+
+    seen = {}
+    real = plan_api.profile_and_plan
+
+    def spy(*a, **kw):
+        seen.update(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(plan_api, "profile_and_plan", spy)
+    data = batches("llama", 1)
+    model, _, _ = protrain.wrap(
+        build("llama"), device="cpu", gpu_budget="64MiB", sample_batch=data[0], clipping=clipping
+    )
+    assert seen["clipping"] is clipping
+    protrain.close(model)
