@@ -80,6 +80,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the loss of traced and measured steps: the application's chunked loss over this "
              "many tokens at a time (0: the model's own loss, full-sequence fp32 logits)",
     )  # fmt: skip
+    p.add_argument(
+        "--max-grad-norm", type=float, default=1.0,
+        help="clipping of the measured steps, and the schedule the plan assumes (0: none; the "
+             "steps then call optimizer.step_in_backward())",
+    )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -146,7 +151,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             model, sample, gpu_budget_bytes=budget, device=device, loss_fn=loss_fn
         )
         t2 = time.perf_counter()
-        problem = PlanProblem(profile, hw, gpu_budget_bytes=budget, clipping=True)  # as step()
+        clip = args.max_grad_norm or None
+        row["max_grad_norm"] = clip
+        problem = PlanProblem(profile, hw, gpu_budget_bytes=budget, clipping=clip is not None)
         result = search(problem)
         t3 = time.perf_counter()
         plan = result.plan
@@ -172,8 +179,11 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
 
         def step():
+            if clip is None:  # the host AdamW starts inside backward
+                optimizer.step_in_backward()
             loss_fn(model, sample).backward()
-            optimizer.clip_grad_norm_(1.0)
+            if clip is not None:
+                optimizer.clip_grad_norm_(clip)
             optimizer.step()
             optimizer.zero_grad()
 
@@ -245,7 +255,8 @@ def main(argv=None) -> int:
     for name in names:
         cmd = [sys.executable, __file__, "--child", name, "--run-id", run_id,
                "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--chunked-loss-tokens", str(args.chunked_loss_tokens)]  # fmt: skip
+               "--chunked-loss-tokens", str(args.chunked_loss_tokens),
+               "--max-grad-norm", str(args.max_grad_norm)]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
         try:

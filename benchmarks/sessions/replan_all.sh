@@ -2,7 +2,8 @@
 # Next session, first GPU calls (one H200): every plan-accuracy configuration again, since
 # the step times measured before f3064a4 carry the gather thrash that commit removed.
 # PART=small (1B/3B rows, ~9 min) or PART=large (8B/14B rows, two calls: PART=large1, large2).
-# Needs .whl carried (pydantic). Results under $OUT/plan-accuracy-$PART.jsonl.
+# CLIP=0 measures (and plans) without clipping. Needs .whl carried (pydantic).
+# Results under $OUT/plan-accuracy-$PART.jsonl.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -12,6 +13,6 @@ case ${PART:-small} in
   large1) C=extra-8b-lora-24-b2-s4096,extra-8b-lora-16-b1-s8192,extra-8b-lora-40-b4-s2048,lora-14b ;;
   large2) C=full-8b,extra-8b-full-40-b1-s2048,extra-8b-full-80-b8-s1024,extra-14b-lora-40-b2-s2048,extra-14b-lora-80-b8-s512 ;;
 esac
-timeout 570 python3 benchmarks/plan_accuracy.py --steps 3 --warmup 1 --timeout-s 240 \
+timeout 570 python3 benchmarks/plan_accuracy.py --steps 3 --warmup 1 --timeout-s 240 ${CLIP:+--max-grad-norm $CLIP} \
   --run-id "$(date -u +%Y-%m-%dT%H:%MZ)-${COMMIT:-unknown}" \
   --out "$OUT/plan-accuracy-${PART:-small}.jsonl" --only "$C" 2>&1 | grep -v '^{' | tail -4
