@@ -192,7 +192,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             row["time_to_first_step_s"] = round(time.perf_counter() - t_start, 1)
         m = measure_steps(model, step, steps=args.steps, warmup=args.warmup, device=device)
         check = check_plan(plan, problem, measured_peak_bytes=m.peak_reserved_bytes,
-                           measured_step_s=m.step_s)  # fmt: skip
+                           measured_step_s=m.step_s,
+                           measured_allocated_bytes=m.peak_allocated_bytes if device.type == "cuda" else None)  # fmt: skip
         row.update(
             step_s=round(m.step_s, 4), tokens_per_s=round(batch * seq / m.step_s, 1),
             peak_alloc_gib=round(m.peak_allocated_bytes / _GIB, 3),

@@ -9,6 +9,7 @@ traces with every chunk persistent and with every chunk offloaded alike; swap is
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -196,3 +197,27 @@ def test_trace_persist_fills_half_the_budget():
     assert trace_persist(table, sum(per[:3])) == 3
     assert trace_persist(table, sum(per[:3]) - 1) == 2
     assert trace_persist(table, 0) == 0
+
+
+def test_closed_loop_on_cuda_reads_the_allocated_peak_not_the_grown_cache():
+    """Under a budget cap the caching allocator grows reserved memory up to the budget: a
+    reserved peak at the budget with allocated bytes as predicted is no reason to re-plan;
+    allocated bytes above the prediction (less its allocator term) are."""
+    prof = dataclasses.replace(syn.profile(n_blocks=6, n_chunks=12, seed=7),
+                               allocator_overhead_bytes=64 << 20)  # fmt: skip
+    problem = PlanProblem(prof, syn.hardware(), gpu_budget_bytes=4 << 30)
+    plan = search(problem).plan
+    overhead = plan.memory_terms["allocator_overhead"]
+    assert overhead == 64 << 20
+    tensors = plan.predicted_peak_bytes - overhead
+    at_budget = problem.gpu_budget_bytes + (8 << 20)
+    calm = check_plan(plan, problem, measured_peak_bytes=at_budget,
+                      measured_step_s=plan.predicted_step_s, measured_allocated_bytes=tensors)  # fmt: skip
+    assert calm.corrected is None
+    room = problem.gpu_budget_bytes - plan.predicted_peak_bytes
+    beyond = room + (200 << 20)
+    check = check_plan(plan, problem, measured_peak_bytes=at_budget,
+                       measured_step_s=plan.predicted_step_s,
+                       measured_allocated_bytes=tensors + beyond)  # fmt: skip
+    assert check.corrected is not None
+    assert check.corrected.memory_terms["measured_beyond_model"] == beyond

@@ -3,7 +3,12 @@
 The difference is logged, always. When the measured peak is above the prediction, the
 missing bytes are a measured term of their own (``measured_beyond_model``): the search runs
 again with it, and if the current knobs no longer fit, the new plan is returned so the
-caller can re-wrap before the budget is passed. The step-time error is reported, not
+caller can re-wrap before the budget is passed. On CUDA the caller also gives the peak of
+allocated bytes: the missing bytes are then the allocated peak above the prediction less
+its allocator term, since under a budget cap the caching allocator grows its cache up to
+the budget, and a reserved peak at the budget says nothing about what the tensors need
+(a 16 GiB run measured 16.01 GiB reserved for 14.82 allocated, 14.82 predicted, and was
+corrected for nothing). The step-time error is reported, not
 corrected: a slower step never runs out of memory.
 """
 
@@ -37,7 +42,12 @@ class PlanCheck:
 
 
 def check_plan(
-    plan: Plan, problem: PlanProblem, *, measured_peak_bytes: int, measured_step_s: float
+    plan: Plan,
+    problem: PlanProblem,
+    *,
+    measured_peak_bytes: int,
+    measured_step_s: float,
+    measured_allocated_bytes: int | None = None,
 ) -> PlanCheck:
     """Compare; return the check, with a corrected plan when the current one would not fit.
 
@@ -58,7 +68,11 @@ def check_plan(
         check.measured_step_s,
         100 * check.step_error,
     )
-    missing = check.measured_peak_bytes - check.predicted_peak_bytes
+    if measured_allocated_bytes is None:
+        missing = check.measured_peak_bytes - check.predicted_peak_bytes
+    else:
+        overhead = plan.memory_terms.get("allocator_overhead", 0)
+        missing = int(measured_allocated_bytes) - (check.predicted_peak_bytes - overhead)
     if missing <= 0:
         return check
     corrected_problem = PlanProblem(

@@ -454,8 +454,12 @@ class AutoTrainable(EngineTrainable):
             "plan_measured_step_s": measured_step_s,
         }
         try:
+            allocated = (
+                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+            )
             check = check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
-                               measured_step_s=measured_step_s)  # fmt: skip
+                               measured_step_s=measured_step_s,
+                               measured_allocated_bytes=allocated)  # fmt: skip
         except NoPlanFits as exc:
             from protrain.train.planning import no_plan_fits_message
 
