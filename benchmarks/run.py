@@ -56,6 +56,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--n-buffer", type=int)
     p.add_argument("--chunk-mib", type=float, help="protrain: chunk size (default: the engine's)")
     p.add_argument("--host-threads", type=int, help="protrain: host AdamW intra-op threads")
+    p.add_argument(
+        "--auto", action="store_true",
+        help="protrain: knobs from the planner (wrap(gpu_budget=, sample_batch=)) instead of "
+             "--n-persist/--n-buffer; the engine's activation policies replace HF checkpointing",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -104,6 +109,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         n_buffer=args.n_buffer,
         chunk_size_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
         host_threads=args.host_threads,
+        auto=args.auto,
     )
 
 

@@ -33,6 +33,7 @@ class RowSpec:
     n_buffer: int | None = None
     chunk_size_bytes: int | None = None  # protrain only
     host_threads: int | None = None  # protrain only: the host AdamW's intra-op threads
+    auto: bool = False  # protrain only: the planner picks the knobs for budget_gib
 
 
 @dataclass

@@ -23,7 +23,8 @@ def setup(spec: RowSpec) -> Trainer:
     dtype = torch.bfloat16 if spec.mode == "lora" else torch.float32
     model = build_on_meta(hf_config(spec.model), dtype, spec.lora_rank)
     materialize(model, "cpu", fill_device=spec.device)
-    enable_checkpointing(model)
+    if not spec.auto:  # auto: the plan's activation policies instead
+        enable_checkpointing(model)
     model.train()
     knobs = {
         k: v
@@ -35,9 +36,20 @@ def setup(spec: RowSpec) -> Trainer:
         )
         if v is not None
     }
+    auto = {}
+    if spec.auto:  # the planner profiles one step at the row's shape and searches
+        vocab = model.config.vocab_size
+        ids = torch.randint(vocab, (spec.batch, spec.seq), device=spec.device)
+        budget = spec.budget_gib if spec.budget_gib is not None else 1.0  # --tiny: no budget
+        auto = dict(
+            gpu_budget=int(budget * _GIB),
+            sample_batch={"input_ids": ids, "labels": ids},
+            clipping=spec.max_grad_norm is not None,
+        )
     model, optimizer, layout = protrain.wrap(
         model,
         **knobs,
+        **auto,
         device=spec.device,
         lr=spec.lr,
         weight_decay=spec.weight_decay,
@@ -56,6 +68,11 @@ def setup(spec: RowSpec) -> Trainer:
         return loss
 
     plan, predicted_peak_gib, predicted_step_s = _plan_fields(layout, knobs)
+    if spec.auto:
+        chosen = protrain.plan_of(model)
+        plan = {**chosen.knobs, "auto": True}
+        predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
+        predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))
 
 

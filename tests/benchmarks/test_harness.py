@@ -99,3 +99,15 @@ def test_report_ratios_stay_within_a_run() -> None:
     assert "plain oom" in protrain_line
     assert "ds_z3_offload" not in protrain_line
     assert text.count("### full-3b") == 2
+
+
+@pytest.mark.parametrize("clip", ["1.0", "0"])
+def test_protrain_auto_row_carries_the_plan(tmp_path: Path, clip: str) -> None:
+    proc = _run(tmp_path, "--workload", "full-3b", "--system", "protrain", "--auto",
+                "--max-grad-norm", clip)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])
+    assert row["status"] == "ok" and row["plan"]["auto"] is True
+    assert set(row["plan"]) >= {"n_persist", "n_buffer", "n_swap", "n_checkpoint"}
+    assert row["predicted_peak_gib"] > 0 and row["predicted_step_s"] > 0
+    assert row["max_grad_norm"] == (None if clip == "0" else 1.0)
