@@ -400,7 +400,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._armed_started:
             raise RuntimeError(
                 f"protrain: {what} after a backward armed by step_in_backward(): updates "
-                "have started; call step() first"
+                "have started; call step() first (if that backward raised, the weights are "
+                "half stepped: load the last checkpoint)"
             )
 
     def synchronize(self) -> None:
