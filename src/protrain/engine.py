@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.buffers import min_resident_chunks
-from protrain.chunks.layout import ChunkLayout, plan_layout
+from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
@@ -178,22 +178,6 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _params_in_order(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
-    """Each parameter once, with all its names, in module registration order.
-
-    Registration order is execution order for the models this engine targets (embeddings,
-    blocks, final norm, head); where it is not, only prefetch locality suffers: the runtime
-    gathers whatever a module needs, and prefetches in the chunk order it observed in the
-    first forward.
-    """
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
-    return [(names[k], params[k]) for k in params]
-
-
 def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> list[dict]:
     if param_groups is None:
         return [{"params": list(trainable)}]
@@ -332,7 +316,7 @@ def wrap(
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
-    params = _params_in_order(model)
+    params = params_in_order(model)
     meta = [names[0] for names, p in params if p.is_meta]
     if meta:
         raise ValueError(

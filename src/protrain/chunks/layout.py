@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 # Offsets are multiples of this, so that every view is aligned for vectorized kernels.
 ALIGN_BYTES = 64
@@ -199,3 +200,19 @@ def plan_layout(
         compute_dtype=compute_dtype,
         device=str(device),
     )
+
+
+def params_in_order(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each parameter once, with all its names, in module registration order.
+
+    Registration order is execution order for the models this engine targets (embeddings,
+    blocks, final norm, head); where it is not, only prefetch locality suffers: the runtime
+    gathers whatever a module needs, and prefetches in the chunk order it observed in the
+    first forward.
+    """
+    names: dict[int, list[str]] = {}
+    params: dict[int, nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+        params[id(p)] = p
+    return [(names[k], params[k]) for k in params]

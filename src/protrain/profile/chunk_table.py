@@ -15,7 +15,12 @@ import torch
 from torch import nn
 
 from protrain.chunks.buffers import min_resident_chunks
-from protrain.chunks.layout import choose_chunk_size, plan_layout, storage_dtype
+from protrain.chunks.layout import (
+    choose_chunk_size,
+    params_in_order,
+    plan_layout,
+    storage_dtype,
+)
 
 
 @dataclass
@@ -38,16 +43,6 @@ class ChunkTable:
     def frozen_bytes(self) -> list[int]:
         """Bytes of each chunk that are not trainable parameters (in the compute dtype)."""
         return [u - t for u, t in zip(self.used_bytes, self.trainable_bytes)]
-
-
-def params_in_order(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
-    """Each parameter once, with all its names, in registration order (as the engine packs)."""
-    names: dict[int, list[str]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-        params[id(p)] = p
-    return [(names[k], params[k]) for k in params]
 
 
 def chunk_table(
