@@ -107,14 +107,9 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
             return profile_and_plan(
                 model,
                 batch,
-                gpu_budget_bytes=settings.gpu_budget_bytes,
+                **_trace_kwargs(settings),
                 cpu_budget_bytes=settings.cpu_budget_bytes,
-                device=settings.device,
-                compute_dtype=settings.compute_dtype,
-                chunk_size_bytes=settings.chunk_size_bytes,
                 fixed_knobs=fixed_knobs,
-                loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
-                tiled_mlp_tokens=settings.tiled_mlp_tokens,
                 clipping=settings.clipping,
             )
         except NoPlanFits as exc:
@@ -128,16 +123,19 @@ def profile_memory(model: nn.Module, batch: dict, settings: PlanSettings):
     from protrain.plan import profile_model
 
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
-        return profile_model(
-            model,
-            batch,
-            gpu_budget_bytes=settings.gpu_budget_bytes,
-            device=settings.device,
-            compute_dtype=settings.compute_dtype,
-            chunk_size_bytes=settings.chunk_size_bytes,
-            loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
-            tiled_mlp_tokens=settings.tiled_mlp_tokens,
-        )
+        return profile_model(model, batch, **_trace_kwargs(settings))
+
+
+def _trace_kwargs(settings: PlanSettings) -> dict:
+    """What the trace needs from the settings, the same for planning and for profiling."""
+    return dict(
+        gpu_budget_bytes=settings.gpu_budget_bytes,
+        device=settings.device,
+        compute_dtype=settings.compute_dtype,
+        chunk_size_bytes=settings.chunk_size_bytes,
+        loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
+        tiled_mlp_tokens=settings.tiled_mlp_tokens,
+    )
 
 
 def no_plan_fits_message(exc, settings: PlanSettings) -> str:
