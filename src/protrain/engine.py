@@ -30,7 +30,6 @@ update the scale as ``torch.amp.GradScaler`` does (``optim/loss_scaler.py``).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -42,6 +41,7 @@ from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
+from protrain.runtime.host_worker import HostWorker
 
 __all__ = ["wrap", "close", "state_dict", "load_state_dict", "plan_of", "Engine"]
 
@@ -349,12 +349,7 @@ def wrap(
     try:
         model.to(device)  # buffers; parameters are already views of device storage
         # The worker's CPU kernels run with host_threads intra-op threads.
-        worker = ThreadPoolExecutor(
-            max_workers=1,
-            thread_name_prefix="protrain-host-adam",
-            initializer=torch.set_num_threads,
-            initargs=(host_threads or default_host_threads(),),
-        )
+        worker = HostWorker(host_threads or default_host_threads())
         sink = GradSink(manager, worker)
         hooks = RuntimeHooks(model, manager, sink)
         optimizer = HybridAdamW(

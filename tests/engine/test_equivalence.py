@@ -88,9 +88,15 @@ def test_same_losses_and_parameters_as_plain_pytorch(kind, mode):
         protrain.close(model)
 
 
+@pytest.mark.parametrize("piece_numel", [None, 100])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_same_parameters_without_clipping(kind):
-    """Without clipping the host steps are enqueued in backward order: same result."""
+def test_same_parameters_without_clipping(kind, piece_numel, monkeypatch):
+    """Without clipping the host steps may start before the whole backward ends: same
+    result. With ``piece_numel`` every chunk's host update runs in many pieces (each tensor
+    of these tiny models is a piece of its own), which the next forward's gathers copy in
+    one at a time."""
+    if piece_numel is not None:
+        monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", piece_numel)
     torch.manual_seed(0)
     base = build(kind)
     data = batches(kind, STEPS * ACCUM)
@@ -118,3 +124,34 @@ def test_same_parameters_without_clipping(kind):
                 state[name], ref, atol=1e-6, rtol=0, msg=f"{kind} n_persist={n_persist} {name}"
             )
         protrain.close(model)
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_updates_in_pieces_with_clipping(mode, monkeypatch):
+    """Clipped steps with each host update split into pieces: the same as plain PyTorch."""
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    base = build("llama")
+    if mode == "lora":
+        base = lora(base, "llama")
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses, ref_norms = train_plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=1, lr=LR, weight_decay=WD, device="cpu"
+    )
+    pieces = [len(p) for p in optimizer._host_opts.values()]
+    assert max(pieces) > 1, pieces
+    losses, norms = train_engine(model, data, optimizer)
+    assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    assert norms == pytest.approx(ref_norms, abs=1e-6, rel=1e-6)
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    # the optimizer state round-trips through per-piece instances
+    saved = optimizer.state_dict()
+    optimizer.load_state_dict(saved)
+    again = optimizer.state_dict()
+    for k, st in saved["state"].items():
+        for name, v in st.items():
+            torch.testing.assert_close(again["state"][k][name], v, atol=0, rtol=0)
+    protrain.close(model)

@@ -57,10 +57,14 @@ def _n_chunks(model) -> int:
     return layout.n_chunks
 
 
-@pytest.mark.parametrize("checkpoint", [False, True])
+@pytest.mark.parametrize(
+    "checkpoint,piece_numel", [(False, None), (True, None), (True, 100)]
+)  # piece_numel: host updates in pieces, copied in piece by piece by the next forward
 @pytest.mark.parametrize("mode", ["full", "lora"])
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "t5"])
-def test_same_as_plain_pytorch(kind, mode, checkpoint):
+def test_same_as_plain_pytorch(kind, mode, checkpoint, piece_numel, monkeypatch):
+    if piece_numel is not None:
+        monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", piece_numel)
     base = build(kind)
     if mode == "lora":
         base = lora(base, kind)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import plan_synthetic as syn
 import pytest
 
+from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
 from protrain.plan import PlanProblem, search
-from protrain.plan.runtime import RuntimeModel
+from protrain.plan.runtime import RuntimeModel, _lowest_first
 from protrain.profile.chunk_table import ChunkTable
 from protrain.profile.trace import BlockProfile, Interval, ModelProfile
 
@@ -62,23 +64,39 @@ def test_free_running_step_is_the_compute():
 
 def test_host_stall_with_clipping_is_the_critical_path():
     """One offloaded chunk (the last): its step starts after the embedding's gradient is on
-    the host, then its masters are copied in; the forward reaches it after block 11."""
+    the host, then the masters of its last update piece are copied in (the pieces before
+    are copied while the next ones update); the forward reaches it after block 11."""
     p, hw = llama1b_like(), h200_like()
     rt = RuntimeModel(p, hw, clipping=True)
-    trn, chunk = p.chunks.trainable_numel[2], p.chunks.used_bytes[2]
-    tail = 4 * p.chunks.max_trainable_numel[2] / hw.d2h_bytes_per_s
+    trn, largest = p.chunks.trainable_numel[2], p.chunks.max_trainable_numel[2]
+    tail = 4 * largest / hw.d2h_bytes_per_s
     host = trn / hw.cpu_adam_params_per_s
-    gather = (chunk - 2 * trn + 4 * trn) / hw.h2d_bytes_per_s
+    last_piece = 4 * min(trn, max(largest, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
     needed = 0.001 + 11 * (0.03 / 16)
     dev_opt = 2 * trn / hw.device_adam_params_per_s
-    assert rt.host_stall_s[2] == pytest.approx(tail + host + gather - needed - dev_opt)
+    assert rt.host_stall_s[2] == pytest.approx(tail + host + last_piece - needed - dev_opt)
     assert rt.host_stall_s[3] == 0.0
-    # Without clipping one chunk's step starts during backward, as soon as its gradients are
-    # on the host; with every chunk offloaded, backward order steps the first chunk the
-    # forward needs last, which can be later than clipping's forward order.
+    # Without clipping each chunk's step starts during backward, as soon as its gradients
+    # are on the host, and the worker takes the first chunk the forward needs first: with
+    # one or every chunk offloaded, no later than clipping's schedule.
     no_clip = RuntimeModel(p, hw, clipping=False)
     assert no_clip.host_stall_s[2] < rt.host_stall_s[2]
-    assert no_clip.host_stall_s[0] > rt.host_stall_s[0]
+    assert no_clip.host_stall_s[0] < rt.host_stall_s[0]
+
+
+def test_host_worker_schedule_is_lowest_position_first():
+    """Chunks released in backward order (last first): the worker runs each as soon as it
+    is released while idle, and a backlog in forward order."""
+    release = np.array([-0.1, -0.2, -0.3, -0.4])  # chunk 3's gradients land first
+    work = np.array([0.25, 0.25, 0.25, 0.25])
+    done = _lowest_first(release, work, np.array([True, True, True, True]))
+    # 3 runs from -0.4; at -0.15 chunks 2 and 1 are waiting: 1 first, then 0 (released at
+    # -0.1, lower than 2), then 2
+    assert done.tolist() == pytest.approx([0.35, 0.1, 0.6, -0.15])
+    idle = _lowest_first(np.array([0.0, 5.0]), np.array([1.0, 1.0]), np.array([True, True]))
+    assert idle.tolist() == [1.0, 6.0]
+    skipped = _lowest_first(release, work, np.array([True, False, True, False]))
+    assert skipped[1] == -np.inf and skipped[3] == -np.inf
 
 
 @pytest.mark.parametrize("clipping", [True, False])

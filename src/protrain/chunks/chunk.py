@@ -20,6 +20,7 @@ The chunk's state changes in one place, :meth:`Chunk._set_state`.
 from __future__ import annotations
 
 import enum
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -71,10 +72,38 @@ class ParamSlot:
     grad_norm: torch.Tensor | None = None  # norm of grad_acc after the latest accumulation
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
     grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
+    update_piece: int = 0  # which piece of its chunk's host update writes this master
 
     @property
     def name(self) -> str:
         return self.placement.names[0]
+
+
+class UpdateProgress:
+    """How many pieces of a chunk's host update are done, shared between the host worker
+    (which advances it) and a gather (which copies each piece's masters as soon as it is
+    written; see [Note: gathering an updating chunk] in ``chunks/manager.py``)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._done = 0
+        self._over = False  # the task ended (also by an error, which its future carries)
+
+    def advance(self) -> None:
+        with self._cond:
+            self._done += 1
+            self._cond.notify_all()
+
+    def finish(self) -> None:
+        with self._cond:
+            self._over = True
+            self._cond.notify_all()
+
+    def wait(self, pieces: int) -> bool:
+        """Block until ``pieces`` pieces are done; False if the task ended before that."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= pieces or self._over)
+            return self._done >= pieces
 
 
 class Chunk:
@@ -91,6 +120,7 @@ class Chunk:
         self.users = 0  # modules between their forward pre- and post-hook
         self.gathered_event = None  # gather stream event: host-to-device copy done
         self.update_future: Future | None = None  # host optimizer step writing the masters
+        self.update_progress: UpdateProgress | None = None  # its pieces done so far
         # After a host step the fp32 masters are newer than the host copy: the next gather
         # copies the masters in and casts on the device, then writes the host copy back.
         self.host_stale = False

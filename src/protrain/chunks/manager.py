@@ -21,6 +21,16 @@ after that chunk's last copy-in finished (it synchronizes on ``gathered_event``)
 gather of a chunk whose masters are being updated waits for the update (``update_future``)
 before copying; a prefetch never blocks on an update, it leaves the chunk for later.
 
+[Note: gathering an updating chunk]
+A host update runs in pieces of a few parameters (see ``HybridAdamW``), and a gather that
+needs a chunk whose update is still running copies each parameter's master as soon as the
+piece that writes it is done (``Chunk.update_progress``), instead of waiting for the whole
+update and then copying the whole chunk. When the forward catches up with the host
+optimizer (full fine-tuning, no clipping: it waits for every offloaded chunk in turn), the
+copy then hides under the update of the next piece, and only the last piece's copy is
+exposed: on a 769 MiB chunk of full-3b, about 5 ms instead of the 28 ms of the chunk's fp32
+masters.
+
 [Note: write-back on the device]
 The host optimizer updates fp32 masters only. The first gather after a step copies the
 masters (fp32, in pieces of ``_PIECE_NUMEL``) to the device and casts them into the chunk
@@ -230,11 +240,8 @@ class ChunkManager:
                     f"buffers hold chunks in use by running modules; raise n_buffer"
                 )
             return False
-        if updating:
-            t0 = time.perf_counter()
-            c.update_future.result()
-            self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
-            c.update_future = None
+        if updating and c.update_progress is None:
+            self._wait_update(c)
         if self.is_cuda:
             with torch.cuda.stream(self.param_gather_stream):
                 c._set_state(ChunkState.IN_FLIGHT)
@@ -253,10 +260,20 @@ class ChunkManager:
             self._copy_in(c)
             if c.host_stale:
                 c.host_buffer[: c.used_bytes].copy_(c.device_buffer[: c.used_bytes])
+        if c.update_future is not None and updating:  # all pieces copied: surface errors
+            self._wait_update(c)
         c.host_stale = False
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
+
+    def _wait_update(self, c: Chunk, pieces: int | None = None) -> None:
+        """Wait for ``c``'s host update: all of it, or its first ``pieces`` pieces."""
+        t0 = time.perf_counter()
+        if pieces is None or not c.update_progress.wait(pieces):
+            c.update_future.result()  # raises the task's error, if it ended with one
+            c.update_future = c.update_progress = None
+        self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
 
     def _copy_in(self, c: Chunk) -> None:
         """Enqueue the copy of ``c`` into its device storage (on the current stream)."""
@@ -265,11 +282,15 @@ class ChunkManager:
                 c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
             )
             return
-        # See [Note: write-back on the device].
+        # See [Note: write-back on the device] and [Note: gathering an updating chunk].
+        updating = c.update_future is not None and c.update_progress is not None
         for s in c.slots:
             if s.master is None:
                 s.device_view.copy_(s.host_view, non_blocking=self.is_cuda)
-            elif not self.is_cuda:
+                continue
+            if updating and c.update_future is not None:
+                self._wait_update(c, s.update_piece + 1)
+            if not self.is_cuda:
                 s.device_view.copy_(s.master)
             else:
                 master, dev = s.master.view(-1), s.device_view.view(-1)

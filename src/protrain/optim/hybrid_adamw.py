@@ -15,8 +15,13 @@ torch's, and ``load_state_dict`` takes that format back.
 [Note: overlap and exact clipping]
 Global-norm clipping needs the norm over every gradient before any parameter changes, so no
 update can start before the last backward ends. The host updates therefore overlap the *next
-forward*: ``step`` enqueues one task per offloaded chunk on the CPU worker, in forward order,
-and returns; the gather of a chunk in the next forward waits only for that chunk's task.
+forward*: ``step`` enqueues one task per offloaded chunk on the CPU worker and returns; the worker
+(``runtime/host_worker.py``) runs them in forward order (each ranked by its chunk's
+position in ``manager.forward_order``), and the gather of a chunk in the next forward waits
+only for that chunk's task, or rather for the piece of it that writes each parameter: an
+update runs in pieces of at most ``_UPDATE_PIECE_NUMEL`` parameters, one fused AdamW
+instance each, and the gather copies every piece in as soon as it is written (see [Note:
+gathering an updating chunk] in ``chunks/manager.py``).
 The norm stays cheap because each offloaded gradient's 2-norm is taken as it arrives, during
 backward (on the device for the first micro-batch, on the host worker after a host
 accumulation); ``clip_grad_norm_`` only combines per-parameter norms (as torch does: a norm
@@ -25,13 +30,14 @@ coefficient is applied to the offloaded gradients inside their step task, with t
 multiplication torch does, so the result equals ``torch.nn.utils.clip_grad_norm_`` followed
 by ``AdamW.step``.
 
-Without clipping nothing waits for the whole backward: ``step`` returns while the device
-may still run backward, and the step tasks are enqueued in *backward* order instead, each
-waiting only for its own chunk's gradients to land (``slot.grad_event``), so the host AdamW
-of the last layers runs while the device computes the gradients of the first ones. The next
-forward then waits for the first chunk, the last to be updated; as long as the host work per
-step outlasts the backward, this still ends it earlier than starting it after the backward.
-The order changes only the schedule: every chunk's update does the same arithmetic.
+Without clipping nothing waits for the whole backward: each step task waits only for its
+own chunk's gradients to land (``slot.grad_event``), so the host AdamW of the last layers
+can run while the device computes the gradients of the first ones (see [Note: step in
+backward] for starting it from inside the backward). Those tasks become ready in backward
+order, and a FIFO worker would step the first chunk the next forward needs last, making the
+forward wait for every update; the worker's ranking takes the backlog in forward order
+instead, so the forward trails the host optimizer chunk by chunk. The order changes only
+the schedule: every chunk's update does the same arithmetic.
 
 [Note: step in backward]
 Without clipping, the update of an offloaded chunk could start the moment its last gradient
@@ -73,17 +79,21 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from protrain.chunks.chunk import Chunk, ParamSlot
+from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
+from protrain.runtime.host_worker import HostWorker
 
 log = logging.getLogger(__name__)
 _HYPER = ("lr", "betas", "eps", "weight_decay")
+# Parameters per piece of a host update (fp32: 128 MiB of masters): a gather waiting for the
+# update copies each piece in as soon as it is written. See [Note: gathering an updating
+# chunk] in chunks/manager.py. A larger tensor is a piece of its own.
+_UPDATE_PIECE_NUMEL = 1 << 25
 
 
 def check_hyperparameters(defaults: dict, param_groups: list[dict]) -> None:
@@ -110,7 +120,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self,
         param_groups: list[dict],
         manager: ChunkManager,
-        worker: ThreadPoolExecutor,
+        worker: HostWorker,
         *,
         lr: float,
         betas: tuple[float, float],
@@ -142,7 +152,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self._persistent_slots = persistent
         self._device_opt = self._inner(persistent)
         self._host_opts = {
-            c.index: self._inner(c.trainable_slots) for c in manager.offloaded if c.trainable_slots
+            c.index: [(*self._inner(piece), piece) for piece in _pieces(c.trainable_slots)]
+            for c in manager.offloaded
+            if c.trainable_slots
         }
         self._ready = True
 
@@ -281,15 +293,23 @@ class HybridAdamW(torch.optim.Optimizer):
         stats = self._manager.stats
         stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
         # host_stale stays False until step(): see [Note: step in backward]
+        self._submit(chunk, self._armed_hyper, with_grad, None, None)
+
+    def _submit(self, chunk: Chunk, hyper, with_grad, inv_scale, clip_coef) -> None:
+        """Queue ``chunk``'s host update, ranked by the chunk's place in the forward."""
+        order = self._manager.forward_order
+        rank = order.index(chunk.index) if chunk.index in order else len(order) + chunk.index
+        chunk.update_progress = UpdateProgress()
         chunk.update_future = self._worker.submit(
             _step_host_chunk,
             chunk,
-            self._host_opts[ci],
-            self._armed_hyper,
+            self._host_opts[chunk.index],
+            hyper,
             with_grad,
-            None,
-            None,
+            inv_scale,
+            clip_coef,
             self._manager.stats,
+            priority=rank,
         )
 
     def _disarm(self) -> None:
@@ -353,12 +373,8 @@ class HybridAdamW(torch.optim.Optimizer):
 
         manager.release_all()  # device copies of offloaded chunks are about to be stale
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
-        order = list(manager.forward_order)
-        order += [c.index for c in manager.offloaded if c.index not in order]
-        if clip_coef is None and host_inv_scale is None:  # [Note: overlap and exact clipping]
-            order.reverse()
-        for ci in order:
-            chunk = manager.chunks[ci]
+        for chunk in manager.offloaded:  # the worker runs them in forward order
+            ci = chunk.index
             if ci not in self._host_opts:
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
@@ -368,16 +384,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if not with_grad:
                 continue
             chunk.host_stale = True  # the next gather casts the new masters on the device
-            chunk.update_future = self._worker.submit(
-                _step_host_chunk,
-                chunk,
-                self._host_opts[ci],
-                hyper,
-                with_grad,
-                host_inv_scale,
-                host_coef,
-                manager.stats,
-            )
+            self._submit(chunk, hyper, with_grad, host_inv_scale, host_coef)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -407,7 +414,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Wait for every host task (accumulations and updates) and raise their errors."""
         self._check_open()
-        self._worker.submit(lambda: None).result()
+        self._worker.barrier()
         if self._manager.is_cuda:  # device-to-host copies into host memory
             torch.cuda.synchronize(self._manager.device)
         self._wait_accumulations()
@@ -418,7 +425,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _opt_of(self, s: ParamSlot):
         if self._manager.chunks[s.chunk].persistent:
             return self._device_opt[0]
-        return self._host_opts[s.chunk][0]
+        return self._host_opts[s.chunk][s.update_piece][0]
 
     def state_dict(self) -> dict:
         self.check_between_steps("optimizer.state_dict()")
@@ -498,20 +505,46 @@ def _set_hyper(opt: torch.optim.Optimizer, group_map: list[int], hyper: list[dic
         inner.update(hyper[gi])
 
 
+def _pieces(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
+    """Consecutive slots grouped into pieces of at most ``_UPDATE_PIECE_NUMEL`` parameters
+    (a larger tensor alone); each slot learns its piece's index."""
+    pieces: list[list[ParamSlot]] = []
+    numel = 0
+    for s in slots:
+        n = s.master.numel()
+        if not pieces or numel + n > _UPDATE_PIECE_NUMEL:
+            pieces.append([])
+            numel = 0
+        s.update_piece = len(pieces) - 1
+        pieces[-1].append(s)
+        numel += n
+    return pieces
+
+
 @torch.no_grad()
-def _step_host_chunk(
-    chunk: Chunk, opt_and_map, hyper, with_grad, inv_scale, clip_coef, stats
-) -> None:
-    """Runs on the CPU worker: unscale, clip, then AdamW over the chunk's fp32 masters."""
-    if chunk.gathered_event is not None:
-        chunk.gathered_event.synchronize()  # the last copy-in has read the masters
+def _step_host_chunk(chunk: Chunk, pieces, hyper, with_grad, inv_scale, clip_coef, stats) -> None:
+    """Runs on the CPU worker: unscale, clip, then AdamW over the chunk's fp32 masters, one
+    piece after another, telling ``chunk.update_progress`` as each piece is written."""
+    try:
+        if chunk.gathered_event is not None:
+            chunk.gathered_event.synchronize()  # the last copy-in has read the masters
+        stepping = set(map(id, with_grad))
+        for opt, group_map, piece in pieces:
+            _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats)
+            chunk.update_progress.advance()
+    finally:
+        chunk.update_progress.finish()
+
+
+def _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats) -> None:
+    with_grad = [s for s in piece if id(s) in stepping]
     for s in with_grad:
         if s.grad_event is not None:
             s.grad_event.synchronize()  # the gradient has landed in grad_acc
-    opt, group_map = opt_and_map
-    stepping = set(map(id, with_grad))
-    for s in chunk.trainable_slots:
+    for s in piece:
         s.master.grad = s.grad_acc if id(s) in stepping else None
+    if not with_grad:
+        return
     t0 = time.perf_counter()
     if inv_scale is not None:  # step() has already found every gradient finite
         found_inf = torch.zeros(1)

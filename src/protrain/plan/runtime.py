@@ -36,24 +36,30 @@ in (the copies follow one another on the link). Times are counted from the end o
 backward; the next forward starts after the device optimizer, and reaches chunk ``j`` after
 the forward compute of the blocks before ``chunk_first_block[j]``.
 
-- With clipping, steps start once every gradient is on the host (the global norm needs
-  them all; the last to arrive is the first offloaded chunk's largest tensor, at the
-  measured device-to-host rate) and run in forward order.
-- Without clipping, each chunk's step starts when its own gradients are on the host
+- With clipping, steps are released once every gradient is on the host (the global norm
+  needs them all; the last to arrive is the first offloaded chunk's largest tensor, at the
+  measured device-to-host rate).
+- Without clipping, each chunk's step is released when its own gradients are on the host
   (backward finishes a chunk with the first block that uses it; the backward compute
-  still to run after that point hides it) and steps run in backward order; the first
-  offloaded chunk in forward order is stepped last. Recompute is not counted as hiding time.
+  still to run after that point hides it). Recompute is not counted as hiding time.
 
-Chunk ``j`` arrives at ``A_j = max over i <= j of (ready_i + gather_i + ... + gather_j)``
-and the forward stalls ``max_j(A_j - forward_until_j) - device_optimizer`` (never below 0).
+The worker runs one step at a time, the released one of lowest forward position first
+(``_lowest_first``, as ``runtime/host_worker.py`` does), ending chunk ``i``'s step at
+``done_i``. A gather copies the masters of each update piece as soon as it is written, so
+chunk ``j`` arrives at ``A_j = max over i <= j of (done_i + tail_i + gather_{i+1} + ... +
+gather_j)``, ``tail_i`` being the copy of the last piece, and the forward stalls
+``max_j(A_j - forward_until_j) - device_optimizer`` (never below 0).
 This depends on ``n_persist`` only (not on ``n_buffer`` or the activation policies), so it is
-one vector, computed once in O(chunks^2).
+one vector, computed once in O(chunks^2 log chunks).
 """
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
+from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
 from protrain.plan.memory import CHECKPOINT, SWAP
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
@@ -129,24 +135,25 @@ class RuntimeModel:
         hw, n = self.hw, self.n_chunks
         host_s = trn * self.host_s_per_param
         gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
+        # the copy after the last piece of an update (the pieces before hide under it)
+        tail_s = (
+            4 * np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
+        )
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
         dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
         stall = np.zeros(n + 1)
         if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
             return (self.trainable[n] - self.trainable) * self.host_s_per_param
-        hc = np.concatenate([[0.0], np.cumsum(host_s)])
         gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         stepped = trn > 0
-        if not self.clipping:
-            # Backward order: step i ends at max over later-stepped i' >= i of
-            # (grads of i' on the host) + steps i..i'.
-            grads_on_host = np.where(stepped, grad_tail_s - bwd_after, -np.inf)
-            done = np.maximum.accumulate((grads_on_host + hc[1:])[::-1])[::-1] - hc[:-1]
+        # Without clipping each chunk's step is released when its own gradients are on the
+        # host, during backward (negative: before its end); with clipping all at once.
+        own_grads = grad_tail_s - bwd_after
         for n_p in range(n):
-            if self.clipping:  # forward order from n_p, after the first chunk's last gradient
-                done = grad_tail_s[n_p] + hc[1:] - hc[n_p]
-            ready = np.where(stepped, done, -np.inf)[n_p:]
-            arrive = np.maximum.accumulate(ready - gc[n_p:-1]) + gc[n_p + 1 :]
+            release = np.full(n, grad_tail_s[n_p]) if self.clipping else own_grads
+            done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))[n_p:]
+            # A_j = max over i <= j of (done_i + tail_i + gathers i+1..j)
+            arrive = np.maximum.accumulate(done + tail_s[n_p:] - gc[n_p + 1 :]) + gc[n_p + 1 :]
             late = np.max(arrive - needed_at[n_p:]) - dev_opt_s[n_p]
             stall[n_p] = max(late, 0.0) if np.isfinite(late) else 0.0
         return stall
@@ -205,3 +212,23 @@ class RuntimeModel:
             ),
             "host_optimizer_exposed": float(stall_s),
         }
+
+
+def _lowest_first(release: np.ndarray, work: np.ndarray, active: np.ndarray) -> np.ndarray:
+    """End times of the host worker's tasks (see ``runtime/host_worker.py``): one at a time,
+    each started when released, the released task of lowest index (forward position) first.
+    Inactive tasks end at -inf (nothing waits for them)."""
+    done = np.full(len(work), -np.inf)
+    todo = sorted(np.flatnonzero(active), key=lambda j: release[j])
+    ready: list[int] = []
+    t, k = -np.inf, 0
+    while k < len(todo) or ready:
+        if not ready:
+            t = max(t, release[todo[k]])
+        while k < len(todo) and release[todo[k]] <= t:
+            heapq.heappush(ready, int(todo[k]))
+            k += 1
+        j = heapq.heappop(ready)
+        t += work[j]
+        done[j] = t
+    return done

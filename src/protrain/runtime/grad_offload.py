@@ -39,18 +39,18 @@ updating with the first part only.
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from protrain.chunks.chunk import ParamSlot
 from protrain.chunks.manager import ChunkManager, Phase
+from protrain.runtime.host_worker import URGENT, HostWorker
 
 _PIECE_NUMEL = 1 << 26  # elements cast to fp32 at a time on the device (256 MiB)
 
 
 class GradSink:
-    def __init__(self, manager: ChunkManager, worker: ThreadPoolExecutor):
+    def __init__(self, manager: ChunkManager, worker: HostWorker):
         self.manager = manager
         self.worker = worker
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
@@ -149,7 +149,7 @@ class GradSink:
         else:
             slot.grad_staging.copy_(grad)
         slot.accumulate_future = self.worker.submit(
-            _accumulate, slot, done_event, self.manager.stats
+            _accumulate, slot, done_event, self.manager.stats, priority=URGENT
         )
 
 

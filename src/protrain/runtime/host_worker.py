@@ -1,0 +1,82 @@
+"""The host worker: one thread that runs the engine's CPU tasks, most urgent first.
+
+The host AdamW steps of offloaded chunks, and the host accumulation of later micro-batches'
+gradients, run on one thread (each kernel uses ``host_threads`` intra-op threads, so two
+tasks at once would only share the same cores and memory bandwidth). Which task runs next
+decides how long the next forward waits: it needs the chunks in forward order, and without
+clipping their updates arrive from backward in the reverse order. A FIFO queue
+(``ThreadPoolExecutor``) stepped the first chunk the forward needs last, so the forward
+waited for every update; this queue runs the queued task of lowest ``priority`` first (ties
+in submission order), and the optimizer gives each chunk's update its position in the
+forward order. See [Note: overlap and exact clipping] in ``optim/hybrid_adamw.py``.
+
+Written here rather than taken from ``concurrent.futures``: its executors have no priorities.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+URGENT = -1.0  # gradient accumulations: an update of the same chunk must find them done
+LAST = math.inf  # barriers: after everything queued before them
+
+
+class HostWorker:
+    """A single-thread executor with a priority queue; ``submit`` returns a ``Future``."""
+
+    def __init__(self, num_threads: int, name: str = "protrain-host-adam"):
+        self._queue: list[tuple[float, int, Future, Callable, tuple]] = []
+        self._seq = itertools.count()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, args=(num_threads,), name=name,
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
+
+    def submit(self, fn: Callable, *args: Any, priority: float = 0.0) -> Future:
+        """Queue ``fn(*args)``; among queued tasks the lowest ``priority`` runs first."""
+        future: Future = Future()
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("protrain: the host worker is shut down")
+            heapq.heappush(self._queue, (priority, next(self._seq), future, fn, args))
+            self._cond.notify()
+        return future
+
+    def barrier(self) -> None:
+        """Wait until every task queued before this call has run."""
+        self.submit(lambda: None, priority=LAST).result()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Run what is queued, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        if wait:
+            self._thread.join()
+
+    def _run(self, num_threads: int) -> None:
+        torch.set_num_threads(num_threads)
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                _, _, future, fn, args = heapq.heappop(self._queue)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:  # handed to whoever waits on the future
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
