@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="protrain: knobs from the planner (wrap(gpu_budget=, sample_batch=)) instead of "
              "--n-persist/--n-buffer; the engine's activation policies replace HF checkpointing",
     )  # fmt: skip
+    p.add_argument(
+        "--chunked-loss-tokens", type=int,
+        help="protrain: the app's chunked loss (memory.chunked_loss_tokens), N tokens of logits "
+             "at a time, in training and in the planner's trace (default: the model's own loss)",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -110,6 +115,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         chunk_size_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
         host_threads=args.host_threads,
         auto=args.auto,
+        chunked_loss_tokens=args.chunked_loss_tokens,
     )
 
 
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "time_to_first_step_s": result.pop("time_to_first_step_s", None),
         **result,  # extras: loss, error, and what the system reports per step
         "max_grad_norm": spec.max_grad_norm,
+        "chunked_loss_tokens": spec.chunked_loss_tokens,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,

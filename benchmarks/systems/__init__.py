@@ -34,6 +34,7 @@ class RowSpec:
     chunk_size_bytes: int | None = None  # protrain only
     host_threads: int | None = None  # protrain only: the host AdamW's intra-op threads
     auto: bool = False  # protrain only: the planner picks the knobs for budget_gib
+    chunked_loss_tokens: int | None = None  # protrain only: the app's chunked loss
 
 
 @dataclass

@@ -36,6 +36,11 @@ def setup(spec: RowSpec) -> Trainer:
         )
         if v is not None
     }
+    loss_fn = _hf_loss
+    if spec.chunked_loss_tokens:  # as `memory: {chunked_loss_tokens: N}` in the app
+        from protrain.train.planning import planner_loss
+
+        loss_fn = planner_loss(spec.device, spec.chunked_loss_tokens)
     auto = {}
     if spec.auto:  # the planner profiles one step at the row's shape and searches
         vocab = model.config.vocab_size
@@ -45,6 +50,7 @@ def setup(spec: RowSpec) -> Trainer:
             gpu_budget=int(budget * _GIB),
             sample_batch={"input_ids": ids, "labels": ids},
             clipping=spec.max_grad_norm is not None,
+            loss_fn=loss_fn,
         )
     model, optimizer, layout = protrain.wrap(
         model,
@@ -59,7 +65,7 @@ def setup(spec: RowSpec) -> Trainer:
     def step(input_ids: torch.Tensor) -> torch.Tensor:
         if spec.max_grad_norm is None:  # host AdamW of each chunk starts inside backward
             optimizer.step_in_backward()
-        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss = loss_fn(model, {"input_ids": input_ids, "labels": input_ids})
         loss.backward()
         if spec.max_grad_norm is not None:
             optimizer.clip_grad_norm_(spec.max_grad_norm)
@@ -74,6 +80,10 @@ def setup(spec: RowSpec) -> Trainer:
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))
+
+
+def _hf_loss(model, batch: dict) -> torch.Tensor:
+    return model(**batch).loss
 
 
 def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]:
