@@ -104,14 +104,20 @@ def profile_model(
     )
     attempts = [n_persist] if n_persist == 0 else [n_persist, 0]
     for i, n in enumerate(attempts):
+        traced = False
         try:
-            return trace_model(model, sample_batch, n_persist=n, **kwargs)
+            profile = trace_model(model, sample_batch, n_persist=n, **kwargs)
+            traced = True
         except torch.OutOfMemoryError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
         # Cleaned up outside the handler: the exception's traceback holds the trace's tensors.
+        # After a trace that ran, too: its layout (more persistent chunks than the plan, say)
+        # left blocks in the caching allocator, and training would start with them reserved.
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if traced:
+            return profile
         if i + 1 < len(attempts):
             log.warning(
                 "protrain trace with n_persist=%s ran out of memory (%s); retrying with every "
