@@ -10,6 +10,7 @@ import pytest
 
 from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
 from protrain.plan import PlanProblem, search
+from protrain.plan.memory import SWAP
 from protrain.plan.runtime import RuntimeModel, _lowest_first
 from protrain.profile.chunk_table import ChunkTable
 from protrain.profile.trace import BlockProfile, Interval, ModelProfile
@@ -170,3 +171,23 @@ def test_clipping_adds_the_host_multiplication_at_its_measured_rate():
     # not measured: left out, as before
     unmeasured = RuntimeModel(profile, dataclasses.replace(hw, cpu_clip_params_per_s=None))
     assert unmeasured.host_s_per_param == pytest.approx(1 / 2.5e9)
+
+
+def test_a_swapped_block_runs_at_the_pace_of_its_copies():
+    """A swapped block's forward lasts at least its saved bytes over device-to-host, its
+    backward at least the same bytes over host-to-device; on a fast link, only compute."""
+    p = llama1b_like()
+    n = len(p.blocks)
+    keep = np.zeros((1, n), dtype=np.int64)
+    swap_first = keep.copy()
+    swap_first[0, 0] = SWAP
+    saved = p.blocks[0].saved_bytes
+    for rate, stall in [(1e18, 0.0), (saved / 0.5, 1.0)]:  # 0.5 s each way on the slow link
+        hw = dataclasses.replace(h200_like(), d2h_bytes_per_s=rate, h2d_bytes_per_s=rate)
+        rt = RuntimeModel(p, hw)
+        (c_keep,), _ = rt.pair_terms(keep)
+        (c_swap,), (swapped,) = rt.pair_terms(swap_first)
+        assert swapped == saved
+        block_fwd, block_bwd = rt.block_fwd_s[0], rt.block_bwd_s[0]
+        expect = 0.0 if stall == 0 else (0.5 - block_fwd) + (0.5 - block_bwd)
+        assert c_swap - c_keep == pytest.approx(expect)

@@ -26,6 +26,18 @@
   chunk's fp32 gradients by the clip coefficient: one more pass, at its own measured rate
   (``cpu_clip_params_per_s``; 0.16-0.42 s a step on full-3b).
 
+[Note: swapped blocks run at the pace of their copies]
+A swapped block cannot spread its copies over the rest of the phase: in forward, at most
+one block's worth of copies is in flight (the memory model reserves that much), so the
+block's forward ends no earlier than its saved bytes reach the host; in backward its saved
+bytes come back while the block after it (in backward order) runs, one group ahead. So each
+swapped block takes ``max(forward, saved / d2h)`` and ``max(backward, saved / h2d)``, and
+the excess is added to compute; the swap bytes still count in the phase's copy traffic,
+which they share with gathers. The swapped blocks are the first ones, back to back, so
+nothing else hides their copies. Before this term, six measured plans with 3 to 11
+swapped blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and
+ninth runs), and the planner chose swap where checkpointing was faster.
+
 On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
 run on the same cores as compute, so every term adds.
 
@@ -103,6 +115,12 @@ class RuntimeModel:
         self.host_s_per_param = 1.0 / self.host_adam_rate + (1.0 / clip_rate if clip_rate else 0.0)
         self.recompute_s = recompute
         self.saved = np.asarray([x.saved_bytes for x in profile.blocks], dtype=np.int64)
+        self.block_fwd_s, self.block_bwd_s = block_fwd, block_bwd
+        # [Note: swapped blocks run at the pace of their copies]
+        concurrent = hardware.device != "cpu"
+        out_s = self.saved / hardware.d2h_bytes_per_s - block_fwd
+        in_s = self.saved / hardware.h2d_bytes_per_s - block_bwd
+        self.swap_stall_s = np.maximum(out_s, 0.0) + np.maximum(in_s, 0.0) if concurrent else 0.0
         self.min_buffers = t.min_buffers
         self.n_chunks = n = t.n_chunks
         used = np.asarray(t.used_bytes, dtype=np.int64)
@@ -159,8 +177,10 @@ class RuntimeModel:
         return stall
 
     def pair_terms(self, pol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(compute seconds, swap bytes each way) for each row of block policies."""
+        """(compute seconds, swap bytes each way) for each row of block policies; compute
+        includes the swapped blocks' wait for their own copies."""
         compute = self.base_compute_s + np.where(pol == CHECKPOINT, self.recompute_s, 0.0).sum(1)
+        compute = compute + np.where(pol == SWAP, self.swap_stall_s, 0.0).sum(1)
         swap = np.where(pol == SWAP, self.saved, 0).sum(1)
         return compute, swap
 
