@@ -191,3 +191,14 @@ def test_a_swapped_block_runs_at_the_pace_of_its_copies():
         block_fwd, block_bwd = rt.block_fwd_s[0], rt.block_bwd_s[0]
         expect = 0.0 if stall == 0 else (0.5 - block_fwd) + (0.5 - block_bwd)
         assert c_swap - c_keep == pytest.approx(expect)
+
+
+def test_the_plan_names_the_swapped_blocks_wait():
+    """A plan that swaps on a slow link carries the wait as its own (JSON) term."""
+    import json
+
+    hw = dataclasses.replace(h200_like(), d2h_bytes_per_s=1e9, h2d_bytes_per_s=1e9)
+    problem = PlanProblem(llama1b_like(), hw, gpu_budget_bytes=80 * GIB)
+    terms = problem.evaluate(0, 3, 2, 0)["time_terms"]
+    assert terms["swap_wait"] > 0 and json.loads(json.dumps(terms)) == terms
+    assert problem.evaluate(0, 3, 0, 2)["time_terms"]["swap_wait"] == 0.0

@@ -41,7 +41,13 @@ def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
     t = plan.time_terms
     if t:
         out.append(
-            f"step {plan.predicted_step_s:.3f} s: compute {t['compute']:.3f} s, copies "
+            f"step {plan.predicted_step_s:.3f} s: compute {t['compute']:.3f} s"
+            + (
+                f" (of which {t['swap_wait']:.3f} s swapped blocks wait for their copies)"
+                if t.get("swap_wait")
+                else ""
+            )  # fmt: skip
+            + f", copies "
             f"{t['copy']:.3f} s ({t['copy_exposed']:.3f} s not hidden), device optimizer "
             f"{t['device_optimizer']:.3f} s, host optimizer {t['host_optimizer']:.3f} s "
             f"({t['host_optimizer_exposed']:.3f} s the next forward waits for)"

@@ -176,11 +176,15 @@ class RuntimeModel:
             stall[n_p] = max(late, 0.0) if np.isfinite(late) else 0.0
         return stall
 
+    def swap_wait_s(self, pol: np.ndarray) -> np.ndarray:
+        """Seconds the swapped blocks wait for their own copies, per row of policies."""
+        return np.where(pol == SWAP, self.swap_stall_s, 0.0).sum(1)
+
     def pair_terms(self, pol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, swap bytes each way) for each row of block policies; compute
         includes the swapped blocks' wait for their own copies."""
         compute = self.base_compute_s + np.where(pol == CHECKPOINT, self.recompute_s, 0.0).sum(1)
-        compute = compute + np.where(pol == SWAP, self.swap_stall_s, 0.0).sum(1)
+        compute = compute + self.swap_wait_s(pol)
         swap = np.where(pol == SWAP, self.saved, 0).sum(1)
         return compute, swap
 

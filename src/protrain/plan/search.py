@@ -139,6 +139,7 @@ class PlanProblem:
         step, time_terms = self.runtime.step_s(
             n_persist, n_buffer, compute[0], swap[0], breakdown=True
         )
+        time_terms["swap_wait"] = float(self.runtime.swap_wait_s(pol)[0])  # part of compute
         return {
             "peak_bytes": int(sum(mem.values())),
             "step_s": float(step),
