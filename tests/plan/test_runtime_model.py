@@ -202,3 +202,24 @@ def test_the_plan_names_the_swapped_blocks_wait():
     terms = problem.evaluate(0, 3, 2, 0)["time_terms"]
     assert terms["swap_wait"] > 0 and json.loads(json.dumps(terms)) == terms
     assert problem.evaluate(0, 3, 0, 2)["time_terms"]["swap_wait"] == 0.0
+
+
+def test_a_lora_chunk_arrives_after_its_frozen_bytes():
+    """LoRA: the last chunk holds 8 M adapter parameters beside ~850 MiB of frozen base
+    weights; with clipping its step ends, then the forward's gather copies the base weights
+    and the adapters' masters (nothing of the base hides under the tiny update)."""
+    p, hw = llama1b_like(), dataclasses.replace(h200_like(), h2d_bytes_per_s=5e9)
+    trn = [4 << 20, 4 << 20, 8 << 20]
+    p.chunks = dataclasses.replace(
+        p.chunks, trainable_numel=trn, trainable_bytes=[2 * n for n in trn],
+        max_trainable_numel=[1 << 20] * 3,
+    )  # fmt: skip
+    rt = RuntimeModel(p, hw, clipping=True)
+    frozen = p.chunks.used_bytes[2] - 2 * trn[2]
+    tail = 4 * (1 << 20) / hw.d2h_bytes_per_s
+    host = trn[2] / hw.cpu_adam_params_per_s
+    copy = (frozen + 4 * trn[2]) / hw.h2d_bytes_per_s
+    needed = 0.001 + 11 * (0.03 / 16)
+    dev_opt = (trn[0] + trn[1]) / hw.device_adam_params_per_s
+    assert rt.host_stall_s[2] == pytest.approx(max(tail + host + copy - needed - dev_opt, 0.0))
+    assert rt.host_stall_s[2] > 0

@@ -59,7 +59,8 @@ The worker runs one step at a time, the released one of lowest forward position 
 (``_lowest_first``, as ``runtime/host_worker.py`` does), ending chunk ``i``'s step at
 ``done_i``. A gather copies the masters of each update piece as soon as it is written, so
 chunk ``j`` arrives at ``A_j = max over i <= j of (done_i + tail_i + gather_{i+1} + ... +
-gather_j)``, ``tail_i`` being the copy of the last piece, and the forward stalls
+gather_j)``, ``tail_i`` being the copy of the last piece and of the chunk's frozen bytes
+(a LoRA chunk's base weights), and the forward stalls
 ``max_j(A_j - forward_until_j) - device_optimizer`` (never below 0).
 This depends on ``n_persist`` only (not on ``n_buffer`` or the activation policies), so it is
 one vector, computed once in O(chunks^2 log chunks).
@@ -153,10 +154,10 @@ class RuntimeModel:
         hw, n = self.hw, self.n_chunks
         host_s = trn * self.host_s_per_param
         gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
-        # the copy after the last piece of an update (the pieces before hide under it)
-        tail_s = (
-            4 * np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
-        )
+        # the copy after the last piece of an update (the pieces before hide under it), and
+        # the chunk's frozen bytes, which the gather copies once the forward asks for it
+        last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
+        tail_s = (frozen + 4 * last_piece) / hw.h2d_bytes_per_s
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
         dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
         stall = np.zeros(n + 1)
