@@ -3,13 +3,8 @@
 # (9490515, carried in .old/src) and after a800a01, side by side; lora-14b in auto mode;
 # then plan-accuracy configurations until the time is up. Needs .whl and .old carried.
 set -u
-T0=$SECONDS; LIMIT=${LIMIT:-585}
-left() { echo $(( LIMIT - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONUNBUFFERED=1
+source benchmarks/sessions/lib.sh
 NEW=/tmp/site:$PWD/src:$PWD OLD=/tmp/site:$PWD/.old/src:$PWD
-C=${COMMIT:-unknown}; RID="$(date -u +%Y-%m-%dT%H:%MZ)-$C"
 R="python3 benchmarks/run.py --run-id $RID --steps 5 --warmup 2"
 K="--workload full-3b --system protrain --n-persist 1 --n-buffer 3 --chunk-mib 769 --max-grad-norm 0"
 PYTHONPATH=$OLD timeout 90 $R --commit 9490515 $K --out $OUT/ab.jsonl 2>&1 | grep '^{' | cut -c1-700

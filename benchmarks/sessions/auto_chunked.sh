@@ -5,18 +5,8 @@
 # full-3b in the same run; then plan-accuracy configurations until the time is up.
 # Needs .whl carried. Results under $OUT.
 set -u
-T0=$SECONDS; LIMIT=${LIMIT:-585}
-left() { echo $(( LIMIT - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-C=${COMMIT:-unknown}; RID="$(date -u +%Y-%m-%dT%H:%MZ)-$C"
+source benchmarks/sessions/lib.sh
 R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 5 --warmup 2 --max-grad-norm 0"
-row() {  # row <max seconds> <args...>
-  local t=$1; shift; local l; l=$(left); [ "$l" -lt 20 ] && { echo "skipped (time): $*"; return; }
-  [ "$t" -gt "$l" ] && t=$l
-  timeout "$t" $R "$@" 2>&1 | grep '^{\|Error' | tail -2 | cut -c1-1500
-}
 A="--system protrain --auto --chunked-loss-tokens 4096"
 row 300 --workload lora-14b $A --out $OUT/lora14b.jsonl
 row 120 --workload full-3b $A --out $OUT/full3b.jsonl

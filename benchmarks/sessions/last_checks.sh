@@ -3,12 +3,8 @@
 # run, batch 1 and 8, clipping 1.0; then plan-accuracy rows not yet measured with the swap
 # term and the cache fix (3B LoRA at 24 GiB, two 8B LoRA shapes, lora-14b). Needs .whl.
 set -u
-T0=$SECONDS; LIMIT=${LIMIT:-560}
-left() { echo $(( LIMIT - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-C=${COMMIT:-unknown}; RID="$(date -u +%Y-%m-%dT%H:%MZ)-$C"
+LIMIT=${LIMIT:-560}
+source benchmarks/sessions/lib.sh
 R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 5 --warmup 2 --workload fits --out $OUT/fits.jsonl"
 for b in 1 8; do
   for s in plain "protrain --auto"; do

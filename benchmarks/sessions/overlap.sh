@@ -4,18 +4,9 @@
 # auto mode without clipping, and FSDP2 CPU offload without clipping in the same run (for
 # a ratio within one run); then the engine GPU tests. Needs .whl carried. Results in $OUT.
 set -u
-T0=$SECONDS; LIMIT=${LIMIT:-575}
-left() { echo $(( LIMIT - (SECONDS - T0) )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
-export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-C=${COMMIT:-unknown}; RID="$(date -u +%Y-%m-%dT%H:%MZ)-$C"
+LIMIT=${LIMIT:-575}
+source benchmarks/sessions/lib.sh
 R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 5 --warmup 2 --workload full-3b --out $OUT/full3b.jsonl"
-row() {  # row <max seconds> <args...>
-  local t=$1; shift; local l; l=$(left); [ "$l" -lt 20 ] && { echo "skipped (time): $*"; return; }
-  [ "$t" -gt "$l" ] && t=$l
-  timeout "$t" $R "$@" 2>&1 | grep '^{' | tail -1 | cut -c1-1500
-}
 K="--system protrain --n-persist 1 --n-buffer 3 --chunk-mib 769"
 row 90 $K --max-grad-norm 0
 row 90 $K

@@ -101,13 +101,16 @@ def test_report_ratios_stay_within_a_run() -> None:
     assert text.count("### full-3b") == 2
 
 
-@pytest.mark.parametrize("clip", ["1.0", "0"])
-def test_protrain_auto_row_carries_the_plan(tmp_path: Path, clip: str) -> None:
+@pytest.mark.parametrize("clip,chunked", [("1.0", None), ("0", None), ("0", "16")])
+def test_protrain_auto_row_carries_the_plan(tmp_path: Path, clip: str, chunked) -> None:
+    extra = ["--chunked-loss-tokens", chunked] if chunked else []
     proc = _run(tmp_path, "--workload", "full-3b", "--system", "protrain", "--auto",
-                "--max-grad-norm", clip)  # fmt: skip
+                "--max-grad-norm", clip, *extra)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[-1])
     assert row["status"] == "ok" and row["plan"]["auto"] is True
     assert set(row["plan"]) >= {"n_persist", "n_buffer", "n_swap", "n_checkpoint"}
     assert row["predicted_peak_gib"] > 0 and row["predicted_step_s"] > 0
     assert row["max_grad_norm"] == (None if clip == "0" else 1.0)
+    assert row["chunked_loss_tokens"] == (int(chunked) if chunked else None)
+    assert row["loss"] > 0
