@@ -155,3 +155,59 @@ def test_updates_in_pieces_with_clipping(mode, monkeypatch):
         for name, v in st.items():
             torch.testing.assert_close(again["state"][k][name], v, atol=0, rtol=0)
     protrain.close(model)
+
+
+def test_two_steps_in_a_row_then_forward(monkeypatch):
+    """``step(); step()`` before the next forward (legal in torch): the forward sees the
+    second update, not pieces of the first (each update has its own progress)."""
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    base = build("llama")
+    data = batches("llama", 2)
+    reference = copy.deepcopy(base)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD, fused=True)
+    reference(**data[0]).loss.backward()
+    opt.step()
+    opt.step()
+    with torch.no_grad():
+        expected = reference(**data[1]).loss.item()
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cpu"
+    )
+    model(**data[0]).loss.backward()
+    optimizer.step()
+    optimizer.step()
+    with torch.no_grad():
+        assert model(**data[1]).loss.item() == pytest.approx(expected, abs=1e-6, rel=1e-6)
+    protrain.close(model)
+
+
+def test_a_failed_host_update_is_raised_at_every_gather(monkeypatch):
+    """A host AdamW that fails halfway: the gather that waits for it raises its error and
+    leaves the chunk released (no device bytes, not counted as resident); so does the next."""
+    import protrain.optim.hybrid_adamw as hybrid
+
+    monkeypatch.setattr(hybrid, "_UPDATE_PIECE_NUMEL", 100)
+    real, calls = hybrid._step_host_piece, [0]
+
+    def fails_second_piece(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected host AdamW failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hybrid, "_step_host_piece", fails_second_piece)
+    data = batches("llama", 2)
+    model, optimizer, _ = protrain.wrap(build("llama"), n_persist=0, lr=LR, device="cpu")
+    model(**data[0]).loss.backward()
+    optimizer.step()
+    manager = model._protrain_engine.manager
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="injected host AdamW failure"), torch.no_grad():
+            model(**data[1])
+        chunk = manager.chunks[manager.forward_order[0]]
+        assert chunk.index not in manager.resident
+        assert chunk.device_buffer.untyped_storage().nbytes() == 0
+    # close() gives everything back and still reports the failed update
+    with pytest.raises(RuntimeError, match="injected host AdamW failure"):
+        protrain.close(model)
+    assert not hasattr(model, "_protrain_engine")

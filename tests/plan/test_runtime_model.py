@@ -191,6 +191,12 @@ def test_a_swapped_block_runs_at_the_pace_of_its_copies():
         block_fwd, block_bwd = rt.block_fwd_s[0], rt.block_bwd_s[0]
         expect = 0.0 if stall == 0 else (0.5 - block_fwd) + (0.5 - block_bwd)
         assert c_swap - c_keep == pytest.approx(expect)
+        (fwd_wait,) = rt.swap_wait_s(swap_first, "forward")
+        assert fwd_wait == pytest.approx(0.0 if stall == 0 else 0.5 - block_fwd)
+        # the forward wait belongs to the forward: with a copy-bound backward it is not hidden
+        _, keep_terms = rt.step_s(3, 0, c_keep, 0, breakdown=True)
+        _, swap_terms = rt.step_s(3, 0, c_swap, swapped, fwd_wait, breakdown=True)
+        assert swap_terms["compute"] == pytest.approx(keep_terms["compute"] + expect)
 
 
 def test_the_plan_names_the_swapped_blocks_wait():

@@ -245,7 +245,7 @@ class ChunkManager:
         if self.is_cuda:
             with torch.cuda.stream(self.param_gather_stream):
                 c._set_state(ChunkState.IN_FLIGHT)
-                self._copy_in(c)
+                self._copy_in_or_release(c)
                 c.gathered_event = self.param_gather_stream.record_event()
             if c.host_stale:
                 d2h = self.grad_offload_stream
@@ -257,7 +257,7 @@ class ChunkManager:
                     c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
-            self._copy_in(c)
+            self._copy_in_or_release(c)
             if c.host_stale:
                 c.host_buffer[: c.used_bytes].copy_(c.device_buffer[: c.used_bytes])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
@@ -274,6 +274,16 @@ class ChunkManager:
             c.update_future.result()  # raises the task's error, if it ended with one
             c.update_future = c.update_progress = None
         self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
+
+    def _copy_in_or_release(self, c: Chunk) -> None:
+        """``_copy_in``; if the host update it waits for failed, the chunk goes back to
+        released (its device storage freed) and the update's error is raised, at this
+        gather and at every later one."""
+        try:
+            self._copy_in(c)
+        except BaseException:
+            c._set_state(ChunkState.RELEASED)
+            raise
 
     def _copy_in(self, c: Chunk) -> None:
         """Enqueue the copy of ``c`` into its device storage (on the current stream)."""

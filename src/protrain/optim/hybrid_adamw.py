@@ -299,10 +299,13 @@ class HybridAdamW(torch.optim.Optimizer):
         """Queue ``chunk``'s host update, ranked by the chunk's place in the forward."""
         order = self._manager.forward_order
         rank = order.index(chunk.index) if chunk.index in order else len(order) + chunk.index
-        chunk.update_progress = UpdateProgress()
+        # The task gets its own progress object: a chunk stepped twice before a gather (two
+        # step() calls in a row) must not count the first update's pieces for the second.
+        progress = chunk.update_progress = UpdateProgress()
         chunk.update_future = self._worker.submit(
             _step_host_chunk,
             chunk,
+            progress,
             self._host_opts[chunk.index],
             hyper,
             with_grad,
@@ -310,6 +313,7 @@ class HybridAdamW(torch.optim.Optimizer):
             clip_coef,
             self._manager.stats,
             priority=rank,
+            ready=lambda: _grads_landed(with_grad),
         )
 
     def _disarm(self) -> None:
@@ -521,19 +525,27 @@ def _pieces(slots: list[ParamSlot]) -> list[list[ParamSlot]]:
     return pieces
 
 
+def _grads_landed(with_grad: list[ParamSlot]) -> bool:
+    """Every gradient of an update is on the host (the worker prefers such a task over a
+    higher-ranked one that would block on its copies)."""
+    return all(s.grad_event is None or s.grad_event.query() for s in with_grad)
+
+
 @torch.no_grad()
-def _step_host_chunk(chunk: Chunk, pieces, hyper, with_grad, inv_scale, clip_coef, stats) -> None:
+def _step_host_chunk(
+    chunk: Chunk, progress: UpdateProgress, pieces, hyper, with_grad, inv_scale, clip_coef, stats
+) -> None:
     """Runs on the CPU worker: unscale, clip, then AdamW over the chunk's fp32 masters, one
-    piece after another, telling ``chunk.update_progress`` as each piece is written."""
+    piece after another, telling ``progress`` as each piece is written."""
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
         stepping = set(map(id, with_grad))
         for opt, group_map, piece in pieces:
             _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats)
-            chunk.update_progress.advance()
+            progress.advance()
     finally:
-        chunk.update_progress.finish()
+        progress.finish()
 
 
 def _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats) -> None:

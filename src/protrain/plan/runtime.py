@@ -32,7 +32,7 @@ one block's worth of copies is in flight (the memory model reserves that much), 
 block's forward ends no earlier than its saved bytes reach the host; in backward its saved
 bytes come back while the block after it (in backward order) runs, one group ahead. So each
 swapped block takes ``max(forward, saved / d2h)`` and ``max(backward, saved / h2d)``, and
-the excess is added to compute; the swap bytes still count in the phase's copy traffic,
+the excess is added to compute, each part to its own phase's compute; the swap bytes still count in the phase's copy traffic,
 which they share with gathers. The swapped blocks are the first ones, back to back, so
 nothing else hides their copies. Before this term, six measured plans with 3 to 11
 swapped blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and
@@ -121,7 +121,8 @@ class RuntimeModel:
         concurrent = hardware.device != "cpu"
         out_s = self.saved / hardware.d2h_bytes_per_s - block_fwd
         in_s = self.saved / hardware.h2d_bytes_per_s - block_bwd
-        self.swap_stall_s = np.maximum(out_s, 0.0) + np.maximum(in_s, 0.0) if concurrent else 0.0
+        self.swap_out_wait_s = np.maximum(out_s, 0.0) if concurrent else np.zeros_like(out_s)
+        self.swap_in_wait_s = np.maximum(in_s, 0.0) if concurrent else np.zeros_like(in_s)
         self.min_buffers = t.min_buffers
         self.n_chunks = n = t.n_chunks
         used = np.asarray(t.used_bytes, dtype=np.int64)
@@ -177,9 +178,13 @@ class RuntimeModel:
             stall[n_p] = max(late, 0.0) if np.isfinite(late) else 0.0
         return stall
 
-    def swap_wait_s(self, pol: np.ndarray) -> np.ndarray:
-        """Seconds the swapped blocks wait for their own copies, per row of policies."""
-        return np.where(pol == SWAP, self.swap_stall_s, 0.0).sum(1)
+    def swap_wait_s(self, pol: np.ndarray, phase: str | None = None) -> np.ndarray:
+        """Seconds the swapped blocks wait for their own copies, per row of policies: in
+        ``"forward"``, in ``"backward"``, or both (``None``)."""
+        wait = {"forward": self.swap_out_wait_s, "backward": self.swap_in_wait_s}.get(
+            phase, self.swap_out_wait_s + self.swap_in_wait_s
+        )
+        return np.where(pol == SWAP, wait, 0.0).sum(1)
 
     def pair_terms(self, pol: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(compute seconds, swap bytes each way) for each row of block policies; compute
@@ -189,8 +194,12 @@ class RuntimeModel:
         swap = np.where(pol == SWAP, self.saved, 0).sum(1)
         return compute, swap
 
-    def step_s(self, n_persist, n_buffer, compute_s, swap_bytes, *, breakdown: bool = False):
-        """Step seconds; arrays broadcast. ``breakdown=True`` returns the terms as well."""
+    def step_s(
+        self, n_persist, n_buffer, compute_s, swap_bytes, fwd_wait_s=0.0, *, breakdown=False
+    ):
+        """Step seconds; arrays broadcast. ``fwd_wait_s``: the part of ``compute_s`` that
+        swapped blocks wait in forward (:meth:`swap_wait_s`), which only forward copies can
+        overlap. ``breakdown=True`` returns the terms as well."""
         n_persist = np.asarray(n_persist)
         n_buffer = np.asarray(n_buffer)
         n = self.n_chunks
@@ -209,7 +218,7 @@ class RuntimeModel:
             )
 
         copy_f, copy_b = copy_seconds(h2d_f, d2h_f), copy_seconds(h2d_b, d2h_b)
-        compute_f = np.minimum(self.fwd_compute_s, compute_s)
+        compute_f = np.minimum(self.fwd_compute_s + fwd_wait_s, compute_s)
         compute_b = compute_s - compute_f
         concurrent = hw.device != "cpu"
         prefetch = ((n_buffer >= self.min_buffers + 1) | (n_buffer >= n_off)) & concurrent

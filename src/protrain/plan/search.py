@@ -136,8 +136,9 @@ class PlanProblem:
             mem["measured_beyond_model"] = self.extra_bytes
         pol = policy_matrix(self.memory.n_blocks, np.array([n_swap]), np.array([n_checkpoint]))
         compute, swap = self.runtime.pair_terms(pol)
+        fwd_wait = self.runtime.swap_wait_s(pol, "forward")
         step, time_terms = self.runtime.step_s(
-            n_persist, n_buffer, compute[0], swap[0], breakdown=True
+            n_persist, n_buffer, compute[0], swap[0], fwd_wait[0], breakdown=True
         )
         time_terms["swap_wait"] = float(self.runtime.swap_wait_s(pol)[0])  # part of compute
         return {
@@ -179,6 +180,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     pol = policy_matrix(mem.n_blocks, s, c)
     iv = mem.interval_activations(pol)  # pairs x intervals
     compute, swap = rt.pair_terms(pol)
+    fwd_wait = rt.swap_wait_s(pol, "forward")
     host_swap = mem.swap_host_bytes(pol)
     n_p = problem.persist_values()
     constant = mem.model_states[n_p] + mem.grad_piece[n_p] + mem.allocator_overhead
@@ -195,7 +197,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     room = problem.gpu_budget_bytes - constant[None, :] - act_low
     nb, ok = _fit_buffers(problem, room, n_p[None, :])
     ok &= host_ok
-    t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None])
+    t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None], fwd_wait[:, None])
     t_low = np.where(ok, t_low, np.inf).min(axis=1)
 
     k = max(int(n_candidates), 1)
@@ -212,8 +214,8 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         ok_i = ok_i & host_ok[i]
         if not ok_i.any():
             continue
-        t = np.where(ok_i, rt.step_s(n_p, nb_i, compute[i], swap[i]), np.inf)
-        found = _pair_rows(problem, n_p, nb_i, t, compute[i], swap[i], k, kth)
+        t = np.where(ok_i, rt.step_s(n_p, nb_i, compute[i], swap[i], fwd_wait[i]), np.inf)
+        found = _pair_rows(problem, n_p, nb_i, t, (compute[i], swap[i], fwd_wait[i]), k, kth)
         rows += len(found)
         best += [((tj, rank, -pj, -bj), (pj, bj, int(s[i]), int(c[i]))) for tj, pj, bj in found]
         best.sort(key=lambda r: r[0])
@@ -226,7 +228,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     return SearchResult(plan=plan, work=work)
 
 
-def _pair_rows(problem: PlanProblem, n_p, nb, t, compute_s, swap_bytes, k: int, kth: float):
+def _pair_rows(problem: PlanProblem, n_p, nb, t, pair_terms, k: int, kth: float):
     """One pair's best rows ``(step_s, n_persist, n_buffer)``: its ``k`` best ``n_persist``
     values (ties: the most persistent) at their largest fitting ``n_buffer``, and for those,
     each smaller ``n_buffer`` that makes the step slower (time is non-increasing in
@@ -242,7 +244,7 @@ def _pair_rows(problem: PlanProblem, n_p, nb, t, compute_s, swap_bytes, k: int, 
         below = np.arange(int(lo), int(nb[j]) + 1)
         if len(below) < 2:
             continue
-        tb = problem.runtime.step_s(n_p[j], below, compute_s, swap_bytes)
+        tb = problem.runtime.step_s(n_p[j], below, *pair_terms)
         tb[-1] = t[j]  # the row above, as computed for the pair
         slower = np.flatnonzero((tb[:-1] > tb[1:]) & (tb[:-1] < kth))[::-1][: k - 1]
         out += [(float(tb[m]), int(n_p[j]), int(below[m])) for m in slower]

@@ -97,7 +97,7 @@ class GradSink:
                 self._landed.add(id(slot))
             if chunk.update_future is not None:  # the last step's task reads grad_acc
                 self._wait(chunk.update_future)
-                chunk.update_future = None
+                chunk.update_future = chunk.update_progress = None
             if first:
                 self._offload_first(slot, grad)
             else:

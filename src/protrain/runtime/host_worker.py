@@ -10,15 +10,26 @@ waited for every update; this queue runs the queued task of lowest ``priority`` 
 in submission order), and the optimizer gives each chunk's update its position in the
 forward order. See [Note: overlap and exact clipping] in ``optim/hybrid_adamw.py``.
 
+A task may say when it is ready (``ready``: its gradients' device-to-host copies are done);
+the worker runs the most urgent *ready* task, so an update whose copies are still in flight
+does not hold the host back from one that could run now (``step()`` without clipping queues
+every update at once, possibly while the device still runs backward). When nothing queued is
+ready, it checks again every ``_POLL_S`` or when a task arrives.
+
 Written here rather than taken from ``concurrent.futures``: its executors have no priorities.
+The thread is a daemon, and every live worker is shut down (its queue run) at interpreter
+exit, as ``concurrent.futures`` does for its own: a daemon thread killed inside a torch
+kernel aborts the process.
 """
 
 from __future__ import annotations
 
+import atexit
 import heapq
 import itertools
 import math
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
@@ -27,27 +38,43 @@ import torch
 
 URGENT = -1.0  # gradient accumulations: an update of the same chunk must find them done
 LAST = math.inf  # barriers: after everything queued before them
+_POLL_S = 0.0005  # while nothing queued is ready
+_live: weakref.WeakSet[HostWorker] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_workers() -> None:
+    for worker in list(_live):
+        worker.shutdown(wait=True)
 
 
 class HostWorker:
     """A single-thread executor with a priority queue; ``submit`` returns a ``Future``."""
 
     def __init__(self, num_threads: int, name: str = "protrain-host-adam"):
-        self._queue: list[tuple[float, int, Future, Callable, tuple]] = []
+        self._queue: list[tuple[float, int, Future, Callable, tuple, Callable | None]] = []
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, args=(num_threads,), name=name,
                                         daemon=True)  # fmt: skip
         self._thread.start()
+        _live.add(self)
 
-    def submit(self, fn: Callable, *args: Any, priority: float = 0.0) -> Future:
-        """Queue ``fn(*args)``; among queued tasks the lowest ``priority`` runs first."""
+    def submit(
+        self,
+        fn: Callable,
+        *args: Any,
+        priority: float = 0.0,
+        ready: Callable[[], bool] | None = None,
+    ) -> Future:
+        """Queue ``fn(*args)``; among queued tasks that are ready (``ready()`` true, or no
+        ``ready``) the lowest ``priority`` runs first, ties in submission order."""
         future: Future = Future()
         with self._cond:
             if self._closed:
                 raise RuntimeError("protrain: the host worker is shut down")
-            heapq.heappush(self._queue, (priority, next(self._seq), future, fn, args))
+            heapq.heappush(self._queue, (priority, next(self._seq), future, fn, args, ready))
             self._cond.notify()
         return future
 
@@ -63,6 +90,17 @@ class HostWorker:
         if wait:
             self._thread.join()
 
+    def _next(self):
+        """The most urgent ready task, taken off the queue; None if none is ready (under
+        the lock). After shutdown the most urgent one, ready or not: it waits itself."""
+        for entry in sorted(self._queue):
+            ready = entry[5]
+            if ready is None or self._closed or _is_ready(ready):
+                self._queue.remove(entry)
+                heapq.heapify(self._queue)
+                return entry
+        return None
+
     def _run(self, num_threads: int) -> None:
         torch.set_num_threads(num_threads)
         while True:
@@ -71,7 +109,11 @@ class HostWorker:
                     self._cond.wait()
                 if not self._queue:
                     return
-                _, _, future, fn, args = heapq.heappop(self._queue)
+                entry = self._next()
+                if entry is None:
+                    self._cond.wait(timeout=_POLL_S)
+                    continue
+            _, _, future, fn, args, _ = entry
             if not future.set_running_or_notify_cancel():
                 continue
             try:
@@ -80,3 +122,10 @@ class HostWorker:
                 future.set_exception(exc)
             else:
                 future.set_result(result)
+
+
+def _is_ready(ready: Callable[[], bool]) -> bool:
+    try:
+        return bool(ready())
+    except Exception:  # the task itself will meet the error and hand it to its future
+        return True
