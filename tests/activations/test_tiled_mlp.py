@@ -215,3 +215,37 @@ def test_an_mlp_returning_more_than_a_tensor_is_refused():
     apply_tiled_mlp(model, tile_tokens=2)
     with pytest.raises(TypeError, match="do not tile this model's MLP"):
         model(torch.randn(1, 5, 8))
+
+
+def test_norms_are_tiled_too():
+    """The blocks' norms and the final norm run over tiles: the same values and gradients,
+    and the fp32 copies of RMSNorm's backward exist for one tile at a time (the step's peak
+    at long sequences; see [Note: tiled norms])."""
+    from protrain.profile.memory_clock import TensorBytesCounter
+
+    model = build("llama")
+    handle = apply_tiled_mlp(model, tile_tokens=8)
+    assert handle.norm_names == [
+        f"model.layers.{i}.{n}" for i in range(4) for n in ("input_layernorm", "post_attention_layernorm")
+    ] + ["model.norm"]  # fmt: skip
+    handle.remove()
+    norm = model.model.layers[0].input_layernorm
+    x = torch.randn(2, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm.to(torch.bfloat16)
+
+    def run():
+        x.grad = None
+        with TensorBytesCounter() as counter:
+            out = norm(x)
+            out.sum().backward()
+        return out.detach(), x.grad.clone(), counter.peak_bytes
+
+    ref_out, ref_grad, whole = run()
+    handle = apply_tiled_mlp(model, tile_tokens=8)
+    out, grad, tiled = run()
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(grad, ref_grad, atol=0, rtol=0)  # token-wise: bit for bit
+    hidden_fp32 = 2 * 64 * 32 * 4  # one fp32 copy of the whole input
+    assert whole >= 4 * hidden_fp32 and tiled <= whole / 3, (whole, tiled)
+    handle.remove()
+    assert "forward" not in norm.__dict__ and "forward" not in model.model.norm.__dict__

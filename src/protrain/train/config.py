@@ -114,7 +114,10 @@ class MemoryConfig(StrictModel):
         False, description="Checkpointed blocks keep their inputs on the host."
     )
     tiled_mlp_tokens: int | None = Field(
-        None, gt=0, description="Compute each block's MLP over tiles of this many tokens."
+        None,
+        gt=0,
+        description="Compute each block's MLP and norms (and the final norm) over tiles of "
+        "this many tokens.",
     )
     chunked_loss_tokens: int | None = Field(
         None, gt=0, description="Compute logits and loss over chunks of this many tokens."
