@@ -249,3 +249,24 @@ def test_norms_are_tiled_too():
     assert whole >= 4 * hidden_fp32 and tiled <= whole / 3, (whole, tiled)
     handle.remove()
     assert "forward" not in norm.__dict__ and "forward" not in model.model.norm.__dict__
+
+
+def test_gpt2_batch_of_two_and_a_bare_decoder():
+    """Tiles of a batch of several sequences are strided views: GPT-2's Conv1D (which
+    views its input) runs on them. A bare decoder (blocks at the top, ``layers.N``) has its
+    final norm tiled too."""
+    from engine.models import batches as kind_batches
+    from engine.models import build as build_kind
+
+    base = build_kind("gpt2")
+    data = kind_batches("gpt2", 1, batch=2, seq=SEQ)[0]
+    ref_loss, ref_grads = _grads(copy.deepcopy(base), data)
+    model = copy.deepcopy(base)
+    handle = apply_tiled_mlp(model, tile_tokens=TILE)
+    assert "transformer.ln_f" in handle.norm_names
+    loss, grads = _grads(model, data)
+    assert loss == pytest.approx(ref_loss, abs=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, atol=1e-6, rtol=1e-6, msg=name)
+    bare = build("llama").model  # LlamaModel: blocks named layers.N
+    assert apply_tiled_mlp(bare, tile_tokens=TILE).norm_names[-1] == "norm"

@@ -57,10 +57,17 @@ def tiled_forward(forward: Callable, tile_tokens: int) -> Callable:
         if args or kwargs or not torch.is_tensor(x) or x.dim() < 2 or x.shape[-2] <= tile_tokens:
             return forward(x, *args, **kwargs)
         tiles = x.split(tile_tokens, dim=-2)
+
+        def run_tile(t):
+            # A tile of a batch of several sequences is a strided view; modules that .view()
+            # their input (GPT-2's Conv1D) need it contiguous. Copied inside the checkpoint,
+            # so that only the view is kept for backward, not a copy of every tile.
+            return forward(t.contiguous())
+
         if torch.is_grad_enabled():
-            outs = [checkpoint(forward, t, use_reentrant=False) for t in tiles]
+            outs = [checkpoint(run_tile, t, use_reentrant=False) for t in tiles]
         else:
-            outs = [forward(t) for t in tiles]
+            outs = [run_tile(t) for t in tiles]
         if not all(
             torch.is_tensor(o) and o.shape[:-1] == t.shape[:-1] for o, t in zip(outs, tiles)
         ):
@@ -105,13 +112,18 @@ def find_mlp(block: nn.Module, names: tuple[str, ...] = MLP_NAMES) -> tuple[str,
 
 
 def block_norms(block: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The block's own norms: direct children that are RMSNorm or LayerNorm modules."""
+    """The block's own norms: direct children that are RMSNorm or LayerNorm modules over
+    the last dimension only (leaf modules: a class named ``...LayerNorm`` that is a whole
+    layer, as in Wav2Vec2's ``...EncoderLayerStableLayerNorm``, is not a norm)."""
     kinds = tuple(k for k in (nn.LayerNorm, getattr(nn, "RMSNorm", None)) if k is not None)
-    return [
-        (name, m)
-        for name, m in block.named_children()
-        if isinstance(m, kinds) or type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
-    ]
+    found = []
+    for name, m in block.named_children():
+        named = type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+        shape = getattr(m, "normalized_shape", None)
+        last_dim_only = shape is None or isinstance(shape, int) or len(shape) == 1
+        if (isinstance(m, kinds) or named) and not any(m.children()) and last_dim_only:
+            found.append((name, m))
+    return found
 
 
 def apply_tiled_mlp(
@@ -155,10 +167,11 @@ def apply_tiled_mlp(
         for norm_name, norm in block_norms(block.module) if norms else []:
             handle._undo.append(wrap_forward(norm, lambda f: tiled_forward(f, tile_tokens)))
             handle.norm_names.append(f"{block.name}.{norm_name}")
-    # the norms beside each block stack (a decoder's final norm, GPT-2's ln_f)
-    stacks = {b.name.rsplit(".", 2)[0] for b in layout.blocks if b.name.count(".") >= 2}
-    for owner in sorted(stacks) if norms else []:
+    # the norms beside each block stack (a decoder's final norm, GPT-2's ln_f); "" is the
+    # model itself (a bare LlamaModel's layers)
+    owners = {b.stack.rpartition(".")[0] for b in layout.blocks}
+    for owner in sorted(owners) if norms else []:
         for norm_name, norm in block_norms(model.get_submodule(owner)):
             handle._undo.append(wrap_forward(norm, lambda f: tiled_forward(f, tile_tokens)))
-            handle.norm_names.append(f"{owner}.{norm_name}")
+            handle.norm_names.append(f"{owner}.{norm_name}" if owner else norm_name)
     return handle
