@@ -19,6 +19,18 @@ def _assert_same(model, reference, losses, ref_losses, atol=1e-5):
         torch.testing.assert_close(state[name], ref, atol=atol, rtol=0, msg=name)
 
 
+def _refused_and_untouched(match: str, **wrap_kwargs) -> None:
+    """``protrain.wrap`` refuses these arguments with ``match`` and leaves the model as it
+    was: no engine attached, every parameter unchanged."""
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=match):
+        protrain.wrap(model, **wrap_kwargs)
+    assert getattr(model, "_protrain_engine", None) is None
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_activation_knobs_in_wrap_keep_the_math(mode):
     data = batches("llama", 6)
@@ -42,13 +54,9 @@ def test_activation_knobs_in_wrap_keep_the_math(mode):
 
 
 def test_activation_knobs_checked_before_anything_moves():
-    model = build("llama")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="more than the model's"):
-        protrain.wrap(model, n_persist=0, device="cpu", n_swap=5, n_checkpoint=5)
-    assert getattr(model, "_protrain_engine", None) is None
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
+    _refused_and_untouched(
+        "more than the model's", n_persist=0, device="cpu", n_swap=5, n_checkpoint=5
+    )
 
 
 def test_gpu_budget_chooses_the_missing_knobs_and_keeps_the_math():
@@ -78,13 +86,12 @@ def test_gpu_budget_needs_a_sample_batch():
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5, "4"])
 def test_bad_host_threads_is_refused_before_anything_moves(bad):
-    model = build("llama")
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="host_threads=.* is not allowed: use an integer >= 1"):
-        protrain.wrap(model, n_persist=0, device="cpu", host_threads=bad)
-    assert getattr(model, "_protrain_engine", None) is None
-    for n, p in model.named_parameters():
-        assert torch.equal(p, before[n]), n
+    _refused_and_untouched(
+        "host_threads=.* is not allowed: use an integer >= 1",
+        n_persist=0,
+        device="cpu",
+        host_threads=bad,
+    )
 
 
 def test_host_threads_keeps_the_math():

@@ -21,6 +21,15 @@ def final_weights(run_dir, name="model.safetensors"):
     return load_file(run_dir / "final" / name)
 
 
+def _resume_without_the_end(cfg, run, last_step: int):
+    """Train ``cfg`` again with ``resume``, after removing what ``run`` wrote at its last
+    step (the checkpoint at ``last_step`` and the final model): it resumes from the one
+    before."""
+    shutil.rmtree(run.output_dir / f"checkpoint-{last_step}")
+    shutil.rmtree(run.final_dir)
+    return train(cfg, resume=True)
+
+
 def test_loss_falls_and_export_loads_and_generates(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -162,9 +171,7 @@ def test_engine_matches_plain_pytorch_and_resumes_exactly(tmp_path):
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6)
 
-    shutil.rmtree(straight.output_dir / "checkpoint-6")
-    shutil.rmtree(straight.final_dir)
-    resumed = train(cfg, resume=True)
+    resumed = _resume_without_the_end(cfg, straight, 6)
     assert resumed.losses == straight.losses[3:]
     c = final_weights(resumed.output_dir)
     for k in b:
@@ -215,9 +222,7 @@ def test_engine_fp16_trains_on_cpu_with_loss_scaling_and_resumes(tmp_path):
     assert len(straight.losses) == 6
     assert straight.losses == pytest.approx(plain.losses, rel=2e-2), (straight, plain)
 
-    shutil.rmtree(straight.output_dir / "checkpoint-6")
-    shutil.rmtree(straight.final_dir)
-    resumed = train(cfg, resume=True)
+    resumed = _resume_without_the_end(cfg, straight, 6)
     assert resumed.losses == straight.losses[3:]
 
 
@@ -284,9 +289,7 @@ def test_fp16_engine_resume_carries_the_loss_scale(tmp_path, monkeypatch):
     straight = train(validate_config(tiny_config(tmp_path / "a", **overrides)))
     cfg = validate_config(tiny_config(tmp_path / "b", **overrides))
     first = train(cfg)
-    shutil.rmtree(first.output_dir / "checkpoint-8")
-    shutil.rmtree(first.final_dir)
-    resumed = train(cfg, resume=True)
+    resumed = _resume_without_the_end(cfg, first, 8)
     assert resumed.losses == straight.losses[4:]
 
 
@@ -304,9 +307,7 @@ def test_plain_fp16_resume_carries_the_grad_scaler(tmp_path, monkeypatch):
     straight = train(validate_config(tiny_config(tmp_path / "a", **overrides)))
     cfg = validate_config(tiny_config(tmp_path / "b", **overrides))
     first = train(cfg)
-    shutil.rmtree(first.output_dir / "checkpoint-8")
-    shutil.rmtree(first.final_dir)
-    resumed = train(cfg, resume=True)
+    resumed = _resume_without_the_end(cfg, first, 8)
     assert resumed.losses == straight.losses[4:]
 
 
