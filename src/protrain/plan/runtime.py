@@ -33,10 +33,12 @@ block's forward ends no earlier than its saved bytes reach the host; in backward
 bytes come back while the block after it (in backward order) runs, one group ahead. So each
 swapped block takes ``max(forward, saved / d2h)`` and ``max(backward, saved / h2d)``, and
 the excess is added to compute, each part to its own phase's compute; the swap bytes still count in the phase's copy traffic,
-which they share with gathers. The swapped blocks are the first ones, back to back, so
-nothing else hides their copies. Before this term, six measured plans with 3 to 11
-swapped blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and
-ninth runs), and the planner chose swap where checkpointing was faster.
+which they share with gathers. Swapped blocks are spread among the checkpointed ones
+(``place_policies``); the term counts only a swapped block's own compute as hiding its
+copies, not its neighbours'. Before this term, six measured plans with 3 to 11 swapped
+blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and ninth runs),
+and the planner chose swap where checkpointing was faster; with it, the planner chose no
+swap on those configurations, so its accuracy on plans that do swap is not yet measured.
 
 On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
 run on the same cores as compute, so every term adds.
