@@ -19,7 +19,9 @@ Ready to run on the GPU machine (one GPU), e.g. for issue 4's acceptance::
 Configurations (``--configs``, comma-separated) are a policy spec with optional suffixes:
 ``keep``, ``checkpoint``, ``swap``, ``offload_checkpoint`` (every block), ``rule:S:C``
 (``place_policies(n_blocks, S, C)``), ``rule:S:C:offload`` (checkpointed blocks hold their
-input on the host); ``+tiled`` (tiled MLP, ``--tile-tokens``), ``+chunked`` (chunked loss,
+input on the host), ``split:H`` (the first ``H`` blocks offload-checkpoint, the others
+checkpoint: at long context the held inputs outgrow host memory, and the last blocks' inputs
+stay on the device, where backward needs them first); ``+tiled`` (tiled MLP, ``--tile-tokens``), ``+chunked`` (chunked loss,
 ``--loss-chunk-tokens``; otherwise the model's own loss over full fp32 logits).
 
 Rows (one JSON object per line, appended to ``--out``):
@@ -150,7 +152,14 @@ def parse_config(spec: str, n_blocks: int):
     unknown = set(suffixes) - {"tiled", "chunked"}
     if unknown:
         raise SystemExit(f"config {spec!r}: unknown suffixes {sorted(unknown)}")
-    if head.startswith("rule:"):
+    if head.startswith("split:"):
+        n_host = int(head.split(":")[1])
+        if not 0 <= n_host <= n_blocks:
+            raise SystemExit(f"config {spec!r}: H must be 0..{n_blocks}")
+        policies = [ActivationPolicy.OFFLOAD_CHECKPOINT] * n_host + [
+            ActivationPolicy.CHECKPOINT
+        ] * (n_blocks - n_host)
+    elif head.startswith("rule:"):
         parts = head.split(":")
         policies = place_policies(
             n_blocks, int(parts[1]), int(parts[2]), offload_checkpoint_inputs="offload" in parts[3:]
@@ -285,21 +294,32 @@ def run_config(args, model, config, dtype, spec: str, seq: int, steps: int) -> d
         _free(args.device)
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
-        for i in range(args.warmup + steps):
-            if i == args.warmup:
-                _sync(args.device)
-                t0 = time.perf_counter()
-                if handle.swapper is not None:
-                    t = handle.swapper.transfer
-                    to_host0, to_device0 = t.bytes_to_host, t.bytes_to_device
-            loss = loss_fn(ids)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del loss
-        _sync(args.device)
+        forward_s = 0.0
+        with _attention_backend(args.sdpa_backend):
+            for i in range(args.warmup + steps):
+                if i == args.warmup:
+                    _sync(args.device)
+                    t0 = time.perf_counter()
+                    if handle.swapper is not None:
+                        t = handle.swapper.transfer
+                        to_host0, to_device0 = t.bytes_to_host, t.bytes_to_device
+                t_fwd = time.perf_counter()
+                loss = loss_fn(ids)
+                _sync(args.device)  # one sync a step: the forward's share of the step
+                if i >= args.warmup:
+                    forward_s += time.perf_counter() - t_fwd
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                del loss
+            _sync(args.device)
         step_s = (time.perf_counter() - t0) / steps
-        out.update(step_s=round(step_s, 4), tokens_per_s=round(args.batch * seq / step_s, 1))
+        out.update(
+            step_s=round(step_s, 4),
+            forward_s=round(forward_s / steps, 4),
+            tokens_per_s=round(args.batch * seq / step_s, 1),
+            host_peak_rss_gib=round(_peak_rss_bytes() / _GIB, 2),
+        )
         if args.device.type == "cuda":
             out["peak_alloc_gib"] = round(torch.cuda.max_memory_allocated(args.device) / _GIB, 3)
             out["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(args.device) / _GIB, 3)
@@ -325,6 +345,28 @@ def run_config(args, model, config, dtype, spec: str, seq: int, steps: int) -> d
     return out
 
 
+def _attention_backend(name: str):
+    """``torch.nn.attention.sdpa_kernel`` for one backend (``default``: torch's own choice).
+    It holds through backward too, where checkpointed blocks recompute their attention."""
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    return sdpa_kernel([backends[name]])
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident host memory (pinned copies count once touched)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
 def hidden_share(row: dict, base: dict, bandwidth: dict) -> float | None:
     if row.get("status") != "ok" or base.get("status") != "ok" or not bandwidth.get("d2h_gbps"):
         return None
@@ -347,6 +389,7 @@ def common_fields(args) -> dict:
         "mode": args.mode,
         "batch": args.batch,
         "attn": args.attn,
+        "sdpa_backend": args.sdpa_backend,
         "budget_gib": args.budget_gib,
         "gpu": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
         "run_id": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
@@ -403,6 +446,13 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--seq", type=int, default=8192)
     p.add_argument("--attn", default="sdpa")
+    p.add_argument(
+        "--sdpa-backend",
+        choices=["default", "flash", "cudnn", "efficient"],
+        default="default",
+        help="the fused SDPA kernel forced for the steps (benchmarks/attention_backends.py "
+        "times them)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--budget-gib", type=float, default=None)
     p.add_argument("--steps", type=int, default=3)

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Session 4, long context (issue 4). SDPA backends timed alone, the activation GPU tests (not
+# re-run since the norm tiling), then LoRA on the Llama-3-8B shape at SEQS under an 80 GiB
+# budget with the fastest backend at 65,536 tokens (BACKEND overrides), the first H blocks'
+# inputs on the host (split:H) and the others on the device. Needs .whl carried.
+source benchmarks/sessions/lib.sh
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+free -g | head -2; nvidia-smi -L
+if [ -z "${BACKEND:-}" ]; then
+  timeout 90 python3 benchmarks/attention_backends.py --seqs 32768,65536,131072 \
+    --out "$OUT/attention.jsonl" | cut -c1-400
+  BACKEND=$(python3 -c "
+import json
+rows = [json.loads(l) for l in open('$OUT/attention.jsonl')]
+ok = [r for r in rows if r['status'] == 'ok' and r['seq'] == 65536]
+print(min(ok, key=lambda r: r['fwd_bwd_s'])['backend'] if ok else 'default')")
+fi
+echo "backend: $BACKEND"
+if [ "${TESTS:-1}" = 1 ]; then
+  timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/activations \
+    tests/train/test_train_gpu.py 2>&1 | tee "$OUT/gpu-tests.log" | tail -4
+fi
+timeout $(left) python3 benchmarks/activations_probe.py long --model llama8b --mode lora \
+  --budget-gib 80 --seqs "${SEQS:-262144}" --steps 1 --warmup 0 --lora-dtype bfloat16 \
+  --long-config "split:${H:-24}+tiled+chunked" --sdpa-backend "$BACKEND" \
+  --out "$OUT/activations-long.jsonl" 2>&1 | grep -v Warning | tail -4 | cut -c1-1500
+free -g | head -2
