@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from protrain.activations import (
-    ActivationSwapper,
     apply_activation_policies,
     chunked_causal_lm_loss_sum,
 )
-from protrain.activations.transfer import storage_bytes
+from protrain.activations.transfer import HostTransfer, storage_bytes
 
 from .models import batches, build
 
@@ -70,14 +69,14 @@ def test_recomputed_dropout_draws_the_forward_masks_on_cuda():
 
 
 def test_copies_run_on_copy_streams_after_the_compute_that_made_them():
-    swapper = ActivationSwapper(CUDA)
-    transfer = swapper.transfer
-    x = torch.randn(1 << 20, device=CUDA)
+    transfer = HostTransfer(CUDA, min_piece_bytes=1 << 20)
+    x = torch.randn((1 << 20) + (1 << 18) + 1000, device=CUDA)  # pieces of 4 MiB, 1 MiB, 4000 B
     torch.cuda._sleep(1_000_000_000)  # keeps the compute stream busy for a while
     y = x * 2  # enqueued after the sleep
     copy_ = transfer.to_host(storage_bytes(y))
     assert not copy_.d2h_event.query()  # waits for the compute stream, not done yet
-    assert copy_.host.is_pinned()
+    assert [p.numel() for p in copy_.pieces] == [4 << 20, 1 << 20, 4000]
+    assert all(p.is_pinned() for p in copy_.pieces)
     transfer.synchronize()
     assert copy_.d2h_event.query()
     transfer.to_device(copy_)

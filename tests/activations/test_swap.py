@@ -150,3 +150,36 @@ def test_copies_to_the_host_in_flight_are_bounded():
     events[2].done = True  # completed copies are retired without waiting
     transfer._retire_in_flight()
     assert transfer._in_flight_bytes == 40 and not events[2].waited
+
+
+def test_host_piece_sizes_are_binary_digits_down_to_the_smallest_piece():
+    from protrain.activations.transfer import host_piece_sizes
+
+    assert host_piece_sizes(0, 64) == [0]
+    assert host_piece_sizes(64, 64) == [64]
+    assert host_piece_sizes(3 << 30, 64 << 20) == [2 << 30, 1 << 30]  # not one 4 GiB piece
+    for n in (65, 100, 1000, 4096, 12345, 3 * 2**20 + 7):
+        sizes = host_piece_sizes(n, 64)
+        *digits, last = sizes
+        assert sum(sizes) == n and digits == sorted(digits, reverse=True)
+        assert all(s & (s - 1) == 0 for s in digits)  # powers of two, largest first
+        assert last <= 64 or last & (last - 1) == 0  # then the rest, if any
+
+
+def test_a_copy_in_pieces_comes_back_whole():
+    """Swap and offload-checkpoint with every storage in small host pieces: same gradients."""
+    from protrain.activations.transfer import HostTransfer
+
+    base = build("llama")
+    data = batches(1)[0]
+    ref = copy.deepcopy(base)
+    ref(**data).loss.backward()
+    model = copy.deepcopy(base)
+    handle = apply_activation_policies(model, ["swap", "offload_checkpoint", "swap", "keep"])
+    transfer = HostTransfer("cpu", min_piece_bytes=96)
+    handle.swapper.transfer = transfer
+    model(**data).loss.backward()
+    assert transfer.bytes_to_host > 0 and transfer.bytes_to_device == transfer.bytes_to_host
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=0, msg=name)
+    handle.remove()

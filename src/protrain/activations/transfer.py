@@ -15,6 +15,16 @@ buffer allocated on ``h2d_stream``; whoever uses it on the compute stream calls
 ``record_stream`` on it (``wait_ready`` does), so the allocator waits for that use before
 reusing it. Pinned host buffers are recorded by the caching host allocator itself on every
 non-blocking copy.
+
+[Note: pinned pieces]
+torch's caching host allocator rounds every pinned allocation up to a power of two, so one
+copy of a 3 GiB block input took 4 GiB of page-locked memory, and at long context the host
+copies of the held block inputs are what runs out first (32 layers x 3 GiB at 384K tokens of
+the Llama-3-8B shape, on a 125 GiB host). A copy larger than ``min_piece_bytes`` is held as
+pieces whose sizes are the binary digits of its size, largest first, down to
+``min_piece_bytes``; the rest is one last piece. The waste is at most ``min_piece_bytes``
+a copy, every piece is a size the allocator caches for the next copy of the same storage, and
+each piece is one asynchronous copy each way.
 """
 
 from __future__ import annotations
@@ -35,14 +45,25 @@ def view_of(storage: torch.Tensor, like_dtype, offset, size, stride) -> torch.Te
     return out.set_(storage.untyped_storage(), offset, size, stride)
 
 
+def host_piece_sizes(nbytes: int, min_piece_bytes: int) -> list[int]:
+    """Sizes of the host pieces one copy of ``nbytes`` is held in ([Note: pinned pieces])."""
+    sizes, rest = [], nbytes
+    while rest > min_piece_bytes:
+        sizes.append(1 << (rest.bit_length() - 1))  # the largest power of two <= rest
+        rest -= sizes[-1]
+    if rest or not sizes:
+        sizes.append(rest)
+    return sizes
+
+
 class HostCopy:
-    """One storage's copy in host memory, and its way back to the device."""
+    """One storage's copy in host memory (in pieces), and its way back to the device."""
 
-    __slots__ = ("host", "nbytes", "d2h_event", "device", "h2d_event")
+    __slots__ = ("pieces", "nbytes", "d2h_event", "device", "h2d_event")
 
-    def __init__(self, host: torch.Tensor, d2h_event):
-        self.host = host
-        self.nbytes = host.numel()
+    def __init__(self, pieces: list[torch.Tensor], d2h_event):
+        self.pieces = pieces
+        self.nbytes = sum(p.numel() for p in pieces)
         self.d2h_event = d2h_event
         self.device: torch.Tensor | None = None  # the copy back, while someone needs it
         self.h2d_event = None
@@ -51,8 +72,14 @@ class HostCopy:
 class HostTransfer:
     """Moves storages to host memory and back; bounds the bytes of copies to the host in flight."""
 
-    def __init__(self, device: torch.device | str, max_in_flight_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        device: torch.device | str,
+        max_in_flight_bytes: int = 1 << 30,
+        min_piece_bytes: int = 64 << 20,
+    ):
         self.device = torch.device(device)
+        self.min_piece_bytes = min_piece_bytes
         self.is_cuda = self.device.type == "cuda"
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -71,20 +98,24 @@ class HostTransfer:
         """Start copying ``source`` (a flat uint8 storage view) to host memory."""
         n = source.numel()
         self.bytes_to_host += n
+        sizes = host_piece_sizes(n, self.min_piece_bytes)
         if not self.is_cuda:
-            return HostCopy(source.to("cpu", copy=True), None)
+            return HostCopy([p.to("cpu", copy=True) for p in source.split(sizes)], None)
         compute = torch.cuda.current_stream(self.device)
         self.d2h_stream.wait_stream(compute)  # the source is written on the compute stream
         with torch.cuda.stream(self.d2h_stream):
-            host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-            host.copy_(source, non_blocking=True)
+            pieces = []
+            for part in source.split(sizes):
+                host = torch.empty(part.numel(), dtype=torch.uint8, pin_memory=True)
+                host.copy_(part, non_blocking=True)
+                pieces.append(host)
             event = torch.cuda.Event()
             event.record(self.d2h_stream)
         source.record_stream(self.d2h_stream)
         self._in_flight.append((event, n))
         self._in_flight_bytes += n
         self._retire_in_flight()
-        return HostCopy(host, event)
+        return HostCopy(pieces, event)
 
     def _retire_in_flight(self) -> None:
         while self._in_flight:
@@ -104,12 +135,13 @@ class HostTransfer:
         self.device_bytes += copy.nbytes
         self.peak_device_bytes = max(self.peak_device_bytes, self.device_bytes)
         if not self.is_cuda:
-            copy.device = copy.host.to(self.device, copy=True)
+            copy.device = torch.cat(copy.pieces).to(self.device)
             return
         self.h2d_stream.wait_event(copy.d2h_event)  # the host bytes are complete
         with torch.cuda.stream(self.h2d_stream):
             copy.device = torch.empty(copy.nbytes, dtype=torch.uint8, device=self.device)
-            copy.device.copy_(copy.host, non_blocking=True)
+            for part, host in zip(copy.device.split([p.numel() for p in copy.pieces]), copy.pieces):
+                part.copy_(host, non_blocking=True)
             copy.h2d_event = torch.cuda.Event()
             copy.h2d_event.record(self.h2d_stream)
 
