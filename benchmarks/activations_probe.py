@@ -71,6 +71,8 @@ LORA_RANK = 16
 
 
 def _commit() -> str:
+    if os.environ.get("COMMIT"):  # the session scripts name it: the device copy's .git is stale
+        return os.environ["COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
     except Exception:

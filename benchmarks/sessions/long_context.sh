@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Session 4, long context (issue 4). SDPA backends timed alone (BACKEND skips it), the activation GPU tests (not
-# re-run since the norm tiling), then LoRA on the Llama-3-8B shape at SEQS under an 80 GiB
-# budget with the fastest backend at 65,536 tokens (BACKEND overrides), the first H blocks'
+# Session 4, long context (issue 4): causal SDPA timed per backend (BACKEND skips it and names
+# one), the activation GPU tests (TESTS=0 skips them), then LoRA on the Llama-3-8B shape at
+# SEQS under an 80 GiB budget with the fastest backend at 65,536 tokens, the first H blocks'
 # inputs on the host (split:H) and the others on the device; PREPIN=1 page-locks their host
-# memory before the timed step (TESTS=0 skips the tests). Needs .whl carried.
+# memory before the timed step. Calls: (1) default, SEQS=262144 H=24; (2) BACKEND=cudnn
+# SEQS=393216 H=29 PREPIN=1. Needs .whl carried.
 source benchmarks/sessions/lib.sh
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 free -g | head -2; nvidia-smi -L

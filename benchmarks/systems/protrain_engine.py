@@ -76,7 +76,7 @@ def setup(spec: RowSpec) -> Trainer:
     plan, predicted_peak_gib, predicted_step_s = _plan_fields(layout, knobs)
     if spec.auto:
         chosen = protrain.plan_of(model)
-        plan = {**chosen.knobs, "auto": True}
+        plan = {**chosen.knobs, "chunk_size_bytes": layout.chunk_size_bytes, "auto": True}
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))
