@@ -12,7 +12,6 @@ for mib in ${CHUNKS:-default 760 1000}; do
     --out "$OUT/chunk-size.jsonl"
 done
 echo "elapsed $((SECONDS - T0)) s"
-# FSDP2 CPU offload beside them, same machine (the anchor is 4,599 tokens/s).
-R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 5 --warmup 2"
+# FSDP2 CPU offload beside them, same machine, no clipping either (the anchor is 4,599).
 row 200 --workload full-3b --system fsdp2_offload --out "$OUT/chunk-size.jsonl"
 echo "elapsed $((SECONDS - T0)) s"
