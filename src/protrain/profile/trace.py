@@ -132,6 +132,9 @@ class ModelProfile:
     step_start_bytes: int | None = None
     # (chunk index, numel) of each trainable parameter, in the order backward accumulated them
     grad_order: list[tuple[int, int]] = field(default_factory=list)
+    # the parameter name of each ``grad_order`` entry: what lets the plan re-chunk the
+    # profile for another chunk size (:mod:`protrain.plan.chunk_size`)
+    grad_names: list[str] = field(default_factory=list)
     trace_s: float = 0.0
     notes: list[str] = field(default_factory=list)
     # Free-running step (see the module docstring); None when not measured.
@@ -273,7 +276,7 @@ class _StepTracer:
         clock: MemoryClock,
         sync: _Sync,
         gathers: Callable[[], int],
-        trainable: list[tuple[nn.Parameter, int]],
+        trainable: list[tuple[str, nn.Parameter, int]],
         copy_wait: Callable[[], float] = lambda: 0.0,
     ):
         self.blocks = blocks
@@ -286,9 +289,9 @@ class _StepTracer:
         for i, b in enumerate(blocks):
             self.handles.append(b.module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
             self.handles.append(b.module.register_forward_hook(self._post(i), with_kwargs=True))
-        for p, chunk in trainable:
+        for name, p, chunk in trainable:
             self.handles.append(
-                p.register_post_accumulate_grad_hook(self._accumulated(chunk, p.numel()))
+                p.register_post_accumulate_grad_hook(self._accumulated(chunk, p.numel(), name))
             )
 
     def reset(self) -> None:
@@ -300,6 +303,7 @@ class _StepTracer:
         self.base = 0
         self.t_start = 0.0
         self.grad_order: list[tuple[int, int]] = []
+        self.grad_names: list[str] = []
         self.pending_wait = 0.0
 
     def start(self) -> None:
@@ -364,10 +368,11 @@ class _StepTracer:
 
         return hook
 
-    def _accumulated(self, chunk: int, numel: int):
+    def _accumulated(self, chunk: int, numel: int, name: str):
         def hook(param):
             # After the engine's own hook has taken the gradient: a new interval, same block.
             self.grad_order.append((chunk, numel))
+            self.grad_names.append(name)
             self.cut(self.cut_kind, self.cut_block, sync=False)
 
         return hook
@@ -515,7 +520,9 @@ def trace_model(
                 layout=layout,
                 tiled_mlp_tokens=tiled_mlp_tokens,
             )
-            trainable = [(p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
+            trainable = [
+                (n, p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad
+            ]
             copy_wait = lambda: 0.0  # noqa: E731
             if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
                 manager.time_copy_waits = True
@@ -596,6 +603,7 @@ def trace_model(
         optimizer_step_s=opt.end_s - opt.start_s,
         allocator_overhead_bytes=overhead,
         grad_order=list(tracer.grad_order),
+        grad_names=list(tracer.grad_names),
         step_start_bytes=tracer.base if device.type == "cuda" else None,
         trace_s=time.perf_counter() - t_begin,
         free_pre_fwd_s=free_pre,

@@ -1,0 +1,135 @@
+"""The chunk size as a searched knob: a trace re-read for another chunk size predicts what a
+run at that size measures (CPU device, as ``test_memory_model_cpu``), and auto mode picks the
+fastest size unless the user fixed it or chunk counts."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain
+from protrain.activations import apply_activation_knobs
+from protrain.plan import PlanProblem, search
+from protrain.plan.auto import profile_and_plan
+from protrain.plan.chunk_size import chunk_size_candidates, rechunk
+from protrain.profile.chunk_table import chunk_table
+from protrain.profile.measure import measure_steps
+from protrain.profile.trace import hf_loss, trace_model
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
+import plan_synthetic as syn  # noqa: E402
+import tiny_llama  # noqa: E402
+
+
+def measured_peak(model, batch, knobs, chunk_size_bytes: int) -> int:
+    n_persist, n_buffer, n_swap, n_checkpoint = knobs
+    model, opt, _ = protrain.wrap(
+        model,
+        n_persist=n_persist,
+        n_buffer=n_buffer or None,
+        device="cpu",
+        lr=1e-3,
+        chunk_size_bytes=chunk_size_bytes,
+    )
+    handle = apply_activation_knobs(model, n_swap, n_checkpoint, device="cpu")
+
+    def step():
+        hf_loss(model, batch).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        return measure_steps(model, step, steps=1, warmup=1, device="cpu").peak_allocated_bytes
+    finally:
+        handle.remove()
+        protrain.close(model)
+
+
+@pytest.fixture(scope="module")
+def traced():
+    model = tiny_llama.build(seed=3)
+    batch = tiny_llama.batch()
+    persistent = trace_model(model, batch, device="cpu")
+    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
+    return model, batch, persistent, offloaded
+
+
+def test_candidates_hold_the_traced_size_and_the_smallest_layout(traced):
+    model, _, persistent, _ = traced
+    sizes = chunk_size_candidates(model, persistent)
+    assert persistent.chunks.chunk_size_bytes in sizes and sizes == sorted(set(sizes))
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    assert sizes[0] >= largest and sizes[0] < largest + 512  # the smallest that holds it
+
+
+def test_rechunk_at_the_traced_size_is_the_profile(traced):
+    model, _, persistent, _ = traced
+    assert rechunk(persistent, model, persistent.chunks.chunk_size_bytes) is persistent
+
+
+def test_rechunked_table_is_the_models_table_at_that_size(traced):
+    model, _, persistent, offloaded = traced
+    size = chunk_size_candidates(model, persistent)[0]
+    for profile in (persistent, offloaded):
+        out = rechunk(profile, model, size)
+        dtype = getattr(torch, out.compute_dtype)
+        assert out.chunks == chunk_table(model, compute_dtype=dtype, chunk_size_bytes=size)
+        assert [n for n, _ in out.grad_order] != [n for n, _ in profile.grad_order]
+        assert [m for _, m in out.grad_order] == [m for _, m in profile.grad_order]
+        assert profile.chunks.chunk_size_bytes != size  # the original is unchanged
+
+
+@pytest.mark.parametrize("knobs", [(99, 0, 0, 0), (99, 0, 0, 3), (2, 2, 0, 2), (0, 2, 0, 4),
+                                   (1, 3, 0, 0), (0, 2, 0, 0)])  # fmt: skip
+def test_rechunked_prediction_matches_a_run_at_that_size(traced, knobs):
+    """Predicted from a trace at another chunk size (every chunk persistent, or none), the
+    peak of a run at the smallest candidate size: within the memory model's CPU tolerance."""
+    model, batch, persistent, offloaded = traced
+    size = chunk_size_candidates(model, persistent)[0]
+    n_chunks = rechunk(offloaded, model, size).chunks.n_chunks
+    knobs = (min(knobs[0], n_chunks), *knobs[1:])
+    if knobs[0] == n_chunks:
+        knobs = (n_chunks, 0, *knobs[2:])
+    measured = measured_peak(model, batch, knobs, size)
+    hw = syn.hardware("cpu")
+    for profile in (persistent, offloaded):
+        problem = PlanProblem(rechunk(profile, model, size), hw, gpu_budget_bytes=1 << 40)
+        predicted = problem.evaluate(*knobs)["peak_bytes"]
+        err = (predicted - measured) / measured
+        assert -0.005 <= err <= 0.02, (profile.trace_n_persist, knobs, err)
+
+
+def test_auto_plan_searches_the_chunk_size():
+    model = tiny_llama.build(seed=4)
+    kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
+    plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
+    sizes = chunk_size_candidates(model, problem.profile)
+    assert plan.chunk_size_bytes in sizes
+    assert any("chunk size" in r and "candidates" in r for r in plan.reasons)
+    for size in sizes:  # the chosen size is the fastest of them by the model's prediction
+        other = PlanProblem(
+            rechunk(problem.profile, model, size), problem.hardware, gpu_budget_bytes=6_000_000
+        )
+        assert search(other).plan.predicted_step_s >= plan.predicted_step_s - 1e-12
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"chunk_size_bytes": 300_000}, {"fixed_knobs": {"n_persist": 1}}]
+)
+def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
+    model = tiny_llama.build(seed=4)
+    plan, problem = profile_and_plan(
+        model,
+        tiny_llama.batch(),
+        gpu_budget_bytes="6MB",
+        device="cpu",
+        hardware=syn.hardware("cpu"),
+        **kwargs,
+    )
+    assert plan.chunk_size_bytes == problem.profile.chunks.chunk_size_bytes
+    assert not any("candidates" in r for r in plan.reasons)
+    if "chunk_size_bytes" in kwargs:
+        assert plan.chunk_size_bytes == 300_000
