@@ -17,35 +17,15 @@ import pytest
 import torch
 
 import protrain
-from protrain.activations import apply_activation_knobs
 from protrain.plan import PlanProblem, search
 from protrain.plan.auto import parse_bytes, profile_and_plan
 from protrain.plan.closed_loop import check_plan
-from protrain.profile.measure import measure_steps
 from protrain.profile.trace import hf_loss, trace_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
 import plan_synthetic as syn  # noqa: E402
 import tiny_llama  # noqa: E402
-
-
-def measured_peak(model, batch, knobs) -> int:
-    n_persist, n_buffer, n_swap, n_checkpoint = knobs
-    model, opt, _ = protrain.wrap(
-        model, n_persist=n_persist, n_buffer=n_buffer or None, device="cpu", lr=1e-3
-    )
-    handle = apply_activation_knobs(model, n_swap, n_checkpoint, device="cpu")
-
-    def step():
-        hf_loss(model, batch).backward()
-        opt.step()
-        opt.zero_grad()
-
-    try:
-        return measure_steps(model, step, steps=1, warmup=1, device="cpu").peak_allocated_bytes
-    finally:
-        handle.remove()
-        protrain.close(model)
+from cpu_runs import measured_peak  # noqa: E402
 
 
 @pytest.fixture(scope="module")
