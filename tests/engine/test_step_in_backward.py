@@ -221,3 +221,47 @@ def test_close_between_an_armed_backward_and_step_warns_and_gives_back(caplog):
     assert "half stepped" in caplog.text
     assert getattr(model, "_protrain_engine", None) is None
     assert registered_host_bytes() == 0
+
+
+def test_a_piece_starts_before_the_rest_of_its_chunk_has_gradients(monkeypatch):
+    """Updates start per piece ([Note: chunks complete in backward]): the host steps a chunk's
+    last layers while backward still computes the gradients of its first ones."""
+    from protrain.optim.hybrid_adamw import HybridAdamW
+
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    missing_at_start = []
+    original = HybridAdamW._start_in_backward
+
+    def spy(self, key):
+        chunk = self._manager.chunks[key[0]]
+        missing_at_start.append(sum(not s.has_grad for s in chunk.trainable_slots))
+        return original(self, key)
+
+    monkeypatch.setattr(HybridAdamW, "_start_in_backward", spy)
+    model, optimizer, data = _wrapped()
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    optimizer.step()
+    assert len(missing_at_start) > optimizer.stats["updates_started_in_backward"]
+    assert max(missing_at_start) > 0  # a piece began while its chunk still missed gradients
+    protrain.close(model)
+
+
+def test_a_parameter_without_gradient_is_left_alone(monkeypatch):
+    """A piece whose parameter gets no gradient never completes in backward; step() queues
+    it, and it stays unchanged, as under torch's AdamW."""
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    base = build("llama")
+    base.unused = torch.nn.Linear(8, 8)  # registered last: in the last chunk, never used
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses = _plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cpu"
+    )
+    assert _armed(model, data, optimizer) == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    torch.testing.assert_close(state["unused.weight"], base.unused.weight, atol=0, rtol=0)
+    protrain.close(model)

@@ -80,30 +80,55 @@ class ParamSlot:
 
 
 class UpdateProgress:
-    """How many pieces of a chunk's host update are done, shared between the host worker
-    (which advances it) and a gather (which copies each piece's masters as soon as it is
-    written; see [Note: gathering an updating chunk] in ``chunks/manager.py``)."""
+    """One host update of a chunk, shared between the host worker, which runs it as piece
+    tasks and marks each piece done, and a gather, which copies each piece's masters as soon
+    as it is written (see [Note: gathering an updating chunk] in ``chunks/manager.py``).
 
-    def __init__(self) -> None:
+    Pieces may finish in any order (started in backward they become ready last piece
+    first); ``wait(k)`` waits for the first ``k`` pieces. ``future`` completes when every
+    piece is done, or with the first piece's error."""
+
+    def __init__(self, n_pieces: int) -> None:
         self._cond = threading.Condition()
-        self._done = 0
-        self._over = False  # the task ended (also by an error, which its future carries)
+        self._done: set[int] = set()
+        self._prefix = 0  # pieces 0 .. _prefix-1 are all done
+        self._n = n_pieces
+        self._over = False  # every piece done, or one failed (the future carries its error)
+        self.future: Future = Future()
+        if n_pieces == 0:
+            self._over = True
+            self.future.set_result(None)
 
-    def advance(self) -> None:
+    def advance(self, piece: int) -> None:
         with self._cond:
-            self._done += 1
+            self._done.add(piece)
+            while self._prefix in self._done:
+                self._prefix += 1
+            finished = len(self._done) == self._n and not self._over
+            if finished:
+                self._over = True
             self._cond.notify_all()
+        if finished:
+            self.future.set_result(None)
 
-    def finish(self) -> None:
+    def fail(self, error: BaseException) -> None:
         with self._cond:
+            first = not self._over
             self._over = True
             self._cond.notify_all()
+        if first:
+            self.future.set_exception(error)
+
+    @property
+    def failed(self) -> bool:
+        return self.future.done() and self.future.exception() is not None
 
     def wait(self, pieces: int) -> bool:
-        """Block until ``pieces`` pieces are done; False if the task ended before that."""
+        """Block until the first ``pieces`` pieces are done; False if the update ended
+        (by an error) before that."""
         with self._cond:
-            self._cond.wait_for(lambda: self._done >= pieces or self._over)
-            return self._done >= pieces
+            self._cond.wait_for(lambda: self._prefix >= pieces or self._over)
+            return self._prefix >= pieces
 
 
 class Chunk:

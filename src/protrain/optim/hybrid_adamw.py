@@ -142,7 +142,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._inv_scale: torch.Tensor | None = None
         self._sink = sink
         self._armed_hyper: list[dict] | None = None  # set by step_in_backward
-        self._armed_started: set[int] = set()  # chunks whose update began in backward
+        # chunk -> its pieces whose update began in backward (see [Note: step in backward])
+        self._armed_started: dict[int, set[int]] = {}
         slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._slots: list[ParamSlot] = [slot_of[p] for g in self.param_groups for p in g["params"]]
         self._group_of = {
@@ -282,37 +283,60 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._sink is None:
             raise RuntimeError("protrain: this optimizer was built without a gradient sink")
         self._armed_hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
-        self._armed_started = set()
-        chunks = {ci: self._manager.chunks[ci].trainable_slots for ci in self._host_opts}
-        self._sink.watch(chunks, self._start_in_backward)
+        self._armed_started = {}
+        pieces = {
+            (ci, pi): piece
+            for ci, opts in self._host_opts.items()
+            for pi, (_, _, piece) in enumerate(opts)
+        }
+        self._sink.watch(pieces, self._start_in_backward)
 
-    def _start_in_backward(self, ci: int) -> None:
+    def _start_in_backward(self, key: tuple[int, int]) -> None:
+        """A piece's gradients are all on their way to the host: queue its update now."""
+        ci, pi = key
         chunk = self._manager.chunks[ci]
-        with_grad = [s for s in chunk.trainable_slots if s.has_grad]
-        self._armed_started.add(ci)
-        stats = self._manager.stats
-        stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
+        if ci not in self._armed_started:
+            self._armed_started[ci] = set()
+            self._begin_update(chunk)
+            stats = self._manager.stats
+            stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
+        self._armed_started[ci].add(pi)
         # host_stale stays False until step(): see [Note: step in backward]
-        self._submit(chunk, self._armed_hyper, with_grad, None, None)
+        self._submit_piece(chunk, pi, self._armed_hyper, None, None)
 
-    def _submit(self, chunk: Chunk, hyper, with_grad, inv_scale, clip_coef) -> None:
-        """Queue ``chunk``'s host update, ranked by the chunk's place in the forward."""
+    def _begin_update(self, chunk: Chunk) -> None:
+        """A new update of ``chunk``: its own progress object (a chunk stepped twice before a
+        gather, two step() calls in a row, must not count the first update's pieces for the
+        second) and the future of the whole update."""
+        progress = chunk.update_progress = UpdateProgress(len(self._host_opts[chunk.index]))
+        chunk.update_future = progress.future
+
+    def _submit_piece(
+        self, chunk: Chunk, pi: int, hyper, inv_scale, clip_coef, with_grad=None
+    ) -> None:
+        """Queue one piece of ``chunk``'s host update, ranked by the chunk's place in the
+        forward, then by the piece's place in the chunk. ``with_grad``: the slots it steps
+        (default: those of the piece with a gradient; ``[]`` completes it unchanged)."""
         order = self._manager.forward_order
         rank = order.index(chunk.index) if chunk.index in order else len(order) + chunk.index
-        # The task gets its own progress object: a chunk stepped twice before a gather (two
-        # step() calls in a row) must not count the first update's pieces for the second.
-        progress = chunk.update_progress = UpdateProgress()
-        chunk.update_future = self._worker.submit(
-            _step_host_chunk,
+        opts = self._host_opts[chunk.index]
+        opt, group_map, piece = opts[pi]
+        if with_grad is None:
+            with_grad = [s for s in piece if s.has_grad]
+        self._worker.submit(
+            _step_host_piece_task,
             chunk,
-            progress,
-            self._host_opts[chunk.index],
-            hyper,
+            chunk.update_progress,
+            pi,
+            opt,
+            group_map,
+            piece,
             with_grad,
+            hyper,
             inv_scale,
             clip_coef,
             self._manager.stats,
-            priority=rank,
+            priority=rank + pi / (len(opts) + 1),
             ready=lambda: _grads_landed(with_grad),
         )
 
@@ -320,7 +344,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._sink is not None:
             self._sink.unwatch()
         self._armed_hyper = None
-        self._armed_started = set()
+        self._armed_started = {}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -337,13 +361,18 @@ class HybridAdamW(torch.optim.Optimizer):
             if hyper != armed:
                 # The updates that began in backward have run: the next gathers must read them.
                 manager.release_all()
-                for ci in started:
-                    manager.chunks[ci].host_stale = True
+                for ci, pieces in started.items():
+                    chunk = manager.chunks[ci]
+                    chunk.host_stale = True
+                    for pi in range(len(self._host_opts[ci])):  # the others stay as they are
+                        if pi not in pieces:
+                            self._submit_piece(chunk, pi, armed, None, None, with_grad=[])
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "
                     f"{hyper}. The {len(started)} offloaded chunks updated in backward keep "
-                    "their update and nothing else was updated. Change hyperparameters after "
+                    "the pieces of their update that had begun and nothing else was updated. Change "
+                    "hyperparameters after "
                     "step(), as LR schedulers do"
                 )
         host_inv_scale = None
@@ -383,12 +412,16 @@ class HybridAdamW(torch.optim.Optimizer):
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
                 chunk.host_stale = True
+                for pi in range(len(self._host_opts[ci])):  # pieces some gradient never reached
+                    if pi not in started[ci]:
+                        self._submit_piece(chunk, pi, hyper, None, None)
                 continue
-            with_grad = [s for s in chunk.trainable_slots if s.has_grad]
-            if not with_grad:
+            if not any(s.has_grad for s in chunk.trainable_slots):
                 continue
             chunk.host_stale = True  # the next gather casts the new masters on the device
-            self._submit(chunk, hyper, with_grad, host_inv_scale, host_coef)
+            self._begin_update(chunk)
+            for pi in range(len(self._host_opts[ci])):
+                self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -532,20 +565,32 @@ def _grads_landed(with_grad: list[ParamSlot]) -> bool:
 
 
 @torch.no_grad()
-def _step_host_chunk(
-    chunk: Chunk, progress: UpdateProgress, pieces, hyper, with_grad, inv_scale, clip_coef, stats
+def _step_host_piece_task(
+    chunk: Chunk,
+    progress: UpdateProgress,
+    pi: int,
+    opt,
+    group_map,
+    piece,
+    with_grad,
+    hyper,
+    inv_scale,
+    clip_coef,
+    stats,
 ) -> None:
-    """Runs on the CPU worker: unscale, clip, then AdamW over the chunk's fp32 masters, one
-    piece after another, telling ``progress`` as each piece is written."""
+    """Runs on the CPU worker: one piece of a chunk's update (unscale, clip, AdamW over its
+    fp32 masters), then tells ``progress``; an error fails the whole update."""
+    if progress.failed:  # an earlier piece failed: the update is over
+        return
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
         stepping = set(map(id, with_grad))
-        for opt, group_map, piece in pieces:
-            _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats)
-            progress.advance()
-    finally:
-        progress.finish()
+        _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats)
+    except BaseException as e:
+        progress.fail(e)
+        raise
+    progress.advance(pi)
 
 
 def _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats) -> None:

@@ -26,14 +26,19 @@ by the chunk's step task, which every gather of the chunk in the next forward wa
 the next step's first copy into it comes after that read.
 
 [Note: chunks complete in backward]
-For ``HybridAdamW.step_in_backward`` the sink can *watch* offloaded chunks: for each, the
-trainable slots whose gradient has not landed in this backward. When a chunk's set empties,
-every gradient of the chunk is complete (autograd accumulates a parameter once per
-backward, after every node that used it), and the sink calls the watcher with the chunk's
-index, from inside the hook, right after handing off the last gradient. A slot that gets a
-second gradient in the same watched backward (reentrant checkpointing of a parameter used in
-two segments, or a watched window with two backwards) is an error: its chunk may already be
-updating with the first part only.
+For ``HybridAdamW.step_in_backward`` the sink can *watch* groups of slots (the pieces of the
+offloaded chunks' host updates): for each, the trainable slots whose gradient has not landed
+in this backward. When a group's set empties, every gradient of the group is complete
+(autograd accumulates a parameter once per backward, after every node that used it), and the
+sink calls the watcher with the group's key, from inside the hook, right after handing off
+the last gradient. A piece completes after the backward of its own layers, not of its whole
+chunk: the host starts updating a chunk's last layers while the device still computes the
+gradients of its first ones. Once a chunk's update has begun in this backward, its later
+gradients do not wait for that update (they are what it waits for); the first gradient of a
+chunk still waits for the previous step's update, which reads the same accumulators. A slot
+that gets a second gradient in the same watched backward (reentrant checkpointing of a
+parameter used in two segments, or a watched window with two backwards) is an error: its
+piece may already be updating with the first part only.
 """
 
 from __future__ import annotations
@@ -54,19 +59,23 @@ class GradSink:
         self.manager = manager
         self.worker = worker
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
-        self._watched: dict[int, set[int]] | None = None  # chunk -> id(slot) still missing
+        self._watched: dict[object, set[int]] | None = None  # key -> id(slot) still missing
+        self._key_of: dict[int, object] = {}  # id(slot) -> its group's key
         self._landed: set[int] = set()
+        self._begun: set[int] = set()  # chunks a group of which completed in this backward
         self._on_complete = None
 
-    def watch(self, chunks: dict[int, list[ParamSlot]], on_complete) -> None:
-        """Call ``on_complete(chunk_index)`` once each chunk's slots all have their gradient
-        in this backward; see [Note: chunks complete in backward]."""
-        self._watched = {ci: {id(s) for s in slots} for ci, slots in chunks.items() if slots}
-        self._landed = set()
+    def watch(self, groups: dict[object, list[ParamSlot]], on_complete) -> None:
+        """Call ``on_complete(key)`` once each group's slots (of one chunk each) all have
+        their gradient in this backward; see [Note: chunks complete in backward]."""
+        self._watched = {k: {id(s) for s in slots} for k, slots in groups.items() if slots}
+        self._key_of = {id(s): k for k, slots in groups.items() for s in slots}
+        self._landed, self._begun = set(), set()
         self._on_complete = on_complete
 
     def unwatch(self) -> None:
-        self._watched, self._landed, self._on_complete = None, set(), None
+        self._watched, self._key_of, self._on_complete = None, {}, None
+        self._landed, self._begun = set(), set()
 
     def on_grad_accumulated(self, param: torch.nn.Parameter) -> None:
         grad = param.grad
@@ -85,7 +94,8 @@ class GradSink:
                     slot.grad_acc.add_(grad)
                 param.grad = None
                 return
-            watched = self._watched is not None and slot.chunk in self._watched
+            key = self._key_of.get(id(slot))
+            watched = self._watched is not None and key in self._watched
             if self._watched is not None:
                 if id(slot) in self._landed:
                     raise RuntimeError(
@@ -95,7 +105,8 @@ class GradSink:
                         "checkpointing of a parameter used in two segments"
                     )
                 self._landed.add(id(slot))
-            if chunk.update_future is not None:  # the last step's task reads grad_acc
+            # the last step's update reads grad_acc (not this step's, begun in this backward)
+            if chunk.update_future is not None and slot.chunk not in self._begun:
                 self._wait(chunk.update_future)
                 chunk.update_future = chunk.update_progress = None
             if first:
@@ -104,11 +115,12 @@ class GradSink:
                 self._offload_later(slot, grad)
             param.grad = None
             if watched:
-                missing = self._watched[slot.chunk]
+                missing = self._watched[key]
                 missing.discard(id(slot))
                 if not missing:
-                    del self._watched[slot.chunk]
-                    self._on_complete(slot.chunk)
+                    del self._watched[key]
+                    self._begun.add(slot.chunk)
+                    self._on_complete(key)
 
     def _wait(self, future) -> None:
         t0 = time.perf_counter()
