@@ -85,6 +85,23 @@ def test_host_stall_with_clipping_is_the_critical_path():
     assert no_clip.host_stall_s[0] < rt.host_stall_s[0]
 
 
+def test_without_clipping_pieces_start_as_their_blocks_finish_backward():
+    """The last chunk spans blocks 11-15: its first piece is released once block 15's
+    backward is done, not block 11's, and its pieces (0.02 s of host work each) outlast a
+    block's backward, so the host runs from then on without a gap."""
+    p, hw = llama1b_like(), h200_like()
+    rt = RuntimeModel(p, hw, clipping=False)
+    trn, largest = p.chunks.trainable_numel[2], p.chunks.max_trainable_numel[2]
+    grad_tail = 4 * largest / hw.d2h_bytes_per_s
+    host = trn / hw.cpu_adam_params_per_s
+    last_piece = 4 * min(trn, max(largest, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
+    needed = 0.001 + 11 * (0.03 / 16)
+    dev_opt = 2 * trn / hw.device_adam_params_per_s
+    after_15 = rt.block_bwd_s[:15].sum()  # backward still to run when block 15's is done
+    expected = grad_tail - after_15 + host + last_piece - needed - dev_opt
+    assert rt.host_stall_s[2] == pytest.approx(expected)
+
+
 def test_host_worker_schedule_is_lowest_position_first():
     """Chunks released in backward order (last first): the worker runs each as soon as it
     is released while idle, and a backlog in forward order."""

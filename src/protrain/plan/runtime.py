@@ -53,12 +53,14 @@ the forward compute of the blocks before ``chunk_first_block[j]``.
 - With clipping, steps are released once every gradient is on the host (the global norm
   needs them all; the last to arrive is the first offloaded chunk's largest tensor, at the
   measured device-to-host rate).
-- Without clipping, each chunk's step is released when its own gradients are on the host
-  (backward finishes a chunk with the first block that uses it; the backward compute
-  still to run after that point hides it). Recompute is not counted as hiding time.
+- Without clipping, each piece of a chunk's step is released when its own gradients are on
+  the host ([Note: chunks complete in backward] in ``runtime/grad_offload.py``): the chunk's
+  work is spread evenly over the blocks it spans (from its first block to the next chunk's),
+  each share released when backward has finished that block (the backward compute still
+  to run after that point hides it). Recompute is not counted as hiding time.
 
-The worker runs one step at a time, the released one of lowest forward position first
-(``_lowest_first``, as ``runtime/host_worker.py`` does), ending chunk ``i``'s step at
+The worker runs one task at a time, the released one of lowest forward position first
+(``_lowest_first``, as ``runtime/host_worker.py`` does), ending chunk ``i``'s last task at
 ``done_i``. A gather copies the masters of each update piece as soon as it is written, so
 chunk ``j`` arrives at ``A_j = max over i <= j of (done_i + tail_i + gather_{i+1} + ... +
 gather_j)``, ``tail_i`` being the copy of the last piece and of the chunk's frozen bytes
@@ -148,11 +150,29 @@ class RuntimeModel:
         k = np.clip(first, 0, n_blocks)
         needed_at = np.where(first < 0, 0.0, pre + fwd_before[k])
         bwd_after = np.where(first < 0, 0.0, bwd_before[k])  # blocks < first run after it
+        # Without clipping: when each piece of each chunk's step is released, as seconds of
+        # backward still to run (see the note); one task per (chunk, block it spans).
+        task_chunk, task_bwd_after, task_share = [], [], []
+        for i in range(n):
+            f = int(first[i])
+            if f < 0 or f >= n_blocks:
+                blocks = [None]
+            else:
+                nxt = int(first[i + 1]) if i + 1 < n else n_blocks - 1
+                hi = min(max(nxt, f), n_blocks - 1)
+                blocks = list(range(f, hi + 1))
+            for b in blocks:
+                task_chunk.append(i)
+                task_bwd_after.append(bwd_after[i] if b is None else bwd_before[b])
+                task_share.append(1.0 / len(blocks))
+        self._task_chunk = np.asarray(task_chunk, dtype=np.int64)
+        self._task_bwd_after = np.asarray(task_bwd_after, dtype=np.float64)
+        self._task_share = np.asarray(task_share, dtype=np.float64)
         self.host_stall_s = self._host_stall(
-            trn, frozen, np.asarray(t.max_trainable_numel, dtype=np.int64), needed_at, bwd_after
+            trn, frozen, np.asarray(t.max_trainable_numel, dtype=np.int64), needed_at
         )
 
-    def _host_stall(self, trn, frozen, last_numel, needed_at, bwd_after) -> np.ndarray:
+    def _host_stall(self, trn, frozen, last_numel, needed_at) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
         host_s = trn * self.host_s_per_param
@@ -168,12 +188,20 @@ class RuntimeModel:
             return (self.trainable[n] - self.trainable) * self.host_s_per_param
         gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         stepped = trn > 0
-        # Without clipping each chunk's step is released when its own gradients are on the
-        # host, during backward (negative: before its end); with clipping all at once.
-        own_grads = grad_tail_s - bwd_after
+        # Without clipping each piece is released when its own gradients are on the host,
+        # during backward (negative: before its end); with clipping all at once.
+        tc = self._task_chunk
+        piece_release = grad_tail_s[tc] - self._task_bwd_after
+        piece_work = host_s[tc] * self._task_share
         for n_p in range(n):
-            release = np.full(n, grad_tail_s[n_p]) if self.clipping else own_grads
-            done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))[n_p:]
+            if self.clipping:
+                release = np.full(n, grad_tail_s[n_p])
+                done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))[n_p:]
+            else:
+                ends = _lowest_first(piece_release, piece_work, stepped[tc] & (tc >= n_p))
+                done = np.full(n, -np.inf)
+                np.maximum.at(done, tc, ends)
+                done = done[n_p:]
             # A_j = max over i <= j of (done_i + tail_i + gathers i+1..j)
             arrive = np.maximum.accumulate(done + tail_s[n_p:] - gc[n_p + 1 :]) + gc[n_p + 1 :]
             late = np.max(arrive - needed_at[n_p:]) - dev_opt_s[n_p]
