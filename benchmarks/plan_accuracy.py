@@ -119,8 +119,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         import protrain
         from protrain.activations import apply_activation_knobs
         from protrain.plan.auto import profile_model
+        from protrain.plan.chunk_size import search_chunk_sizes
         from protrain.plan.closed_loop import check_plan
-        from protrain.plan.search import PlanProblem, search
         from protrain.profile.hardware import measure_hardware
         from protrain.profile.measure import measure_steps
         from protrain.profile.trace import hf_loss
@@ -153,8 +153,10 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         t2 = time.perf_counter()
         clip = args.max_grad_norm or None
         row["max_grad_norm"] = clip
-        problem = PlanProblem(profile, hw, gpu_budget_bytes=budget, clipping=clip is not None)
-        result = search(problem)
+        # as auto mode plans: the chunk size searched too
+        result, problem = search_chunk_sizes(
+            model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None
+        )
         t3 = time.perf_counter()
         plan = result.plan
         row.update(

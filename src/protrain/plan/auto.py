@@ -12,10 +12,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from protrain.plan.chunk_size import chunk_size_candidates, rechunk
+from protrain.plan.chunk_size import search_chunk_sizes
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
-from protrain.plan.search import NoPlanFits, PlanProblem, search
+from protrain.plan.search import NoPlanFits, PlanProblem
 from protrain.profile.chunk_table import ChunkTable, chunk_table
 from protrain.profile.hardware import HardwareProfile, measure_hardware
 from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
@@ -183,44 +183,16 @@ def profile_and_plan(
         ", ".join(k for k in KNOBS if k not in fixed) or "nothing",
     )
     t1 = time.perf_counter()
-    # The chunk size is searched too (protrain.plan.chunk_size) unless the user gave it, or
-    # chunk counts (n_persist, n_buffer), which mean something only at one chunk size.
-    sizes = [profile.chunks.chunk_size_bytes]
-    if (
-        chunk_size_bytes is None
-        and not {"n_persist", "n_buffer"} & set(fixed)
-        and len(profile.grad_names) == len(profile.grad_order)
-    ):
-        sizes = chunk_size_candidates(model, profile)
-    best, errors = None, []
-    for size in sizes:
-        problem_c = PlanProblem(
-            rechunk(profile, model, size),
-            hardware,
-            gpu_budget_bytes=budget,
-            cpu_budget_bytes=cpu_budget,
-            fixed_knobs=fixed,
-            clipping=clipping,
-        )
-        try:
-            result_c = search(problem_c)
-        except NoPlanFits as e:
-            errors.append(e)
-            continue
-        log.debug("chunk size %d: predicted step %.3f s", size, result_c.plan.predicted_step_s)
-        if best is None or result_c.plan.predicted_step_s < best[0].plan.predicted_step_s:
-            best = (result_c, problem_c)
-    if best is None:  # the message of the chunk size that needs the least budget
-        known = [e for e in errors if e.smallest_budget_bytes is not None]
-        raise min(known, key=lambda e: e.smallest_budget_bytes) if known else errors[0]
-    result, problem = best
-    if len(sizes) > 1:
-        result.plan.reasons.append(
-            f"chunk size {result.plan.chunk_size_bytes / 2**20:.0f} MiB: the fastest of "
-            f"{len(sizes)} candidates ({', '.join(f'{s / 2**20:.0f}' for s in sizes)} MiB), "
-            f"traced at {profile.chunks.chunk_size_bytes / 2**20:.0f} MiB"
-        )
-    result.work["chunk_sizes"] = len(sizes)
+    result, problem = search_chunk_sizes(
+        model,
+        profile,
+        hardware,
+        gpu_budget_bytes=budget,
+        cpu_budget_bytes=cpu_budget,
+        fixed_knobs=fixed,
+        clipping=clipping,
+        chunk_size_fixed=chunk_size_bytes is not None,
+    )
     log.info(
         "protrain plan in %.1f s (search %.3f s, work %s):\n%s",
         time.perf_counter() - t0,

@@ -31,7 +31,9 @@ from torch import nn
 from protrain.chunks.layout import _align, choose_chunk_size, params_in_order, storage_dtype
 from protrain.model.blocks import discover_blocks
 from protrain.plan.memory import MemoryModel
+from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, search
 from protrain.profile.chunk_table import chunk_table_and_index
+from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile, chunk_first_blocks
 
 # Candidates: these multiples of the smallest chunk that holds the largest parameter, with
@@ -99,6 +101,63 @@ def rechunk(profile: ModelProfile, model: nn.Module, chunk_size_bytes: int) -> M
         trace_n_buffer=0 if n_new == new.n_chunks else table.n_chunks,
         notes=[*profile.notes, f"re-chunked from {profile.chunks.chunk_size_bytes} bytes"],
     )
+
+
+def search_chunk_sizes(
+    model: nn.Module,
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    gpu_budget_bytes: int,
+    cpu_budget_bytes: int | None = None,
+    fixed_knobs: dict[str, int] | None = None,
+    clipping: bool = True,
+    chunk_size_fixed: bool = False,
+) -> tuple[SearchResult, PlanProblem]:
+    """The search (:func:`protrain.plan.search.search`) at every candidate chunk size, and
+    the fastest predicted plan with the problem it solved. Only the traced size is planned
+    when the user gave the chunk size (``chunk_size_fixed``) or a chunk count (``n_persist``,
+    ``n_buffer``), which mean something only at one size, or when the profile has no
+    gradient names. With no plan at any size, the error of the size that needs the least
+    budget is raised."""
+    fixed = dict(fixed_knobs or {})
+    sizes = [profile.chunks.chunk_size_bytes]
+    if (
+        not chunk_size_fixed
+        and not {"n_persist", "n_buffer"} & set(fixed)
+        and len(profile.grad_names) == len(profile.grad_order)
+    ):
+        sizes = chunk_size_candidates(model, profile)
+    best, errors = None, []
+    for size in sizes:
+        problem = PlanProblem(
+            rechunk(profile, model, size),
+            hardware,
+            gpu_budget_bytes=gpu_budget_bytes,
+            cpu_budget_bytes=cpu_budget_bytes,
+            fixed_knobs=fixed,
+            clipping=clipping,
+        )
+        try:
+            result = search(problem)
+        except NoPlanFits as e:
+            errors.append(e)
+            continue
+        if best is None or result.plan.predicted_step_s < best[0].plan.predicted_step_s:
+            best = (result, problem)
+    if best is None:
+        known = [e for e in errors if e.smallest_budget_bytes is not None]
+        raise min(known, key=lambda e: e.smallest_budget_bytes) if known else errors[0]
+    result, problem = best
+    if len(sizes) > 1:
+        mib = 1 << 20
+        result.plan.reasons.append(
+            f"chunk size {result.plan.chunk_size_bytes / mib:.0f} MiB: the fastest of "
+            f"{len(sizes)} candidates ({', '.join(f'{s / mib:.0f}' for s in sizes)} MiB), "
+            f"traced at {profile.chunks.chunk_size_bytes / mib:.0f} MiB"
+        )
+    result.work["chunk_sizes"] = len(sizes)
+    return result, problem
 
 
 def _dtype(profile: ModelProfile):
