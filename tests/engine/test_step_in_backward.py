@@ -265,3 +265,34 @@ def test_a_parameter_without_gradient_is_left_alone(monkeypatch):
         torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
     torch.testing.assert_close(state["unused.weight"], base.unused.weight, atol=0, rtol=0)
     protrain.close(model)
+
+
+@pytest.mark.parametrize("how", ["unused parameter", "backward raised"])
+def test_close_with_an_update_begun_in_part_does_not_hang(how, monkeypatch):
+    """Pieces that no gradient completed are queued only by step(); close() without step()
+    completes such an update with those pieces unchanged instead of waiting for them."""
+    import threading
+
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    base = build("llama")
+    base.unused = torch.nn.Linear(8, 8)
+    model, optimizer, _ = protrain.wrap(base, n_persist=0, lr=LR, device="cpu")
+    data = batches("llama", 1)
+    blocks = discover_blocks(model).blocks
+    if how == "backward raised":  # after the last blocks' pieces began, before the first's
+
+        def boom(module, grad_input, grad_output):
+            raise RuntimeError("boom")
+
+        blocks[0].module.register_full_backward_hook(boom)
+    optimizer.step_in_backward()
+    try:
+        model(**data[0]).loss.backward()
+    except RuntimeError as e:
+        assert "boom" in str(e)
+    assert optimizer.stats["updates_started_in_backward"] > 0
+    closer = threading.Thread(target=protrain.close, args=(model,), daemon=True)
+    closer.start()
+    closer.join(timeout=60)
+    assert not closer.is_alive(), "close() hung on an update begun in backward"
+    assert getattr(model, "_protrain_engine", None) is None

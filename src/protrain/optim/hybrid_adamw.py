@@ -340,6 +340,20 @@ class HybridAdamW(torch.optim.Optimizer):
             ready=lambda: _grads_landed(with_grad),
         )
 
+    def abandon_started_updates(self, *, stale: bool = False) -> None:
+        """Between an armed backward and ``step()`` (``close()``, or ``step()`` refusing a
+        changed hyperparameter): complete every update begun in backward with its other
+        pieces left unchanged, so that nothing waits for pieces only ``step()`` would queue,
+        and disarm. The weights are then half stepped (see :meth:`check_between_steps`).
+        ``stale``: the next gathers read the updated masters."""
+        for ci, pieces in self._armed_started.items():
+            chunk = self._manager.chunks[ci]
+            for pi in range(len(self._host_opts[ci])):
+                if pi not in pieces:
+                    self._submit_piece(chunk, pi, self._armed_hyper, None, None, with_grad=[])
+            chunk.host_stale = chunk.host_stale or stale
+        self._disarm()
+
     def _disarm(self) -> None:
         if self._sink is not None:
             self._sink.unwatch()
@@ -357,24 +371,19 @@ class HybridAdamW(torch.optim.Optimizer):
         manager = self._manager
         armed, started = self._armed_hyper, self._armed_started
         if armed is not None:
-            self._disarm()
             if hyper != armed:
-                # The updates that began in backward have run: the next gathers must read them.
+                # The updates that began in backward have run: the next gathers must read
+                # them; the pieces not begun stay as they are.
                 manager.release_all()
-                for ci, pieces in started.items():
-                    chunk = manager.chunks[ci]
-                    chunk.host_stale = True
-                    for pi in range(len(self._host_opts[ci])):  # the others stay as they are
-                        if pi not in pieces:
-                            self._submit_piece(chunk, pi, armed, None, None, with_grad=[])
+                self.abandon_started_updates(stale=True)
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "
-                    f"{hyper}. The {len(started)} offloaded chunks updated in backward keep "
-                    "the pieces of their update that had begun and nothing else was updated. Change "
-                    "hyperparameters after "
-                    "step(), as LR schedulers do"
+                    f"{hyper}. The {len(started)} offloaded chunks whose update began in "
+                    "backward keep the pieces of it that had begun, and nothing else was "
+                    "updated. Change hyperparameters after step(), as LR schedulers do"
                 )
+            self._disarm()
         host_inv_scale = None
         if self.scaler.enabled:  # see [Note: loss scaling over chunks]
             if not any(s.has_grad for s in self._slots):
@@ -456,7 +465,9 @@ class HybridAdamW(torch.optim.Optimizer):
             torch.cuda.synchronize(self._manager.device)
         self._wait_accumulations()
         for c in self._manager.offloaded:
-            if c.update_future is not None:
+            # an update begun in an armed backward completes only once step() queues the
+            # pieces no gradient completed yet: not waited for here
+            if c.update_future is not None and c.index not in self._armed_started:
                 c.update_future.result()
 
     def _opt_of(self, s: ParamSlot):
