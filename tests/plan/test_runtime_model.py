@@ -102,6 +102,18 @@ def test_without_clipping_pieces_start_as_their_blocks_finish_backward():
     assert rt.host_stall_s[2] == pytest.approx(expected)
 
 
+def test_a_one_piece_update_is_released_after_its_chunks_first_block():
+    """A chunk whose trainable part is one update piece (LoRA) starts its host step only
+    when backward has finished the first block it spans, as the engine does."""
+    p = llama1b_like()
+    small = [p.chunks.trainable_numel[0], 1 << 20, 1 << 20]
+    chunks = dataclasses.replace(p.chunks, trainable_numel=small, max_trainable_numel=small)
+    rt = RuntimeModel(dataclasses.replace(p, chunks=chunks), h200_like(), clipping=False)
+    last = rt._task_chunk == 2
+    assert last.sum() == 1
+    assert rt._task_bwd_after[last][0] == pytest.approx(rt.block_bwd_s[:11].sum())
+
+
 def test_host_worker_schedule_is_lowest_position_first():
     """Chunks released in backward order (last first): the worker runs each as soon as it
     is released while idle, and a backlog in forward order."""

@@ -54,10 +54,12 @@ the forward compute of the blocks before ``chunk_first_block[j]``.
   needs them all; the last to arrive is the first offloaded chunk's largest tensor, at the
   measured device-to-host rate).
 - Without clipping, each piece of a chunk's step is released when its own gradients are on
-  the host ([Note: chunks complete in backward] in ``runtime/grad_offload.py``): the chunk's
-  work is spread evenly over the blocks it spans (from its first block to the next chunk's),
-  each share released when backward has finished that block (the backward compute still
-  to run after that point hides it). Recompute is not counted as hiding time.
+  the host ([Note: chunks complete in backward] in ``runtime/grad_offload.py``): the blocks
+  a chunk spans (from its first block to the next chunk's) are split into as many
+  consecutive groups as the update has pieces (``_UPDATE_PIECE_NUMEL`` parameters each),
+  each group's share of the work released when backward has finished the group's first
+  block, its last in backward (the backward compute still to run after that point hides
+  it). Recompute is not counted as hiding time.
 
 The worker runs one task at a time, the released one of lowest forward position first
 (``_lowest_first``, as ``runtime/host_worker.py`` does), ending chunk ``i``'s last task at
@@ -151,20 +153,22 @@ class RuntimeModel:
         needed_at = np.where(first < 0, 0.0, pre + fwd_before[k])
         bwd_after = np.where(first < 0, 0.0, bwd_before[k])  # blocks < first run after it
         # Without clipping: when each piece of each chunk's step is released, as seconds of
-        # backward still to run (see the note); one task per (chunk, block it spans).
+        # backward still to run (see the note); one task per group of blocks.
         task_chunk, task_bwd_after, task_share = [], [], []
         for i in range(n):
             f = int(first[i])
             if f < 0 or f >= n_blocks:
-                blocks = [None]
+                groups = [[None]]
             else:
                 nxt = int(first[i + 1]) if i + 1 < n else n_blocks - 1
-                hi = min(max(nxt, f), n_blocks - 1)
-                blocks = list(range(f, hi + 1))
-            for b in blocks:
+                blocks = list(range(f, min(max(nxt, f), n_blocks - 1) + 1))
+                pieces = max(1, -(-int(trn[i]) // _UPDATE_PIECE_NUMEL))
+                groups = [g.tolist() for g in np.array_split(blocks, min(pieces, len(blocks)))]
+            n_in = sum(len(g) for g in groups)
+            for g in groups:
                 task_chunk.append(i)
-                task_bwd_after.append(bwd_after[i] if b is None else bwd_before[b])
-                task_share.append(1.0 / len(blocks))
+                task_bwd_after.append(bwd_after[i] if g[0] is None else bwd_before[g[0]])
+                task_share.append(len(g) / n_in)
         self._task_chunk = np.asarray(task_chunk, dtype=np.int64)
         self._task_bwd_after = np.asarray(task_bwd_after, dtype=np.float64)
         self._task_share = np.asarray(task_share, dtype=np.float64)
