@@ -130,7 +130,7 @@ class Engine:
             self.optimizer.check_between_steps("close()")
         except RuntimeError as exc:  # closing still gives everything back
             log.warning("%s; the model is left half stepped", exc)
-            self.optimizer.abandon_started_updates()
+            self.optimizer._abandon_started_updates(stale=False)
         try:
             self.optimizer.synchronize()
         finally:

@@ -296,3 +296,32 @@ def test_close_with_an_update_begun_in_part_does_not_hang(how, monkeypatch):
     closer.join(timeout=60)
     assert not closer.is_alive(), "close() hung on an update begun in backward"
     assert getattr(model, "_protrain_engine", None) is None
+
+
+def test_step_retried_after_a_refused_hyperparameter_steps_each_piece_once(monkeypatch):
+    """step() refuses a changed hyperparameter after pieces began in backward; with the
+    value restored, a retried step() steps only what had not begun: one AdamW step in all,
+    as plain PyTorch takes."""
+    monkeypatch.setattr("protrain.optim.hybrid_adamw._UPDATE_PIECE_NUMEL", 100)
+    base = build("llama")
+    data = batches("llama", 1)
+    reference = copy.deepcopy(base)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    reference(**data[0]).loss.backward()
+    opt.step()
+    n_chunks = _n_chunks(base)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=n_chunks // 2, lr=LR, weight_decay=WD, device="cpu"
+    )
+    optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    optimizer.param_groups[0]["lr"] = LR / 2
+    with pytest.raises(RuntimeError, match="hyperparameter changed"):
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = LR
+    optimizer.step()
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    protrain.close(model)

@@ -300,9 +300,9 @@ class HybridAdamW(torch.optim.Optimizer):
             self._begin_update(chunk)
             stats = self._manager.stats
             stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
-        self._armed_started[ci].add(pi)
         # host_stale stays False until step(): see [Note: step in backward]
         self._submit_piece(chunk, pi, self._armed_hyper, None, None)
+        self._armed_started[ci].add(pi)  # only once queued: abandoning queues the others
 
     def _begin_update(self, chunk: Chunk) -> None:
         """A new update of ``chunk``: its own progress object (a chunk stepped twice before a
@@ -340,7 +340,7 @@ class HybridAdamW(torch.optim.Optimizer):
             ready=lambda: _grads_landed(with_grad),
         )
 
-    def abandon_started_updates(self, *, stale: bool = False) -> None:
+    def _abandon_started_updates(self, *, stale: bool) -> None:
         """Between an armed backward and ``step()`` (``close()``, or ``step()`` refusing a
         changed hyperparameter): complete every update begun in backward with its other
         pieces left unchanged, so that nothing waits for pieces only ``step()`` would queue,
@@ -375,7 +375,11 @@ class HybridAdamW(torch.optim.Optimizer):
                 # The updates that began in backward have run: the next gathers must read
                 # them; the pieces not begun stay as they are.
                 manager.release_all()
-                self.abandon_started_updates(stale=True)
+                self._abandon_started_updates(stale=True)
+                for ci, pieces in started.items():  # a retried step() must not step them again
+                    for pi in pieces:
+                        for slot in self._host_opts[ci][pi][2]:
+                            slot.has_grad = False
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "
@@ -458,7 +462,9 @@ class HybridAdamW(torch.optim.Optimizer):
             )
 
     def synchronize(self) -> None:
-        """Wait for every host task (accumulations and updates) and raise their errors."""
+        """Wait for every host task (accumulations and updates) and raise their errors;
+        except an update begun in a backward armed by ``step_in_backward()``, which ends
+        only once ``step()`` has queued its remaining pieces."""
         self._check_open()
         self._worker.barrier()
         if self._manager.is_cuda:  # device-to-host copies into host memory
