@@ -320,21 +320,16 @@ class HybridAdamW(torch.optim.Optimizer):
         order = self._manager.forward_order
         rank = order.index(chunk.index) if chunk.index in order else len(order) + chunk.index
         opts = self._host_opts[chunk.index]
-        opt, group_map, piece = opts[pi]
         if with_grad is None:
-            with_grad = [s for s in piece if s.has_grad]
+            with_grad = [s for s in opts[pi][2] if s.has_grad]
+        stepping = (with_grad, hyper, inv_scale, clip_coef)
         self._worker.submit(
             _step_host_piece_task,
             chunk,
             chunk.update_progress,
             pi,
-            opt,
-            group_map,
-            piece,
-            with_grad,
-            hyper,
-            inv_scale,
-            clip_coef,
+            opts[pi],
+            stepping,
             self._manager.stats,
             priority=rank + pi / (len(opts) + 1),
             ready=lambda: _grads_landed(with_grad),
@@ -583,27 +578,21 @@ def _grads_landed(with_grad: list[ParamSlot]) -> bool:
 
 @torch.no_grad()
 def _step_host_piece_task(
-    chunk: Chunk,
-    progress: UpdateProgress,
-    pi: int,
-    opt,
-    group_map,
-    piece,
-    with_grad,
-    hyper,
-    inv_scale,
-    clip_coef,
-    stats,
+    chunk: Chunk, progress: UpdateProgress, pi: int, inner: tuple, stepping: tuple, stats
 ) -> None:
-    """Runs on the CPU worker: one piece of a chunk's update (unscale, clip, AdamW over its
-    fp32 masters), then tells ``progress``; an error fails the whole update."""
+    """Runs on the CPU worker: piece ``pi`` of a chunk's update (unscale, clip, AdamW over
+    its fp32 masters), then tells ``progress``; an error fails the whole update. ``inner``:
+    the piece's (fused AdamW, group map, slots); ``stepping``: (slots with a gradient,
+    hyperparameters, inverse loss scale, clip coefficient)."""
+    opt, group_map, piece = inner
+    with_grad, hyper, inv_scale, clip_coef = stepping
     if progress.failed:  # an earlier piece failed: the update is over
         return
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
-        stepping = set(map(id, with_grad))
-        _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats)
+        ids = set(map(id, with_grad))
+        _step_host_piece(opt, group_map, piece, ids, hyper, inv_scale, clip_coef, stats)
     except BaseException as e:
         progress.fail(e)
         raise
