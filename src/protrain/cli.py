@@ -104,6 +104,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def _sdpa(cfg):
+    from protrain.train.attention import sdpa_backend
+    from protrain.train.modeling import resolve_device
+
+    return sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device))
+
+
 def _run(args: argparse.Namespace) -> int:
     from protrain.train.config import load_config
     from protrain.train.log import setup_logging
@@ -122,7 +129,8 @@ def _run(args: argparse.Namespace) -> int:
         from protrain.train.planning import plan_memory, planning_inputs
 
         model, batch, settings = planning_inputs(cfg)
-        plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+        with _sdpa(cfg):  # the trace runs attention as training will
+            plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
         print(explain(plan, with_candidates=False))
         print("best candidates:")
         print(candidates_table(plan))
@@ -132,7 +140,8 @@ def _run(args: argparse.Namespace) -> int:
         from protrain.train.planning import planning_inputs, profile_memory
 
         model, batch, settings = planning_inputs(cfg)
-        profile = profile_memory(model, batch, settings)
+        with _sdpa(cfg):
+            profile = profile_memory(model, batch, settings)
         title = f"{cfg.model.name_or_path}, batch {cfg.micro_batch_size} x {cfg.sequence_len}"
         if args.out.lower().endswith(".png"):
             path = write_timeline_png(profile, args.out)

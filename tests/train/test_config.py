@@ -92,3 +92,18 @@ def test_yaml_is_read_safely(tmp_path):
 
 def test_schema_defaults_are_valid():
     TrainConfig()
+
+
+def test_sdpa_backend_needs_sdpa_attention(tmp_path):
+    raw = tiny_config(tmp_path, model={"name_or_path": "tiny", "attn_implementation": "eager",
+                                       "sdpa_backend": "cudnn"})  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert "model.sdpa_backend = 'cudnn' needs model.attn_implementation = 'sdpa'" in str(err.value)
+
+
+def test_unknown_sdpa_backend_lists_the_allowed_ones(tmp_path):
+    raw = tiny_config(tmp_path, model={"name_or_path": "tiny", "sdpa_backend": "fast"})
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert "model.sdpa_backend" in str(err.value) and "'cudnn'" in str(err.value)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from protrain.train.config import validate_config
+from protrain.train.errors import ConfigError
 from protrain.train.loop import train
 from protrain.train.metrics import read_metrics
 
@@ -344,3 +345,34 @@ def test_accumulation_longer_than_the_data_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="gradient_accumulation_steps = 16 is not allowed"):
         train(validate_config(raw))
     assert not (tmp_path / "run").exists()
+
+
+def test_sdpa_backend_is_forced_for_the_whole_run(tmp_path, monkeypatch):
+    """model.sdpa_backend: math runs every attention call (training and evaluation) under
+    torch's math kernel, with the same losses as torch's own choice on the CPU; afterwards
+    the kernels torch may pick are as before. A GPU-only kernel on the CPU is refused
+    before anything is written."""
+    import torch.nn.functional as F
+
+    seen = []
+    original = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(
+            (torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.math_sdp_enabled())
+        )
+        return original(*args, **kwargs)
+
+    default = train(validate_config(tiny_config(tmp_path / "default", max_steps=3)))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    model = {"name_or_path": "tiny", "sdpa_backend": "math"}
+    forced = train(validate_config(tiny_config(tmp_path / "math", max_steps=3, model=model)))
+    assert seen and set(seen) == {(False, True)}
+    assert forced.losses == pytest.approx(default.losses, rel=1e-5, abs=1e-6)
+    assert torch.backends.cuda.flash_sdp_enabled()  # restored
+    model = {"name_or_path": "tiny", "sdpa_backend": "cudnn"}
+    with pytest.raises(
+        ConfigError, match="needs a CUDA GPU; on cpu use one of default, flash, math"
+    ):
+        train(validate_config(tiny_config(tmp_path / "cudnn", model=model, device="cpu")))
+    assert not (tmp_path / "cudnn").exists()

@@ -57,7 +57,23 @@ class ModelConfig(StrictModel):
         "float32", description="Dtype of the trained weights (the master copy)."
     )
     attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
+    sdpa_backend: Literal["default", "flash", "cudnn", "efficient", "math"] = Field(
+        "default",
+        description="The SDPA kernel forced for the whole run (attn_implementation: sdpa); "
+        "default: torch's choice. At long context cudnn ran causal attention 1.66x faster "
+        "than flash on an H200.",
+    )
     trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _check_sdpa_backend(self) -> ModelConfig:
+        if self.sdpa_backend != "default" and self.attn_implementation != "sdpa":
+            raise ValueError(
+                f"model.sdpa_backend = {self.sdpa_backend!r} needs model.attn_implementation "
+                f"= 'sdpa' (it is {self.attn_implementation!r}); leave sdpa_backend at "
+                "'default' for other attention implementations"
+            )
+        return self
 
 
 class AdapterConfig(StrictModel):

@@ -28,6 +28,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from protrain.train import checkpoint as ckpt
+from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
     build_collator,
@@ -54,6 +55,12 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
+    """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run."""
+    with sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device)):
+        return _train(cfg, resume=resume)
+
+
+def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
     setup_logging()
     output_dir = Path(cfg.output_dir)
     resume_from = _check_output_dir(output_dir, resume)
