@@ -77,15 +77,48 @@ def test_rechunked_prediction_matches_a_run_at_that_size(traced, knobs):
 
 
 def test_auto_plan_searches_the_chunk_size():
+    """Every candidate size is screened by a search without swap; the full search runs at
+    the size that screened fastest."""
     model = tiny_llama.build(seed=4)
     kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
     plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
     sizes = chunk_size_candidates(model, problem.profile)
     assert plan.chunk_size_bytes in sizes
-    assert any("chunk size" in r and "candidates" in r for r in plan.reasons)
-    for size in sizes:  # the chosen size is the fastest of them by the model's prediction
+    assert any("candidates screened without swap" in r for r in plan.reasons)
+    screened = {
+        size: search(
+            PlanProblem(
+                rechunk(problem.profile, model, size),
+                problem.hardware,
+                gpu_budget_bytes=6_000_000,
+                fixed_knobs={"n_swap": 0},
+            )
+        ).plan.predicted_step_s
+        for size in sizes
+    }
+    assert screened[plan.chunk_size_bytes] == min(screened.values())
+    full = search(PlanProblem(problem.profile, problem.hardware, gpu_budget_bytes=6_000_000))
+    assert full.plan.knobs == plan.knobs  # the full search at the chosen size
+
+
+def test_a_fixed_n_swap_gets_the_full_search_at_every_size():
+    model = tiny_llama.build(seed=4)
+    plan, problem = profile_and_plan(
+        model,
+        tiny_llama.batch(),
+        gpu_budget_bytes="6MB",
+        device="cpu",
+        hardware=syn.hardware("cpu"),
+        fixed_knobs={"n_swap": 1},
+    )
+    assert plan.n_swap == 1
+    assert any("candidates searched" in r for r in plan.reasons)
+    for size in chunk_size_candidates(model, problem.profile):
         other = PlanProblem(
-            rechunk(problem.profile, model, size), problem.hardware, gpu_budget_bytes=6_000_000
+            rechunk(problem.profile, model, size),
+            problem.hardware,
+            gpu_budget_bytes=6_000_000,
+            fixed_knobs={"n_swap": 1},
         )
         assert search(other).plan.predicted_step_s >= plan.predicted_step_s - 1e-12
 
