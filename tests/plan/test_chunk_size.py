@@ -77,13 +77,28 @@ def test_rechunked_prediction_matches_a_run_at_that_size(traced, knobs):
 
 
 def test_auto_plan_searches_the_chunk_size():
-    """Every candidate size is screened by a search without swap; the full search runs at
-    the size that screened fastest."""
+    """A small problem: the full search at every candidate size; the fastest plan wins."""
     model = tiny_llama.build(seed=4)
     kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
     plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
     sizes = chunk_size_candidates(model, problem.profile)
     assert plan.chunk_size_bytes in sizes
+    assert any("candidates searched" in r for r in plan.reasons)
+    for size in sizes:  # the chosen size is the fastest of them by the model's prediction
+        other = PlanProblem(
+            rechunk(problem.profile, model, size), problem.hardware, gpu_budget_bytes=6_000_000
+        )
+        assert search(other).plan.predicted_step_s >= plan.predicted_step_s - 1e-12
+
+
+def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
+    """Above the work bound every size is screened by a search without swap, and the full
+    search runs at the size that screened fastest."""
+    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
+    model = tiny_llama.build(seed=4)
+    kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
+    plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
+    sizes = chunk_size_candidates(model, problem.profile)
     assert any("candidates screened without swap" in r for r in plan.reasons)
     screened = {
         size: search(
@@ -101,7 +116,8 @@ def test_auto_plan_searches_the_chunk_size():
     assert full.plan.knobs == plan.knobs  # the full search at the chosen size
 
 
-def test_a_fixed_n_swap_gets_the_full_search_at_every_size():
+def test_a_fixed_n_swap_gets_the_full_search_at_every_size(monkeypatch):
+    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
     model = tiny_llama.build(seed=4)
     plan, problem = profile_and_plan(
         model,

@@ -40,6 +40,9 @@ from protrain.profile.trace import ModelProfile, chunk_first_blocks
 # the traced size. Above 2x the waste-minimizing default already chose (it searches
 # [largest, 2 x largest]); below 1x no layout exists.
 _MULTIPLES = (1.0, 1.25, 1.5, 1.75, 2.0)
+# Above this many (n_swap, n_checkpoint, n_persist) combinations over all candidate sizes the
+# sizes are screened without swap first (see search_chunk_sizes).
+_FULL_SEARCH_CELLS = 1_000_000
 
 
 def chunk_size_candidates(model: nn.Module, profile: ModelProfile) -> list[int]:
@@ -116,14 +119,16 @@ def search_chunk_sizes(
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
-    Each candidate is screened by a search without swap (``n_swap = 0``: at 100 blocks a
-    fiftieth of the ``(n_swap, n_checkpoint)`` pairs), and the full search
-    (:func:`protrain.plan.search.search`) runs at the size that screened fastest, so that
-    the whole costs little more than one search (a 100-block, 252-chunk profile on a 2-core
-    machine like CI's: 0.43 s for one search, 0.62 s screened over its 7 candidate sizes,
-    1.70 s with the full search at each; ``benchmarks/search_time.py``). When
-    no size has a plan without swap, or the user fixed ``n_swap``, every size gets the full
-    search. Only the traced size is planned when the user gave the chunk size
+    Every candidate gets the full search (:func:`protrain.plan.search.search`) while that
+    is cheap: at most ``_FULL_SEARCH_CELLS`` (n_swap, n_checkpoint, n_persist) combinations
+    over all sizes (full-3b, 28 blocks and 5-13 chunks a size: about 24,000). Beyond that
+    each candidate is screened by a search without swap (``n_swap = 0``: at 100 blocks a
+    fiftieth of the pairs) and the full search runs at the size that screened fastest, so
+    that the whole costs little more than one search (a 100-block, 252-chunk profile on a
+    2-core machine like CI's: 0.43 s for one search, 0.62 s screened over its 7 candidate
+    sizes, 1.70 s with the full search at each; ``benchmarks/search_time.py``); every size
+    gets the full search again when none has a plan without swap or the user fixed
+    ``n_swap``. Only the traced size is planned when the user gave the chunk size
     (``chunk_size_fixed``) or a chunk count (``n_persist``, ``n_buffer``), which mean
     something only at one size, or when the profile has no gradient names. With no plan at
     any size, the error of the size that needs the least budget is raised."""
@@ -147,7 +152,10 @@ def search_chunk_sizes(
         )
 
     full = sizes
-    if len(sizes) > 1 and "n_swap" not in fixed:
+    b = len(profile.blocks)
+    pairs = (b + 1) * (b + 2) // 2
+    cells = sum(pairs * (rechunk(profile, model, size).chunks.n_chunks + 1) for size in sizes)
+    if len(sizes) > 1 and "n_swap" not in fixed and cells > _FULL_SEARCH_CELLS:
         screened = []
         for size in sizes:
             try:
