@@ -121,7 +121,7 @@ def search_chunk_sizes(
 
     Every candidate gets the full search (:func:`protrain.plan.search.search`) while that
     is cheap: at most ``_FULL_SEARCH_CELLS`` (n_swap, n_checkpoint, n_persist) combinations
-    over all sizes (full-3b, 28 blocks and 5-13 chunks a size: about 24,000). Beyond that
+    over all sizes (full-3b: about 19,000; lora-14b: about 118,000). Beyond that
     each candidate is screened by a search without swap (``n_swap = 0``: at 100 blocks a
     fiftieth of the pairs) and the full search runs at the size that screened fastest, so
     that the whole costs little more than one search (a 100-block, 252-chunk profile on a
