@@ -76,73 +76,8 @@ def test_rechunked_prediction_matches_a_run_at_that_size(traced, knobs):
         assert -0.005 <= err <= 0.02, (profile.trace_n_persist, knobs, err)
 
 
-def test_auto_plan_searches_the_chunk_size():
-    """A small problem: the full search at every candidate size; the fastest plan wins."""
-    model = tiny_llama.build(seed=4)
-    kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
-    plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
-    sizes = chunk_size_candidates(model, problem.profile)
-    assert plan.chunk_size_bytes in sizes
-    assert any("candidates searched" in r for r in plan.reasons)
-    for size in sizes:  # the chosen size is the fastest of them by the model's prediction
-        other = PlanProblem(
-            rechunk(problem.profile, model, size), problem.hardware, gpu_budget_bytes=6_000_000
-        )
-        assert search(other).plan.predicted_step_s >= plan.predicted_step_s - 1e-12
-
-
-def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
-    """Above the work bound every size is screened by a search without swap, and the full
-    search runs at the size that screened fastest."""
-    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
-    model = tiny_llama.build(seed=4)
-    kwargs = dict(gpu_budget_bytes="6MB", device="cpu", hardware=syn.hardware("cpu"))
-    plan, problem = profile_and_plan(model, tiny_llama.batch(), **kwargs)
-    sizes = chunk_size_candidates(model, problem.profile)
-    assert any("candidates screened without swap" in r for r in plan.reasons)
-    screened = {
-        size: search(
-            PlanProblem(
-                rechunk(problem.profile, model, size),
-                problem.hardware,
-                gpu_budget_bytes=6_000_000,
-                fixed_knobs={"n_swap": 0},
-            )
-        ).plan.predicted_step_s
-        for size in sizes
-    }
-    assert screened[plan.chunk_size_bytes] == min(screened.values())
-    full = search(PlanProblem(problem.profile, problem.hardware, gpu_budget_bytes=6_000_000))
-    assert full.plan.knobs == plan.knobs  # the full search at the chosen size
-
-
-def test_a_fixed_n_swap_gets_the_full_search_at_every_size(monkeypatch):
-    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
-    model = tiny_llama.build(seed=4)
-    plan, problem = profile_and_plan(
-        model,
-        tiny_llama.batch(),
-        gpu_budget_bytes="6MB",
-        device="cpu",
-        hardware=syn.hardware("cpu"),
-        fixed_knobs={"n_swap": 1},
-    )
-    assert plan.n_swap == 1
-    assert any("candidates searched" in r for r in plan.reasons)
-    for size in chunk_size_candidates(model, problem.profile):
-        other = PlanProblem(
-            rechunk(problem.profile, model, size),
-            problem.hardware,
-            gpu_budget_bytes=6_000_000,
-            fixed_knobs={"n_swap": 1},
-        )
-        assert search(other).plan.predicted_step_s >= plan.predicted_step_s - 1e-12
-
-
-@pytest.mark.parametrize(
-    "kwargs", [{"chunk_size_bytes": 300_000}, {"fixed_knobs": {"n_persist": 1}}]
-)
-def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
+def _auto(**kwargs):
+    """Auto mode on the tiny Llama at a 6 MB budget: (plan, problem, model)."""
     model = tiny_llama.build(seed=4)
     plan, problem = profile_and_plan(
         model,
@@ -152,6 +87,57 @@ def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
         hardware=syn.hardware("cpu"),
         **kwargs,
     )
+    return plan, problem, model
+
+
+def _step_at(problem, model, size: int, fixed: dict | None = None) -> float:
+    """The predicted step of the full search at ``size`` (knobs ``fixed`` kept)."""
+    at = PlanProblem(
+        rechunk(problem.profile, model, size),
+        problem.hardware,
+        gpu_budget_bytes=6_000_000,
+        fixed_knobs=fixed or {},
+    )
+    return search(at).plan.predicted_step_s
+
+
+def test_auto_plan_searches_the_chunk_size():
+    """A small problem: the full search at every candidate size; the fastest plan wins."""
+    plan, problem, model = _auto()
+    sizes = chunk_size_candidates(model, problem.profile)
+    assert plan.chunk_size_bytes in sizes
+    assert any("candidates searched" in r for r in plan.reasons)
+    for size in sizes:  # the chosen size is the fastest of them by the model's prediction
+        assert _step_at(problem, model, size) >= plan.predicted_step_s - 1e-12
+
+
+def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
+    """Above the work bound every size is screened by a search without swap, and the full
+    search runs at the size that screened fastest."""
+    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
+    plan, problem, model = _auto()
+    assert any("candidates screened without swap" in r for r in plan.reasons)
+    sizes = chunk_size_candidates(model, problem.profile)
+    screened = {size: _step_at(problem, model, size, {"n_swap": 0}) for size in sizes}
+    assert screened[plan.chunk_size_bytes] == min(screened.values())
+    full = search(PlanProblem(problem.profile, problem.hardware, gpu_budget_bytes=6_000_000))
+    assert full.plan.knobs == plan.knobs  # the full search at the chosen size
+
+
+def test_a_fixed_n_swap_gets_the_full_search_at_every_size(monkeypatch):
+    monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
+    plan, problem, model = _auto(fixed_knobs={"n_swap": 1})
+    assert plan.n_swap == 1
+    assert any("candidates searched" in r for r in plan.reasons)
+    for size in chunk_size_candidates(model, problem.profile):
+        assert _step_at(problem, model, size, {"n_swap": 1}) >= plan.predicted_step_s - 1e-12
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"chunk_size_bytes": 300_000}, {"fixed_knobs": {"n_persist": 1}}]
+)
+def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
+    plan, problem, _ = _auto(**kwargs)
     assert plan.chunk_size_bytes == problem.profile.chunks.chunk_size_bytes
     assert not any("candidates" in r for r in plan.reasons)
     if "chunk_size_bytes" in kwargs:
