@@ -5,7 +5,7 @@ from __future__ import annotations
 import protrain
 from protrain.activations import apply_activation_knobs
 from protrain.profile.measure import measure_steps
-from protrain.profile.trace import hf_loss
+from protrain.profile.trace import hf_loss, trace_model
 
 
 def measured_peak(model, batch, knobs, chunk_size_bytes: int | None = None) -> int:
@@ -32,3 +32,14 @@ def measured_peak(model, batch, knobs, chunk_size_bytes: int | None = None) -> i
     finally:
         handle.remove()
         protrain.close(model)
+
+
+def model_and_traces(seed: int):
+    """A tiny Llama, its batch, and its traces with every chunk persistent and with none."""
+    import tiny_llama  # tests/profile, on the path of the test modules that use this
+
+    model = tiny_llama.build(seed=seed)
+    batch = tiny_llama.batch()
+    persistent = trace_model(model, batch, device="cpu")
+    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
+    return model, batch, persistent, offloaded

@@ -14,21 +14,16 @@ from protrain.plan import PlanProblem, search
 from protrain.plan.auto import profile_and_plan
 from protrain.plan.chunk_size import chunk_size_candidates, rechunk
 from protrain.profile.chunk_table import chunk_table
-from protrain.profile.trace import trace_model
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
 import plan_synthetic as syn  # noqa: E402
 import tiny_llama  # noqa: E402
-from cpu_runs import measured_peak  # noqa: E402
+from cpu_runs import measured_peak, model_and_traces  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def traced():
-    model = tiny_llama.build(seed=3)
-    batch = tiny_llama.batch()
-    persistent = trace_model(model, batch, device="cpu")
-    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
-    return model, batch, persistent, offloaded
+    return model_and_traces(seed=3)
 
 
 def test_candidates_hold_the_traced_size_and_the_smallest_layout(traced):

@@ -25,16 +25,12 @@ from protrain.profile.trace import hf_loss, trace_model
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
 import plan_synthetic as syn  # noqa: E402
 import tiny_llama  # noqa: E402
-from cpu_runs import measured_peak  # noqa: E402
+from cpu_runs import measured_peak, model_and_traces  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def model_and_profiles():
-    model = tiny_llama.build(seed=1)
-    batch = tiny_llama.batch()
-    persistent = trace_model(model, batch, device="cpu")
-    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
-    return model, batch, persistent, offloaded
+    return model_and_traces(seed=1)
 
 
 @pytest.mark.parametrize(

@@ -63,19 +63,29 @@ def test_free_running_step_is_the_compute():
     assert synced.base_compute_s == pytest.approx(0.001 + 16 * 0.009 + 0.01)
 
 
+def _last_chunk_terms(p, hw) -> dict[str, float]:
+    """The host-stall terms of the 1B-like profile's last chunk when it alone is offloaded:
+    its largest gradient's copy out, its host AdamW, the copy in of its last update piece,
+    when the forward needs it (after block 11) and the device AdamW of the other two."""
+    trn, largest = p.chunks.trainable_numel[2], p.chunks.max_trainable_numel[2]
+    return {
+        "grad_tail": 4 * largest / hw.d2h_bytes_per_s,
+        "host": trn / hw.cpu_adam_params_per_s,
+        "last_piece": 4 * min(trn, max(largest, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s,
+        "needed": 0.001 + 11 * (0.03 / 16),
+        "dev_opt": 2 * trn / hw.device_adam_params_per_s,
+    }
+
+
 def test_host_stall_with_clipping_is_the_critical_path():
     """One offloaded chunk (the last): its step starts after the embedding's gradient is on
     the host, then the masters of its last update piece are copied in (the pieces before
     are copied while the next ones update); the forward reaches it after block 11."""
     p, hw = llama1b_like(), h200_like()
     rt = RuntimeModel(p, hw, clipping=True)
-    trn, largest = p.chunks.trainable_numel[2], p.chunks.max_trainable_numel[2]
-    tail = 4 * largest / hw.d2h_bytes_per_s
-    host = trn / hw.cpu_adam_params_per_s
-    last_piece = 4 * min(trn, max(largest, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
-    needed = 0.001 + 11 * (0.03 / 16)
-    dev_opt = 2 * trn / hw.device_adam_params_per_s
-    assert rt.host_stall_s[2] == pytest.approx(tail + host + last_piece - needed - dev_opt)
+    t = _last_chunk_terms(p, hw)
+    expected = t["grad_tail"] + t["host"] + t["last_piece"] - t["needed"] - t["dev_opt"]
+    assert rt.host_stall_s[2] == pytest.approx(expected)
     assert rt.host_stall_s[3] == 0.0
     # Without clipping each chunk's step starts during backward, as soon as its gradients
     # are on the host, and the worker takes the first chunk the forward needs first: with
@@ -91,14 +101,10 @@ def test_without_clipping_pieces_start_as_their_blocks_finish_backward():
     block's backward, so the host runs from then on without a gap."""
     p, hw = llama1b_like(), h200_like()
     rt = RuntimeModel(p, hw, clipping=False)
-    trn, largest = p.chunks.trainable_numel[2], p.chunks.max_trainable_numel[2]
-    grad_tail = 4 * largest / hw.d2h_bytes_per_s
-    host = trn / hw.cpu_adam_params_per_s
-    last_piece = 4 * min(trn, max(largest, _UPDATE_PIECE_NUMEL)) / hw.h2d_bytes_per_s
-    needed = 0.001 + 11 * (0.03 / 16)
-    dev_opt = 2 * trn / hw.device_adam_params_per_s
+    t = _last_chunk_terms(p, hw)
     after_15 = rt.block_bwd_s[:15].sum()  # backward still to run when block 15's is done
-    expected = grad_tail - after_15 + host + last_piece - needed - dev_opt
+    expected = t["grad_tail"] - after_15 + t["host"] + t["last_piece"] - t["needed"]
+    expected -= t["dev_opt"]
     assert rt.host_stall_s[2] == pytest.approx(expected)
 
 
