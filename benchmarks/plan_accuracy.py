@@ -90,6 +90,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def git_commit() -> str:
+    if os.environ.get("COMMIT"):  # the session scripts name it: the device copy's .git is stale
+        return os.environ["COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent,
                              capture_output=True, text=True)  # fmt: skip
