@@ -137,3 +137,11 @@ def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
     assert not any("candidates" in r for r in plan.reasons)
     if "chunk_size_bytes" in kwargs:
         assert plan.chunk_size_bytes == 300_000
+
+
+def test_the_work_bound_counts_the_pairs_the_search_evaluates():
+    from protrain.plan.chunk_size import _n_pairs
+
+    assert _n_pairs(28, {}) == 29 * 30 // 2
+    assert _n_pairs(10, {"n_checkpoint": 4}) == 7  # n_swap 0..6
+    assert _n_pairs(10, {"n_swap": 2, "n_checkpoint": 9}) == 0

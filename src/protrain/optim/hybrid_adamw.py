@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent import futures
 
 import torch
 
@@ -375,6 +376,8 @@ class HybridAdamW(torch.optim.Optimizer):
                     for pi in pieces:
                         for slot in self._host_opts[ci][pi][2]:
                             slot.has_grad = False
+                # ... nor begin a new update of these chunks while their pieces still run
+                futures.wait([manager.chunks[ci].update_future for ci in started])
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "

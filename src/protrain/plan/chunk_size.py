@@ -141,9 +141,11 @@ def search_chunk_sizes(
     ):
         sizes = chunk_size_candidates(model, profile)
 
+    profiles = {size: rechunk(profile, model, size) for size in sizes}
+
     def problem_at(size: int, knobs: dict) -> PlanProblem:
         return PlanProblem(
-            rechunk(profile, model, size),
+            profiles[size],
             hardware,
             gpu_budget_bytes=gpu_budget_bytes,
             cpu_budget_bytes=cpu_budget_bytes,
@@ -152,9 +154,8 @@ def search_chunk_sizes(
         )
 
     full = sizes
-    b = len(profile.blocks)
-    pairs = (b + 1) * (b + 2) // 2
-    cells = sum(pairs * (rechunk(profile, model, size).chunks.n_chunks + 1) for size in sizes)
+    pairs = _n_pairs(len(profile.blocks), fixed)
+    cells = sum(pairs * (p.chunks.n_chunks + 1) for p in profiles.values())
     if len(sizes) > 1 and "n_swap" not in fixed and cells > _FULL_SEARCH_CELLS:
         screened = []
         for size in sizes:
@@ -189,6 +190,13 @@ def search_chunk_sizes(
         )
     result.work["chunk_sizes"] = len(sizes)
     return result, problem
+
+
+def _n_pairs(n_blocks: int, fixed: dict) -> int:
+    """The (n_swap, n_checkpoint) pairs the search evaluates, the fixed ones kept."""
+    swaps = [fixed["n_swap"]] if "n_swap" in fixed else range(n_blocks + 1)
+    ckpts = [fixed["n_checkpoint"]] if "n_checkpoint" in fixed else range(n_blocks + 1)
+    return sum(1 for s in swaps for c in ckpts if s + c <= n_blocks)
 
 
 def _dtype(profile: ModelProfile):
