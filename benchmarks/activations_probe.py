@@ -301,7 +301,7 @@ def run_config(args, model, config, dtype, spec: str, seq: int, steps: int) -> d
         if args.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(args.device)
         forward_s = 0.0
-        with _attention_backend(args.sdpa_backend):
+        with _attention_backend(args.sdpa_backend, args.device):
             for i in range(args.warmup + steps):
                 if i == args.warmup:
                     _sync(args.device)
@@ -369,19 +369,12 @@ def _prepin(transfer, copies: int, nbytes: int) -> dict:
     }
 
 
-def _attention_backend(name: str):
-    """``torch.nn.attention.sdpa_kernel`` for one backend (``default``: torch's own choice).
-    It holds through backward too, where checkpointed blocks recompute their attention."""
-    if name == "default":
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+def _attention_backend(name: str, device: torch.device):
+    """The app's ``model.sdpa_backend`` context (``default``: torch's own choice). It holds
+    through backward too, where checkpointed blocks recompute their attention."""
+    from protrain.train.attention import sdpa_backend
 
-    backends = {
-        "flash": SDPBackend.FLASH_ATTENTION,
-        "cudnn": SDPBackend.CUDNN_ATTENTION,
-        "efficient": SDPBackend.EFFICIENT_ATTENTION,
-    }
-    return sdpa_kernel([backends[name]])
+    return sdpa_backend(name, device)
 
 
 def _peak_rss_bytes() -> int:
