@@ -13,6 +13,8 @@ profiles ``--steps`` steps and writes one JSON row with, per step on average:
   ``idle_h2d`` (a host-to-device copy was running: waiting for parameters),
   ``idle_adam`` (no such copy, the host AdamW was running: waiting for the optimizer),
   ``idle_d2h`` (only a device-to-host copy), ``idle_other`` (nothing: launch or sync);
+- ``idle_gaps``: the last step's longest GPU-idle gaps, each with the host events (operators,
+  CUDA runtime calls) that overlap it most, to tell a wait on a copy from a host stall;
 - ``timeline``: the last profiled step in bins of ``--bin-ms``, one character per bin and
   resource (`#` busy over half the bin, `+` some, `.` none), to read where the gaps sit.
 
@@ -136,7 +138,34 @@ def summarize(trace: dict, bin_ms: float) -> dict:
         lines[name] = "".join(chars)
     row["timeline_bin_ms"] = bin_ms
     row["timeline"] = lines
+    row["idle_gaps"] = explain_gaps(ev, gaps(clip(kernels, a, b), a, b), a)
     return row
+
+
+def explain_gaps(
+    ev: list[dict], idle, step_start: float, n_gaps: int = 4, n_ops: int = 6, min_us: float = 5000
+):
+    """The longest GPU-idle gaps of a step (at least ``min_us``), each with the host-side events
+    (operators, CUDA runtime calls, annotations) that overlap it most: what the host was
+    doing while nothing ran on the GPU."""
+    host = [e for e in ev if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation")]
+    out = []
+    for lo, hi in sorted(idle, key=lambda g: g[0] - g[1])[:n_gaps]:
+        if hi - lo < min_us:
+            break
+        by_name: dict[str, float] = {}
+        for e in host:
+            a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+            o = min(b, hi) - max(a, lo)
+            if o > 0 and e["name"] != "step":
+                by_name[e["name"]] = max(by_name.get(e["name"], 0.0), o)
+        top = sorted(by_name.items(), key=lambda kv: -kv[1])[:n_ops]
+        out.append({
+            "at_ms": round((lo - step_start) / 1000, 1),
+            "ms": round((hi - lo) / 1000, 1),
+            "host": {k: round(v / 1000, 1) for k, v in top},
+        })  # fmt: skip
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

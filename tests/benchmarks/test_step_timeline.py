@@ -44,3 +44,23 @@ def test_idle_gpu_time_is_split_by_what_ran_meanwhile():
     # the last step, 500 us bins: kernels 1000-1400 (80% of the first bin), nothing after
     assert row["timeline"]["gpu"] == "#."
     assert row["timeline"]["h2d"] == ".."
+
+
+def test_idle_gaps_name_what_the_host_did_meanwhile():
+    # The GPU is idle 100-900 us; a sync spans 150-850, an op 200-300 (twice: its longest
+    # overlap counts), a pinned allocation 880-1000 (20 us of it in the gap).
+    ev = [
+        _x("cuda_runtime", "cudaStreamSynchronize", 150, 700),
+        _x("cpu_op", "aten::copy_", 200, 100),
+        _x("cpu_op", "aten::copy_", 400, 50),
+        _x("cuda_runtime", "cudaHostAlloc", 880, 120),
+        _x("kernel", "gemm", 0, 100),  # not a host event
+    ]
+    gaps = step_timeline.explain_gaps(ev, [(100, 900), (950, 960)], 0, min_us=50)
+    assert gaps == [
+        {
+            "at_ms": 0.1,
+            "ms": 0.8,
+            "host": {"cudaStreamSynchronize": 0.7, "aten::copy_": 0.1, "cudaHostAlloc": 0.0},
+        }
+    ]
