@@ -39,6 +39,7 @@ from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
+from protrain.quant.four_bit import lift_quant_state
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
 from protrain.runtime.host_worker import HostWorker
@@ -268,6 +269,9 @@ def wrap(
         raise RuntimeError(
             "protrain.wrap: this model is already wrapped; call protrain.close(model) first"
         )
+    # 4-bit layers keep their quantization state outside parameters; the chunks must carry
+    # it (protrain.quant.four_bit).
+    lift_quant_state(model)
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())

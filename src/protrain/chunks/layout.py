@@ -21,6 +21,9 @@ ALIGN_BYTES = 64
 # Candidate chunk sizes tried when none is given: the largest parameter times 1, 1 + 1/16, ...
 # up to 2. Larger chunks waste fewer bytes at the end of each chunk but move in coarser steps.
 _CANDIDATE_STEPS = 16
+# A floating parameter with this attribute set to True is stored in its own dtype, not the
+# compute dtype (the fp32 scales of 4-bit weights: protrain.quant.four_bit).
+KEEP_DTYPE_ATTR = "protrain_keep_dtype"
 
 
 def _align(n: int) -> int:
@@ -128,8 +131,12 @@ def choose_chunk_size(sizes: list[int]) -> int:
 
 
 def storage_dtype(param: torch.Tensor, compute_dtype: torch.dtype) -> torch.dtype:
-    """Floating parameters are stored in the compute dtype; others (quantized) as they are."""
-    return compute_dtype if param.is_floating_point() else param.dtype
+    """Floating parameters are stored in the compute dtype; others (quantized weights) and
+    those marked to keep their dtype (the fp32 scales of quantized weights, see
+    :mod:`protrain.quant.four_bit`) as they are."""
+    if not param.is_floating_point() or getattr(param, KEEP_DTYPE_ATTR, False):
+        return param.dtype
+    return compute_dtype
 
 
 def plan_layout(

@@ -232,10 +232,11 @@ class TrainConfig(DataSettings):
             )
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
-        if self.adapter.type == "qlora" and self.memory.engine_enabled:
+        if self.adapter.type == "qlora" and self.adapter.bits == 8 and self.memory.engine_enabled:
             raise ValueError(
-                "adapter.type: qlora with the chunked engine (memory.auto or n_persist/n_buffer) is "
-                "not supported yet; use lora, or remove the memory knobs"
+                "adapter.bits = 8 with the chunked engine (memory.auto or n_persist/n_buffer) is "
+                "not supported: base weights in chunks are 4-bit; use adapter.bits = 4, or "
+                "remove the memory knobs"
             )
         return self
 

@@ -76,6 +76,8 @@ def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
     is_tiny = cfg.model.name_or_path == TINY
     if is_tiny:
         model = _build_tiny(cfg, dtype)
+        if cfg.adapter.type == "qlora":  # its export ships the unquantized base beside
+            model = _quantize_in_process(model, cfg, dtype)
     else:
         model = _load_pretrained(cfg, dtype)
     model.config.use_cache = False
@@ -94,10 +96,10 @@ def build_tiny_base(cfg: TrainConfig) -> nn.Module:
 def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if cfg.adapter.type == "qlora":
+    if cfg.adapter.type == "qlora" and cfg.adapter.bits == 8:
         raise ConfigError(
-            "adapter.type = 'qlora' is not allowed with model.name_or_path = 'tiny': "
-            "quantization needs pretrained weights (a hub id or a local directory)"
+            "adapter.bits = 8 is not allowed with model.name_or_path = 'tiny': 8-bit base "
+            "weights are loaded by transformers from pretrained weights; use adapter.bits = 4"
         )
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -119,7 +121,10 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code,
     )
-    if cfg.adapter.type == "qlora":
+    # QLoRA under the chunked engine: the base is loaded on the host and quantized here, one
+    # layer at a time on the GPU, so that it never has to fit on the GPU whole.
+    in_process = cfg.adapter.type == "qlora" and cfg.memory.engine_enabled
+    if cfg.adapter.type == "qlora" and not in_process:
         kwargs["quantization_config"] = _bnb_config(cfg.adapter)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     try:
@@ -128,6 +133,8 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         raise ConfigError(
             f"model.name_or_path = {cfg.model.name_or_path!r}: cannot load it ({exc})"
         ) from None
+    if in_process:
+        return _quantize_in_process(model, cfg, dtype)
     if cfg.adapter.type == "qlora":
         from peft import prepare_model_for_kbit_training
 
@@ -135,6 +142,23 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
             model, use_gradient_checkpointing=cfg.gradient_checkpointing
         )
     return model
+
+
+def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    """4-bit NF4 base weights with double quantization (QLoRA's recipe), quantized on the
+    GPU when there is one; the output layer stays in ``dtype``."""
+    try:
+        from protrain.quant import quantize_linear_4bit
+
+        return quantize_linear_4bit(
+            model,
+            compute_dtype=dtype,
+            quant_device="cuda" if torch.cuda.is_available() else None,
+        )
+    except ImportError:
+        raise ConfigError(
+            "adapter.type = 'qlora' needs bitsandbytes: pip install 'protrain[qlora]'"
+        ) from None
 
 
 def _bnb_config(adapter: AdapterConfig):

@@ -1,0 +1,135 @@
+"""QLoRA inside chunks: 4-bit base weights (bitsandbytes NF4, double quantization) and
+their quantization state live in chunks, on the host when offloaded, and the engine
+computes what the same PEFT model computes unwrapped (fp32 compute on CPU: to 1e-6)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+
+from .models import batches, build, lora
+from .test_equivalence import ACCUM, LR, STEPS, WD, train_engine, train_plain
+
+bnb = pytest.importorskip("bitsandbytes")
+
+from protrain.quant import is_4bit_linear, lift_quant_state, quantize_linear_4bit  # noqa: E402
+from protrain.quant.four_bit import KEEP_DTYPE_ATTR  # noqa: E402
+
+
+def _qlora(kind: str = "llama", quant_type: str = "nf4") -> torch.nn.Module:
+    model = build(kind)
+    quantize_linear_4bit(model, compute_dtype=torch.float32, quant_type=quant_type)
+    return lora(model, kind)
+
+
+def test_quantized_layers_hold_their_state_as_frozen_parameters():
+    model = _qlora()
+    layers = [m for m in model.modules() if is_4bit_linear(m)]
+    assert len(layers) == 3 * 7  # every projection of the 3 blocks; lm_head is skipped
+    layer = layers[0]
+    names = {n for n, _ in layer.named_parameters(recurse=False)}
+    assert names == {"weight", "quant_absmax", "quant_absmax2"}
+    state = layer.weight.quant_state
+    assert state.absmax is layer.quant_absmax and state.state2.absmax is layer.quant_absmax2
+    assert layer.weight.dtype == torch.uint8 and layer.quant_absmax.dtype == torch.uint8
+    assert layer.quant_absmax2.dtype == torch.float32
+    assert not any(p.requires_grad for p in layer.parameters(recurse=False))
+    assert lift_quant_state(model) == 0  # idempotent
+    # a copy's state is copied apart from its parameters; lifting links them again (wrap
+    # lifts every model it is given)
+    twin = copy.deepcopy(model)
+    layer = next(m for m in twin.modules() if is_4bit_linear(m))
+    assert layer.weight.quant_state.absmax is not layer.quant_absmax
+    assert lift_quant_state(twin) == len(layers)
+    assert layer.weight.quant_state.absmax is layer.quant_absmax
+    assert layer.weight.quant_state.state2.absmax is layer.quant_absmax2
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+def test_qlora_same_losses_and_adapters_as_unwrapped(quant_type):
+    base = _qlora(quant_type=quant_type)
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses, ref_norms = train_plain(reference, data)
+    ref_state = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
+
+    probe, _, layout = protrain.wrap(copy.deepcopy(base), device="cpu")
+    n_chunks = layout.n_chunks
+    protrain.close(probe)
+    assert n_chunks >= 3
+    # the packed weights are stored as bytes, the scales in fp32, whatever the compute dtype
+    dtypes = {pl.dtype for c in layout.chunks for pl in c.placements}
+    assert {torch.uint8, torch.float32} <= dtypes
+    for n_persist in sorted({0, n_chunks // 2, n_chunks}):
+        model, optimizer, layout = protrain.wrap(
+            copy.deepcopy(base), n_persist=n_persist, lr=LR, weight_decay=WD, device="cpu"
+        )
+        layer = next(m for m in model.modules() if is_4bit_linear(m))
+        assert layer.weight.quant_state.absmax is layer.quant_absmax  # what the engine moves
+        if n_persist == 0:  # the state is chunk storage: no bytes until its chunk is gathered
+            assert layer.quant_absmax2.untyped_storage().nbytes() == 0
+            assert layer.weight.untyped_storage().nbytes() == 0
+        losses, norms = train_engine(model, data, optimizer)
+        assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6), n_persist
+        assert norms == pytest.approx(ref_norms, abs=1e-6, rel=1e-6), n_persist
+        state = protrain.state_dict(model)
+        for name, ref in ref_state.items():
+            torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+        protrain.close(model)
+
+
+def test_qlora_with_checkpointed_blocks_and_host_held_inputs():
+    base = _qlora()
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses, _ = train_plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base),
+        n_persist=0,
+        n_checkpoint=2,
+        offload_checkpoint=True,
+        lr=LR,
+        weight_decay=WD,
+        device="cpu",
+    )
+    losses, _ = train_engine(model, data, optimizer)
+    assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    protrain.close(model)
+
+
+def test_quantize_refuses_what_it_cannot_quantize():
+    with pytest.raises(ValueError, match="quant_type='int3' is not allowed"):
+        quantize_linear_4bit(build("llama"), compute_dtype=torch.float32, quant_type="int3")
+    with torch.device("meta"):
+        meta = build("llama")
+    with pytest.raises(ValueError, match="meta device"):
+        quantize_linear_4bit(meta, compute_dtype=torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_qlora_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
+    """bf16 compute, base and state on the host between uses: the same bitsandbytes kernels
+    on the same bytes as the unwrapped model on the GPU."""
+    torch.manual_seed(0)
+    base = build("llama")
+    quantize_linear_4bit(base, compute_dtype=torch.bfloat16, quant_device="cuda")
+    base = lora(base, "llama")
+    for p in base.parameters():  # bf16 compute; the quantization scales stay fp32
+        if p.is_floating_point() and not getattr(p, KEEP_DTYPE_ATTR, False):
+            p.data = p.data.to(torch.bfloat16)
+    data = [{k: v.cuda() for k, v in b.items()} for b in batches("llama", STEPS * ACCUM)]
+    reference = copy.deepcopy(base).cuda()
+    ref_losses, _ = train_plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, n_buffer=2, lr=LR, weight_decay=WD, device="cuda"
+    )
+    layer = next(m for m in model.modules() if is_4bit_linear(m))
+    assert layer.quant_absmax.device.type == "cuda"
+    losses, _ = train_engine(model, data, optimizer)
+    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    protrain.close(model)
