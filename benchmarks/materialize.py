@@ -42,6 +42,51 @@ def materialize(model: nn.Module, device: torch.device | str, fill_device: torch
     return model
 
 
+@torch.no_grad()
+def build_qlora(config, lora_rank: int, fill_device: torch.device | str) -> nn.Module:
+    """QLoRA's model, built for a base larger than the GPU: every decoder layer is created
+    on ``fill_device`` (the GPU), filled, quantized there to 4-bit NF4 with double
+    quantization, and moved to the host, one layer at a time; the embeddings, norms and
+    output layer stay bf16 on the host; LoRA adapters of rank ``lora_rank`` on every
+    linear layer (PEFT's 4-bit LoRA layers)."""
+    import peft
+    import transformers
+
+    from protrain.quant import quantize_linear_4bit
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.config.use_cache = False
+    layers = model.get_decoder().layers
+    for i, layer in enumerate(layers):
+        layer.to_empty(device=fill_device)
+        for name, param in layer.named_parameters():
+            _fill(name, param, torch.device(fill_device))
+        quantize_linear_4bit(layer, compute_dtype=torch.bfloat16)  # where it is: the GPU
+        layers[i] = layer.to("cpu")
+    for name, module in model.named_modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            for pname, param in module.named_parameters(recurse=False):
+                _fill(f"{name}.{pname}", param, torch.device(fill_device))
+    model.tie_weights()
+    _rebuild_rotary_buffers(model, torch.device("cpu"))
+    config_lora = peft.LoraConfig(
+        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
+    )
+    return peft.get_peft_model(model, config_lora)
+
+
+def build_for_mode(config, mode: str, lora_rank: int | None, fill_device) -> nn.Module:
+    """The row's model on the host: ``full`` fp32, ``lora`` a bf16 base with adapters,
+    ``qlora`` a 4-bit base with adapters (:func:`build_qlora`)."""
+    if mode == "qlora":
+        return build_qlora(config, lora_rank, fill_device)
+    dtype = torch.bfloat16 if mode == "lora" else torch.float32
+    model = build_on_meta(config, dtype, lora_rank if mode == "lora" else None)
+    return materialize(model, "cpu", fill_device=fill_device)
+
+
 def _fill(name: str, param: torch.Tensor, fill_device: torch.device) -> None:
     local = param.to_local() if hasattr(param, "to_local") else param
     if local.numel() == 0:

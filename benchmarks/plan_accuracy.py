@@ -46,6 +46,7 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     "full-3b": ("llama3b", "full", 24, 4, 2048, "full-3b"),
     "full-8b": ("llama8b", "full", 80, 4, 2048, "full-8b"),
     "lora-14b": ("qwen14b", "lora", 24, 4, 2048, "lora-14b"),
+    "qlora-70b": ("llama70b", "qlora", 24, 1, 2048, "qlora-70b"),
     "extra-1b-full-16-b2-s1024": ("llama1b", "full", 16, 2, 1024, "extra"),
     "extra-1b-full-24-b4-s4096": ("llama1b", "full", 24, 4, 4096, "extra"),
     "extra-1b-lora-16-b8-s2048": ("llama1b", "lora", 16, 8, 2048, "extra"),
@@ -61,7 +62,7 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     "extra-14b-lora-40-b2-s2048": ("qwen14b", "lora", 40, 2, 2048, "extra"),
     "extra-14b-lora-80-b8-s512": ("qwen14b", "lora", 80, 8, 512, "extra"),
 }
-TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny")}  # fmt: skip
+TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny")}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -104,7 +105,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     """In this process: budget, model, plan, steps; the row."""
     import torch
 
-    from materialize import build_on_meta, materialize
+    from materialize import build_for_mode
     from workloads import LORA_RANK, MODEL_SHAPES, hf_config
 
     model_name, mode, budget_gib, batch, seq, workload = cfg
@@ -137,9 +138,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             total = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
             row["gpu"] = torch.cuda.get_device_name(device)
-        dtype = torch.bfloat16 if mode == "lora" else torch.float32
-        model = build_on_meta(hf_config(model_name), dtype, LORA_RANK if mode == "lora" else None)
-        materialize(model, "cpu", fill_device=device)
+        model = build_for_mode(hf_config(model_name), mode, LORA_RANK, device)
         model.train()
         vocab = MODEL_SHAPES[model_name]["vocab_size"]
         gen = torch.Generator().manual_seed(0)

@@ -107,7 +107,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         seq=seq,
         budget_gib=budget,
         device=device,
-        lora_rank=LORA_RANK if workload.mode == "lora" else None,
+        lora_rank=LORA_RANK if workload.mode in ("lora", "qlora") else None,
         lr=args.lr,
         max_grad_norm=args.max_grad_norm or None,
         n_persist=args.n_persist,
@@ -144,6 +144,7 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
             if i == warmup:
                 _sync(spec.device)
                 t0 = time.perf_counter()
+                retries0 = _alloc_retries(spec.device)
             loss = trainer.step(input_ids)
             if i == 0:
                 _sync(spec.device)
@@ -156,6 +157,8 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
         step_s = (time.perf_counter() - t0) / steps
         out.update(step_s=round(step_s, 4), tokens_per_s=round(spec.batch * spec.seq / step_s, 1))
         out["loss"] = round(float(loss.detach()), 4)
+        if spec.device.type == "cuda":  # cache flushes at the budget: a slow step's first suspect
+            out["alloc_retries_per_step"] = (_alloc_retries(spec.device) - retries0) / steps
         out.update({k: round(v / steps, 4) for k, v in extras_sum.items()})
         if not math.isfinite(out["loss"]):
             out.update(status="error", error="loss is not finite")
@@ -171,6 +174,14 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return (text.splitlines()[0] if text else type(e).__name__)[:500]
+
+
+def _alloc_retries(device: torch.device) -> int:
+    """Allocations the CUDA caching allocator retried after freeing its cache (the budget
+    was reached): each one synchronizes and unmaps memory."""
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
 
 
 def _sync(device: torch.device) -> None:

@@ -194,12 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     if spec.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     t0 = time.perf_counter()
+    retries0 = run_mod._alloc_retries(spec.device)
     with torch.profiler.profile(activities=activities) as prof:
         for _ in range(args.steps + 1):  # the last one only marks where the previous ends
             with torch.profiler.record_function("step"):
                 trainer.step(ids)
         sync()
     wall = (time.perf_counter() - t0) / (args.steps + 1)
+    retries = (run_mod._alloc_retries(spec.device) - retries0) / (args.steps + 1)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "budget_gib": spec.budget_gib,
         "plan": trainer.plan,
         "profiled_wall_step_s": round(wall, 4),
+        "alloc_retries_per_step": retries,
         "gpu": torch.cuda.get_device_name() if spec.device.type == "cuda" else "cpu",
         "commit": args.commit or os.environ.get("COMMIT", "unknown"),
         **summarize(trace, float(own["--bin-ms"])),

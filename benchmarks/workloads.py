@@ -61,6 +61,19 @@ MODEL_SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     ),
+    "llama70b": dict(  # Llama-3-70B
+        family="llama",
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=500000.0,
+    ),
     "tiny": dict(
         family="llama",
         hidden_size=64,
@@ -80,7 +93,7 @@ MODEL_SHAPES: dict[str, dict] = {
 @dataclass(frozen=True)
 class Workload:
     model: str
-    mode: str  # "full" or "lora"
+    mode: str  # "full", "lora" or "qlora" (4-bit NF4 base)
     batches: tuple[int, ...]
     seq: int
     budget_gib: float
@@ -108,6 +121,8 @@ WORKLOADS: dict[str, Workload] = {
     "lora-14b": Workload(
         "qwen14b", "lora", (4,), 2048, 24, ("protrain", "plain", "fsdp2_offload", "ds_z3_offload")
     ),
+    # none of the baselines fits: the 4-bit base alone is 35 GB
+    "qlora-70b": Workload("llama70b", "qlora", (1,), 2048, 24, ("protrain",)),
 }
 
 SYSTEMS = ("plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload", "protrain")

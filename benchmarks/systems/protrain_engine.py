@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from materialize import build_on_meta, materialize
+from materialize import build_for_mode
 from systems import RowSpec, Trainer
 from systems.plain import enable_checkpointing
 from workloads import hf_config
@@ -20,9 +20,7 @@ _GIB = 2**30
 def setup(spec: RowSpec) -> Trainer:
     import protrain
 
-    dtype = torch.bfloat16 if spec.mode == "lora" else torch.float32
-    model = build_on_meta(hf_config(spec.model), dtype, spec.lora_rank)
-    materialize(model, "cpu", fill_device=spec.device)
+    model = build_for_mode(hf_config(spec.model), spec.mode, spec.lora_rank, spec.device)
     if not spec.auto:  # auto: the plan's activation policies instead
         enable_checkpointing(model)
     model.train()
