@@ -82,6 +82,34 @@ def test_qlora_same_losses_and_adapters_as_unwrapped(quant_type):
         protrain.close(model)
 
 
+def _bf16(model: torch.nn.Module) -> torch.nn.Module:
+    """bf16 compute as on a GPU; the quantization scales stay fp32."""
+    for p in model.parameters():
+        if p.is_floating_point() and not getattr(p, KEEP_DTYPE_ATTR, False):
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def test_qlora_bf16_compute_keeps_the_scales_of_a_copied_model_in_fp32():
+    """bf16 compute on the CPU, the model deep-copied before wrap (a copy drops the marks
+    that keep the scales fp32; wrap marks them again): the same losses as unwrapped."""
+    base = _bf16(_qlora())
+    data = batches("llama", STEPS * ACCUM)
+    ref_losses, _ = train_plain(copy.deepcopy(base), data)
+    model, optimizer, layout = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cpu",
+        compute_dtype=torch.bfloat16,
+    )  # fmt: skip
+    scales = {pl.dtype for c in layout.chunks for pl in c.placements if "absmax2" in pl.names[0]}
+    assert scales == {torch.float32}
+    losses, _ = train_engine(model, data, optimizer)
+    # the first optimizer step: same bf16 math; after it the engine's fp32 masters differ
+    # from plain AdamW on bf16 adapters
+    assert losses[:ACCUM] == pytest.approx(ref_losses[:ACCUM], rel=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
+    protrain.close(model)
+
+
 def test_qlora_with_checkpointed_blocks_and_host_held_inputs():
     base = _qlora()
     data = batches("llama", STEPS * ACCUM)
@@ -118,10 +146,7 @@ def test_qlora_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
     torch.manual_seed(0)
     base = build("llama")
     quantize_linear_4bit(base, compute_dtype=torch.bfloat16, quant_device="cuda")
-    base = lora(base, "llama")
-    for p in base.parameters():  # bf16 compute; the quantization scales stay fp32
-        if p.is_floating_point() and not getattr(p, KEEP_DTYPE_ATTR, False):
-            p.data = p.data.to(torch.bfloat16)
+    base = _bf16(lora(base, "llama"))
     data = [{k: v.cuda() for k, v in b.items()} for b in batches("llama", STEPS * ACCUM)]
     reference = copy.deepcopy(base).cuda()
     ref_losses, _ = train_plain(reference, data)
@@ -131,5 +156,6 @@ def test_qlora_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
     layer = next(m for m in model.modules() if is_4bit_linear(m))
     assert layer.quant_absmax.device.type == "cuda"
     losses, _ = train_engine(model, data, optimizer)
-    assert losses == pytest.approx(ref_losses, rel=2e-2)
+    assert losses[:ACCUM] == pytest.approx(ref_losses[:ACCUM], rel=1e-3)
+    assert losses == pytest.approx(ref_losses, rel=1e-2)
     protrain.close(model)

@@ -89,8 +89,9 @@ def lift_quant_state(model: nn.Module) -> int:
             param = own.get(name)
             if param is None:
                 param = nn.Parameter(tensor.detach().clone(), requires_grad=False)
-                setattr(param, KEEP_DTYPE_ATTR, True)
                 module.register_parameter(name, param)
+            # marked every time: a deep copy of a parameter drops its attributes
+            setattr(param, KEEP_DTYPE_ATTR, True)
             if tensor is not param:
                 # new, or a copy of the layer (deepcopy copies the state apart from the
                 # parameter): the state must read the parameter the engine moves
