@@ -71,6 +71,7 @@ def build_qlora(config, lora_rank: int, fill_device: torch.device | str) -> nn.M
                 _fill(f"{name}.{pname}", param, torch.device(fill_device))
     model.tie_weights()
     _rebuild_rotary_buffers(model, torch.device("cpu"))
+    model.is_loaded_in_4bit = True  # PEFT's 4-bit LoRA layers, as for a model transformers loads
     config_lora = peft.LoraConfig(
         r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
     )

@@ -159,3 +159,48 @@ def test_qlora_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
     assert losses[:ACCUM] == pytest.approx(ref_losses[:ACCUM], rel=1e-3)
     assert losses == pytest.approx(ref_losses, rel=1e-2)
     protrain.close(model)
+
+
+def test_peft_wraps_with_its_4bit_lora_layers_and_a_merge_is_lifted_again():
+    """PEFT's 4-bit LoRA layer merges by de- and re-quantizing the weight: the new state is
+    the truth, and lifting (the first thing wrap does) takes its scales."""
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    model = _qlora()
+    assert any(isinstance(m, LoraLinear4bit) for m in model.modules())
+    batch = batches("llama", 1)[0]
+    model.eval()
+    with torch.no_grad():
+        merged = model.merge_and_unload()
+        expected = merged(**batch).loss
+        lift_quant_state(merged)
+        again = merged(**batch).loss
+    assert again == expected
+    layer = next(m for m in merged.modules() if is_4bit_linear(m))
+    assert layer.weight.quant_state.absmax is layer.quant_absmax
+
+
+def test_eval_on_the_cpu_keeps_the_weights_in_their_chunks():
+    # bitsandbytes repacks a CPU layer for inference in eval mode where the CPU has
+    # AVX512-BF16; lifted layers opt out, so the weight stays a view of its chunk
+    model, _, _ = protrain.wrap(_qlora(), n_persist=0, device="cpu")
+    layer = next(m for m in model.modules() if is_4bit_linear(m))
+    packed = layer.weight.untyped_storage()
+    model.eval()
+    with torch.no_grad():
+        model(**batches("llama", 1)[0])
+    assert layer.weight.untyped_storage() is packed or (
+        layer.weight.untyped_storage().data_ptr() == packed.data_ptr()
+    )
+    assert layer.weight.quant_state.absmax is layer.quant_absmax
+    protrain.close(model)
+
+
+def test_scales_cast_after_quantization_and_8bit_layers_are_refused():
+    model = _qlora()
+    model.to(torch.bfloat16)  # casts the lifted fp32 scales too
+    with pytest.raises(ValueError, match="was the model cast"):
+        protrain.wrap(model, device="cpu")
+    int8 = torch.nn.Sequential(bnb.nn.Linear8bitLt(64, 64, has_fp16_weights=False))
+    with pytest.raises(ValueError, match="8-bit base weights are not supported inside chunks"):
+        protrain.wrap(int8, device="cpu")

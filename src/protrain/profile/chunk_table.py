@@ -21,6 +21,7 @@ from protrain.chunks.layout import (
     plan_layout,
     storage_dtype,
 )
+from protrain.quant.four_bit import lift_quant_state
 
 
 @dataclass
@@ -56,7 +57,9 @@ def chunk_table(
 def chunk_table_and_index(
     model: nn.Module, *, compute_dtype: torch.dtype, chunk_size_bytes: int | None = None
 ) -> tuple[ChunkTable, dict[str, int]]:
-    """The table, and the chunk index of every parameter name."""
+    """The table, and the chunk index of every parameter name (4-bit layers' scales lifted
+    first, as ``protrain.wrap`` does, so that the table counts what the chunks will hold)."""
+    lift_quant_state(model)
     params = params_in_order(model)
     if chunk_size_bytes is None:
         sizes = [p.numel() * storage_dtype(p, compute_dtype).itemsize for _, p in params]

@@ -64,11 +64,31 @@ def is_4bit_linear(module: nn.Module) -> bool:
     return False
 
 
+def _expected_dtype(state, path: tuple[str, ...]) -> torch.dtype:
+    # the block scales are uint8 with double quantization (their own scales fp32), else fp32
+    return torch.uint8 if path == ("absmax",) and state.nested else torch.float32
+
+
+def _refuse_8bit(module: nn.Module) -> None:
+    for cls in type(module).__mro__:
+        if cls.__name__ == "Linear8bitLt" and cls.__module__.startswith("bitsandbytes"):
+            raise ValueError(
+                f"{type(module).__name__}: 8-bit base weights are not supported inside chunks "
+                "(bitsandbytes reads a copy of them that the engine does not move); quantize "
+                "to 4-bit (protrain.quant.quantize_linear_4bit), or train without protrain.wrap"
+            )
+
+
 def lift_quant_state(model: nn.Module) -> int:
     """Make the quantization state of every 4-bit layer of ``model`` frozen parameters of
-    the layer (see the module docstring). Idempotent; returns how many layers it changed."""
+    the layer (see the module docstring). The layer's ``QuantState`` is the truth: a
+    parameter lifted earlier takes its tensor again (after a deep copy, or a merge that
+    re-quantized the weight). Idempotent; returns how many layers it changed. Refuses
+    bitsandbytes' 8-bit layers, and scales cast to another dtype (``model.to(dtype)``
+    after lifting)."""
     changed = 0
     for module in model.modules():
+        _refuse_8bit(module)
         if not is_4bit_linear(module):
             continue
         state = getattr(module.weight, "quant_state", None)
@@ -77,6 +97,9 @@ def lift_quant_state(model: nn.Module) -> int:
                 f"{type(module).__name__} has no quantization state: its weight is not "
                 "quantized yet (move the model to its device before protrain.wrap)"
             )
+        # bitsandbytes repacks a CPU layer's weight for inference in eval mode on CPUs
+        # with AVX512-BF16, outside any chunk; training layers keep the packed layout
+        module.support_avx512bf16_for_cpu = False
         lifted = False
         own = dict(module.named_parameters(recurse=False))
         for path, name in _STATE_TENSORS:
@@ -86,15 +109,27 @@ def lift_quant_state(model: nn.Module) -> int:
             tensor = getattr(owner, path[-1], None) if owner is not None else None
             if tensor is None:
                 continue
+            if tensor.dtype != _expected_dtype(state, path):
+                raise ValueError(
+                    f"{type(module).__name__}: its 4-bit scales ({name}) are "
+                    f"{tensor.dtype}, bitsandbytes made them {_expected_dtype(state, path)}: "
+                    "was the model cast (model.to(dtype)) after quantization? Cast before "
+                    "quantizing, or cast only the floating parameters that are not scales"
+                )
             param = own.get(name)
             if param is None:
-                param = nn.Parameter(tensor.detach().clone(), requires_grad=False)
+                param = nn.Parameter(tensor.detach(), requires_grad=False)
                 module.register_parameter(name, param)
+            elif tensor is not param:
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"{type(module).__name__}.{name}: the quantization state holds shape "
+                        f"{tuple(tensor.shape)}, the lifted parameter {tuple(param.shape)}"
+                    )
+                param.data = tensor.detach()  # the state's values (copy or re-quantized)
             # marked every time: a deep copy of a parameter drops its attributes
             setattr(param, KEEP_DTYPE_ATTR, True)
             if tensor is not param:
-                # new, or a copy of the layer (deepcopy copies the state apart from the
-                # parameter): the state must read the parameter the engine moves
                 setattr(owner, path[-1], param)
                 lifted = True
         changed += lifted
@@ -112,8 +147,8 @@ def quantize_linear_4bit(
     skip: tuple[str, ...] = ("lm_head",),
     quant_device: torch.device | str | None = None,
 ) -> nn.Module:
-    """Replace every ``nn.Linear`` of ``model`` (except those whose name ends with one of
-    ``skip``) by a bitsandbytes ``Linear4bit`` holding the quantized weight, in place.
+    """Replace every ``nn.Linear`` of ``model`` (except its output embeddings and those whose
+    name ends with one of ``skip``) by a bitsandbytes ``Linear4bit`` holding the quantized weight, in place.
 
     Each weight is quantized on ``quant_device`` (default: where it is) and the packed
     weight and its state are moved back to where the weight was. The quantization state is
@@ -122,10 +157,12 @@ def quantize_linear_4bit(
     bnb = _bnb()
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={quant_type!r} is not allowed: use 'nf4' or 'fp4'")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     targets = [
         (name, m)
         for name, m in model.named_modules()
-        if type(m) is nn.Linear and not any(name.endswith(s) for s in skip)
+        if type(m) is nn.Linear and m is not head and not any(name.endswith(s) for s in skip)
     ]
     if not targets:
         raise ValueError(f"quantize_linear_4bit: the model has no nn.Linear outside {skip}")
@@ -158,5 +195,8 @@ def quantize_linear_4bit(
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
     lift_quant_state(model)
+    # what transformers sets on a model it loads in 4-bit: PEFT then wraps these layers with
+    # its 4-bit LoRA layers (whose merge de- and re-quantizes the weight)
+    model.is_loaded_in_4bit = True
     log.info("quantized %d linear layers to 4-bit %s", len(targets), quant_type)
     return model

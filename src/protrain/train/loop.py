@@ -40,7 +40,13 @@ from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
 from protrain.train.metrics import MetricsWriter, set_aside_metrics
-from protrain.train.modeling import build_model, build_tiny_base, load_tokenizer, resolve_device
+from protrain.train.modeling import (
+    build_model,
+    build_tiny_base,
+    load_tokenizer,
+    resolve_autocast_dtype,
+    resolve_device,
+)
 from protrain.train.planning import sample_batch
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 from protrain.train.trainable import Trainable, make_trainable
@@ -347,28 +353,6 @@ def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return get_scheduler(
         cfg.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
     )
-
-
-def resolve_autocast_dtype(
-    mixed_precision: str, device: torch.device, engine: bool = False
-) -> torch.dtype | None:
-    """The compute dtype: autocast's for plain runs, the engine's own for engine runs.
-
-    Autocast is refused off CUDA. The chunked engine casts its weights itself and its fp16
-    path (with loss scaling) is tested on the CPU, so engine runs may use fp16 there.
-    """
-    if mixed_precision == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return None
-    if mixed_precision == "no":
-        return None
-    if device.type != "cuda" and not (engine and mixed_precision == "fp16"):
-        allowed = "no, auto or fp16 (with the chunked engine)" if engine else "no or auto"
-        raise ConfigError(
-            f"mixed_precision = {mixed_precision!r} is not allowed on {device}: use {allowed}"
-        )
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
 
 
 def seed_everything(seed: int) -> None:

@@ -44,6 +44,28 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def resolve_autocast_dtype(
+    mixed_precision: str, device: torch.device, engine: bool = False
+) -> torch.dtype | None:
+    """The compute dtype: autocast's for plain runs, the engine's own for engine runs.
+
+    Autocast is refused off CUDA. The chunked engine casts its weights itself and its fp16
+    path (with loss scaling) is tested on the CPU, so engine runs may use fp16 there.
+    """
+    if mixed_precision == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return None
+    if mixed_precision == "no":
+        return None
+    if device.type != "cuda" and not (engine and mixed_precision == "fp16"):
+        allowed = "no, auto or fp16 (with the chunked engine)" if engine else "no or auto"
+        raise ConfigError(
+            f"mixed_precision = {mixed_precision!r} is not allowed on {device}: use {allowed}"
+        )
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+
+
 def load_tokenizer(cfg: TrainConfig):
     from transformers import AutoTokenizer
 
@@ -124,6 +146,8 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     # QLoRA under the chunked engine: the base is loaded on the host and quantized here, one
     # layer at a time on the GPU, so that it never has to fit on the GPU whole.
     in_process = cfg.adapter.type == "qlora" and cfg.memory.engine_enabled
+    if in_process:  # before the whole base is loaded
+        _require_bitsandbytes()
     if cfg.adapter.type == "qlora" and not in_process:
         kwargs["quantization_config"] = _bnb_config(cfg.adapter)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
@@ -144,30 +168,33 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     return model
 
 
-def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    """4-bit NF4 base weights with double quantization (QLoRA's recipe), quantized on the
-    GPU when there is one; the output layer stays in ``dtype``."""
-    try:
-        from protrain.quant import quantize_linear_4bit
-
-        return quantize_linear_4bit(
-            model,
-            compute_dtype=dtype,
-            quant_device="cuda" if torch.cuda.is_available() else None,
-        )
-    except ImportError:
-        raise ConfigError(
-            "adapter.type = 'qlora' needs bitsandbytes: pip install 'protrain[qlora]'"
-        ) from None
-
-
-def _bnb_config(adapter: AdapterConfig):
+def _require_bitsandbytes() -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
         raise ConfigError(
             "adapter.type = 'qlora' needs bitsandbytes: pip install 'protrain[qlora]'"
         ) from None
+
+
+def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    """4-bit NF4 base weights with double quantization (QLoRA's recipe), quantized on the
+    GPU when there is one; the output layer stays in ``dtype``. The layers compute in the
+    run's compute dtype (bf16 on a GPU by default), as the engine and autocast do."""
+    _require_bitsandbytes()
+    from protrain.quant import quantize_linear_4bit
+
+    device = resolve_device(cfg.device)
+    compute = resolve_autocast_dtype(cfg.mixed_precision, device, cfg.memory.engine_enabled)
+    return quantize_linear_4bit(
+        model,
+        compute_dtype=compute or dtype,
+        quant_device="cuda" if device.type == "cuda" else None,
+    )
+
+
+def _bnb_config(adapter: AdapterConfig):
+    _require_bitsandbytes()
     if not torch.cuda.is_available():
         raise ConfigError("adapter.type = 'qlora' needs a CUDA GPU; none is present")
     from transformers import BitsAndBytesConfig
