@@ -145,3 +145,27 @@ def test_the_work_bound_counts_the_pairs_the_search_evaluates():
     assert _n_pairs(28, {}) == 29 * 30 // 2
     assert _n_pairs(10, {"n_checkpoint": 4}) == 7  # n_swap 0..6
     assert _n_pairs(10, {"n_swap": 2, "n_checkpoint": 9}) == 0
+
+
+def test_a_large_problem_that_needs_swap_screens_the_sizes_at_a_few_swap_counts(monkeypatch):
+    """Where no size has a plan without swap (made so here: any plan without swap is
+    refused), the sizes are screened at swap counts of an eighth to half of the blocks,
+    and the full search runs only at the size that screened fastest."""
+    import protrain.plan.chunk_size as cs
+
+    monkeypatch.setattr(cs, "_FULL_SEARCH_CELLS", 0)
+    real = cs.search
+    full_searches = []
+
+    def needs_swap(problem):
+        n_swap = problem.fixed.get("n_swap")
+        if n_swap == 0:
+            raise cs.NoPlanFits("no plan without swap (test)", None)
+        if n_swap is None:
+            full_searches.append(problem.profile.chunks.chunk_size_bytes)
+        return real(problem)
+
+    monkeypatch.setattr(cs, "search", needs_swap)
+    plan, problem, model = _auto()
+    assert len(full_searches) == 1 and plan.chunk_size_bytes == full_searches[0]
+    assert any("screened at swap [1, 2]" in r for r in plan.reasons), plan.reasons

@@ -129,9 +129,10 @@ def search_chunk_sizes(
     fiftieth of the pairs) and the full search runs at the size that screened fastest, so
     that the whole costs little more than one search (a 100-block, 252-chunk profile on a
     2-core machine like CI's: 0.43 s for one search, 0.62 s screened over its 7 candidate
-    sizes, 1.70 s with the full search at each; ``benchmarks/search_time.py``); every size
-    gets the full search again when none has a plan without swap or the user fixed
-    ``n_swap``. Only the traced size is planned when the user gave the chunk size
+    sizes, 1.70 s with the full search at each; ``benchmarks/search_time.py``). Where no
+    size has a plan without swap, the sizes are screened at four swap counts (an eighth to
+    half of the blocks) instead; every size gets the full search when the user fixed
+    ``n_swap``, or when nothing fits at any screened count. Only the traced size is planned when the user gave the chunk size
     (``chunk_size_fixed``) or a chunk count (``n_persist``, ``n_buffer``), which mean
     something only at one size, or when the profile has no gradient names. With no plan at
     any size, the error of the size that needs the least budget is raised."""
@@ -159,16 +160,25 @@ def search_chunk_sizes(
     full = sizes
     pairs = _n_pairs(len(profile.blocks), fixed)
     cells = sum(pairs * (p.chunks.n_chunks + 1) for p in profiles.values())
+    how = "searched"
     if len(sizes) > 1 and "n_swap" not in fixed and cells > _FULL_SEARCH_CELLS:
-        screened = []
-        for size in sizes:
-            try:
-                step = search(problem_at(size, {**fixed, "n_swap": 0})).plan.predicted_step_s
-            except NoPlanFits:
-                continue
-            screened.append((step, size))
-        if screened:
-            full = [min(screened)[1]]
+        n_blocks = len(profile.blocks)
+        # without swap first; where nothing fits without it, at a few swap counts (an
+        # eighth to half of the blocks: qlora-70b at 24 GiB swaps a fifth)
+        for swaps in ([0], sorted({max(1, round(n_blocks * i / 8)) for i in range(1, 5)})):
+            screened = []
+            for size in sizes:
+                for n_swap in swaps:
+                    try:
+                        knobs = {**fixed, "n_swap": n_swap}
+                        step = search(problem_at(size, knobs)).plan.predicted_step_s
+                    except NoPlanFits:
+                        continue
+                    screened.append((step, size))
+            if screened:
+                full = [min(screened)[1]]
+                how = "screened without swap" if swaps == [0] else f"screened at swap {swaps}"
+                break
     best, errors = None, []
     for size in full:
         problem = problem_at(size, fixed)
@@ -185,7 +195,6 @@ def search_chunk_sizes(
     result, problem = best
     if len(sizes) > 1:
         mib = 1 << 20
-        how = "screened without swap" if len(full) == 1 else "searched"
         result.plan.reasons.append(
             f"chunk size {result.plan.chunk_size_bytes / mib:.2f} MiB: the fastest of "
             f"{len(sizes)} candidates {how} ({', '.join(f'{s / mib:.2f}' for s in sizes)} "
