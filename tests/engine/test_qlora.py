@@ -139,7 +139,6 @@ def test_quantize_refuses_what_it_cannot_quantize():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_qlora_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
     """bf16 compute, base and state on the host between uses: the same bitsandbytes kernels
     on the same bytes as the unwrapped model on the GPU."""

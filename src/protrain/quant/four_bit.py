@@ -56,12 +56,17 @@ def _bnb():
     return bnb
 
 
+def _is_bnb(module: nn.Module, class_name: str) -> bool:
+    """An instance of bitsandbytes' ``class_name`` (without importing bitsandbytes)."""
+    return any(
+        cls.__name__ == class_name and cls.__module__.startswith("bitsandbytes")
+        for cls in type(module).__mro__
+    )
+
+
 def is_4bit_linear(module: nn.Module) -> bool:
     """True for a bitsandbytes ``Linear4bit`` (without importing bitsandbytes otherwise)."""
-    for cls in type(module).__mro__:
-        if cls.__name__ == "Linear4bit" and cls.__module__.startswith("bitsandbytes"):
-            return True
-    return False
+    return _is_bnb(module, "Linear4bit")
 
 
 def _expected_dtype(state, path: tuple[str, ...]) -> torch.dtype:
@@ -70,13 +75,12 @@ def _expected_dtype(state, path: tuple[str, ...]) -> torch.dtype:
 
 
 def _refuse_8bit(module: nn.Module) -> None:
-    for cls in type(module).__mro__:
-        if cls.__name__ == "Linear8bitLt" and cls.__module__.startswith("bitsandbytes"):
-            raise ValueError(
-                f"{type(module).__name__}: 8-bit base weights are not supported inside chunks "
-                "(bitsandbytes reads a copy of them that the engine does not move); quantize "
-                "to 4-bit (protrain.quant.quantize_linear_4bit), or train without protrain.wrap"
-            )
+    if _is_bnb(module, "Linear8bitLt"):
+        raise ValueError(
+            f"{type(module).__name__}: 8-bit base weights are not supported inside chunks "
+            "(bitsandbytes reads a copy of them that the engine does not move); quantize "
+            "to 4-bit (protrain.quant.quantize_linear_4bit), or train without protrain.wrap"
+        )
 
 
 def lift_quant_state(model: nn.Module) -> int:
