@@ -15,6 +15,9 @@ profiles ``--steps`` steps and writes one JSON row with, per step on average:
   ``idle_d2h`` (only a device-to-host copy), ``idle_other`` (nothing: launch or sync);
 - ``idle_gaps``: the last step's longest GPU-idle gaps, each with the host events (operators,
   CUDA runtime calls) that overlap it most, to tell a wait on a copy from a host stall;
+- ``ops``: the operators with the most device time of their own (self time, kernels they
+  launched), grouped by input shapes, per step: which matmuls, attention or elementwise
+  kernels the GPU is busy with;
 - ``timeline``: the last profiled step in bins of ``--bin-ms``, one character per bin and
   resource (`#` busy over half the bin, `+` some, `.` none), to read where the gaps sit.
 
@@ -168,6 +171,27 @@ def explain_gaps(
     return out
 
 
+def top_ops(prof, n_steps: int, n: int = 25) -> list[dict]:
+    """The ``n`` operators with the most self device time per step, by name and input shapes."""
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us > 0:
+            rows.append((us, e))
+    rows.sort(key=lambda r: -r[0])
+    return [
+        {
+            "op": e.key,
+            "shapes": str(e.input_shapes)[:160],
+            "ms": round(us / 1000 / n_steps, 2),
+            "calls": round(e.count / n_steps, 1),
+        }
+        for us, e in rows[:n]
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     import run as run_mod
     import systems
@@ -195,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     t0 = time.perf_counter()
     retries0 = run_mod._alloc_retries(spec.device)
-    with torch.profiler.profile(activities=activities) as prof:
+    with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         for _ in range(args.steps + 1):  # the last one only marks where the previous ends
             with torch.profiler.record_function("step"):
                 trainer.step(ids)
@@ -223,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": torch.cuda.get_device_name() if spec.device.type == "cuda" else "cpu",
         "commit": args.commit or os.environ.get("COMMIT", "unknown"),
         **summarize(trace, float(own["--bin-ms"])),
+        "ops": top_ops(prof, args.steps + 1),
     }
     print(json.dumps(row), flush=True)
     if args.out:

@@ -28,7 +28,8 @@
   did not (otherwise the trace measured it).
 - **other resident bytes** (CUDA): allocated at the traced step's start beyond the trace's
   model states (module buffers, library workspaces).
-- **allocator overhead**: reserved minus allocated at the traced peak (CUDA).
+- **allocator overhead**: reserved minus allocated at the traced peak (CUDA), in a step that
+  ran on the cache of one step like it (the trace empties the cache after its first step).
 """
 
 from __future__ import annotations
