@@ -12,25 +12,41 @@ middle of a step; `protrain.wrap` and the planner check it before anything moves
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
 
-def min_resident_chunks(model: nn.Module, chunk_of: dict[str, int]) -> int:
-    """Most chunks of `chunk_of` (parameter name -> chunk index, offloaded chunks only)
-    that one module, or one block holding frozen parameters, needs resident at once."""
-    need = 0
+def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[str, ...]]:
+    """Parameter names (full) that are resident together: each module's own parameters, and
+    every parameter of a block that holds frozen ones. Independent of the chunk size, so the
+    planner reads it once for every candidate size. ``blocks``: the model's discovered
+    blocks, when the caller has them."""
+    groups = []
     for mname, module in model.named_modules(remove_duplicate=False):
         prefix = f"{mname}." if mname else ""
-        ids = {chunk_of.get(prefix + n) for n, _ in module.named_parameters(recurse=False)}
-        need = max(need, len(ids - {None}))
-    try:
-        from protrain.model.blocks import discover_blocks
+        names = tuple(prefix + n for n, _ in module.named_parameters(recurse=False))
+        if names:
+            groups.append(names)
+    if blocks is None:
+        try:
+            from protrain.model.blocks import discover_blocks
 
-        blocks = discover_blocks(model).blocks
-    except ValueError:  # no block stack: the module rule is all there is
-        blocks = []
+            blocks = discover_blocks(model).blocks
+        except ValueError:  # no block stack: the module rule is all there is
+            blocks = []
     for block in blocks:
-        if all(p.requires_grad for p in block.module.parameters()):
-            continue
-        need = max(need, len({chunk_of[n] for n in block.param_names if n in chunk_of}))
-    return need
+        if not all(p.requires_grad for p in block.module.parameters()):
+            groups.append(tuple(block.param_names))
+    return groups
+
+
+def min_resident_chunks(
+    model: nn.Module, chunk_of: dict[str, int], groups: Sequence[Sequence[str]] | None = None
+) -> int:
+    """Most chunks of `chunk_of` (parameter name -> chunk index, offloaded chunks only)
+    that one module, or one block holding frozen parameters, needs resident at once.
+    ``groups``: :func:`resident_groups` of ``model``, when the caller has it already."""
+    if groups is None:
+        groups = resident_groups(model)
+    return max((len({chunk_of[n] for n in g if n in chunk_of}) for g in groups), default=0)

@@ -28,12 +28,12 @@ import dataclasses
 import numpy as np
 from torch import nn
 
-from protrain.chunks.layout import _align, choose_chunk_size, params_in_order, storage_dtype
-from protrain.model.blocks import discover_blocks
+from protrain.chunks.layout import _align, choose_chunk_size, storage_dtype
 from protrain.plan.memory import MemoryModel
 from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, search
 from protrain.profile.chunk_table import chunk_table_and_index
 from protrain.profile.hardware import HardwareProfile
+from protrain.profile.param_index import ParamIndex, param_index
 from protrain.profile.trace import ModelProfile, chunk_first_blocks
 
 # Candidates: these multiples of the smallest chunk that holds the largest parameter, with
@@ -47,19 +47,28 @@ _MULTIPLES = (1.0, 1.25, 1.5, 1.75, 2.0)
 _FULL_SEARCH_CELLS = 150_000
 
 
-def chunk_size_candidates(model: nn.Module, profile: ModelProfile) -> list[int]:
+def chunk_size_candidates(
+    model: nn.Module, profile: ModelProfile, index: ParamIndex | None = None
+) -> list[int]:
     """Chunk sizes worth planning for ``model``, the traced one included, ascending."""
     dtype = _dtype(profile)
-    sizes = [p.numel() * storage_dtype(p, dtype).itemsize for _, p in params_in_order(model)]
+    params = (index or param_index(model)).params
+    sizes = [p.numel() * storage_dtype(p, dtype).itemsize for _, p in params]
     largest = _align(max(sizes))
     out = {profile.chunks.chunk_size_bytes, choose_chunk_size(sizes)}
     out.update(_align(int(largest * m)) for m in _MULTIPLES)
     return sorted(out)
 
 
-def rechunk(profile: ModelProfile, model: nn.Module, chunk_size_bytes: int) -> ModelProfile:
+def rechunk(
+    profile: ModelProfile,
+    model: nn.Module,
+    chunk_size_bytes: int,
+    index: ParamIndex | None = None,
+) -> ModelProfile:
     """``profile`` as a trace at ``chunk_size_bytes`` would have measured it (see the module
-    docstring); ``profile`` itself is unchanged."""
+    docstring); ``profile`` itself is unchanged. ``index``: ``model``'s parameter index,
+    when the caller has it."""
     if chunk_size_bytes == profile.chunks.chunk_size_bytes:
         return profile
     if len(profile.grad_names) != len(profile.grad_order):
@@ -67,20 +76,22 @@ def rechunk(profile: ModelProfile, model: nn.Module, chunk_size_bytes: int) -> M
             "this profile has no gradient names (traced before they were recorded): it can "
             "be planned only at its own chunk size"
         )
+    index = index or param_index(model)
+    if index.block_names is None:
+        raise ValueError("this model has no block stack: it can be planned only as traced")
     table, chunk_of = chunk_table_and_index(
-        model, compute_dtype=_dtype(profile), chunk_size_bytes=chunk_size_bytes
+        model, compute_dtype=_dtype(profile), chunk_size_bytes=chunk_size_bytes, index=index
     )
     names = profile.grad_names
     try:
         grad_order = [(chunk_of[n], numel) for n, (_, numel) in zip(names, profile.grad_order)]
     except KeyError as e:
         raise ValueError(f"parameter {e.args[0]!r} of the profile is not in the model") from None
-    blocks = discover_blocks(model).blocks
     draft = dataclasses.replace(
         profile,
         chunks=table,
         grad_order=grad_order,
-        chunk_first_block=chunk_first_blocks(blocks, chunk_of, table.n_chunks),
+        chunk_first_block=chunk_first_blocks(index.block_names, chunk_of, table.n_chunks),
     )
     old, new = MemoryModel(profile), MemoryModel(draft)
     trn = np.asarray(profile.chunks.trainable_numel, dtype=np.int64)
@@ -143,19 +154,28 @@ def search_chunk_sizes(
         and not {"n_persist", "n_buffer"} & set(fixed)
         and len(profile.grad_names) == len(profile.grad_order)
     ):
-        sizes = chunk_size_candidates(model, profile)
-
-    profiles = {size: rechunk(profile, model, size) for size in sizes}
-
-    def problem_at(size: int, knobs: dict) -> PlanProblem:
-        return PlanProblem(
-            profiles[size],
+        index = param_index(model)  # one walk of the modules for every size
+        sizes = chunk_size_candidates(model, profile, index)
+        profiles = {size: rechunk(profile, model, size, index) for size in sizes}
+    else:
+        profiles = {sizes[0]: profile}
+    # One problem per size: its memory and runtime models do not depend on the fixed knobs,
+    # and building them (the host optimizer's critical path for every n_persist) costs
+    # more than a screening search.
+    problems = {
+        size: PlanProblem(
+            p,
             hardware,
             gpu_budget_bytes=gpu_budget_bytes,
             cpu_budget_bytes=cpu_budget_bytes,
-            fixed_knobs=knobs,
+            fixed_knobs=fixed,
             clipping=clipping,
         )
+        for size, p in profiles.items()
+    }
+
+    def problem_at(size: int, knobs: dict) -> PlanProblem:
+        return problems[size].with_fixed(knobs)
 
     full = sizes
     pairs = _n_pairs(len(profile.blocks), fixed)

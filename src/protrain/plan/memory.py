@@ -139,37 +139,55 @@ class MemoryModel:
             self.is_fwd | self.is_bwd, self.iv_block, np.where(self.is_head, self.n_blocks, 0)
         )
         self.iv_own = np.where(self.is_fwd | self.is_bwd, self.iv_block, 0)
+        # Segments: the intervals that a plan's policies change by the same bytes (same kind,
+        # same retained prefix, same own block; a block's backward is cut at every gradient
+        # accumulation, so a LoRA model has several per block). A plan's activation term is
+        # computed per segment, and the measured rest (interval base plus persistent
+        # gradients, for every n_persist) is folded into its segment's maximum once.
+        code = np.select([self.is_fwd, self.is_bwd, self.is_head], [1, 2, 3], 0)
+        key = np.stack([code, self.iv_prefix, self.iv_own], axis=1)
+        _, first, seg_of = np.unique(key, axis=0, return_index=True, return_inverse=True)
+        seg_of = seg_of.reshape(-1)
+        n_seg = len(first)
+        self.seg_peak = np.full((n_seg, self.n_chunks + 1), np.iinfo(np.int64).min // 4)
+        np.maximum.at(self.seg_peak, seg_of, self.iv_base[:, None] + self.grads)
+        self.seg_base = np.full(n_seg, np.iinfo(np.int64).min // 4)
+        np.maximum.at(self.seg_base, seg_of, self.iv_base)
+        self.seg_fwd, self.seg_bwd = self.is_fwd[first], self.is_bwd[first]
+        self.seg_prefix, self.seg_own = self.iv_prefix[first], self.iv_own[first]
+        self.seg_head = self.is_head[first]
 
     # ---- terms ----------------------------------------------------------------------
 
-    def interval_activations(self, pol: np.ndarray) -> np.ndarray:
-        """Activation bytes at each traced interval's peak, one row per policy row
-        (persistent gradient accumulators not included: see :meth:`peak_over_persist`)."""
+    def segment_activations(self, pol: np.ndarray) -> np.ndarray:
+        """The policies' activation bytes in each segment (see ``_prepare_activations``),
+        one row per policy row; add :attr:`seg_peak` (measured base and persistent
+        gradients) for the segment's peak: :meth:`peak_over_persist`."""
         keep, swap = pol == KEEP, pol == SWAP
         delta = np.where(keep, self.saved - self.inp, 0) + np.where(swap, -self.inp, 0)
         before = np.concatenate([np.zeros((len(pol), 1), np.int64), np.cumsum(delta, 1)], 1)
-        own = (keep | swap)[:, self.iv_own]
+        own = (keep | swap)[:, self.seg_own]
         own_extra = np.where(
-            self.is_fwd, self.fwd_keep_extra[self.iv_own], self.bwd_keep_extra[self.iv_own]
+            self.seg_fwd, self.fwd_keep_extra[self.seg_own], self.bwd_keep_extra[self.seg_own]
         )
         in_flight = np.where(swap, self.saved, 0).max(axis=1, initial=0)[:, None]
-        blockwise = self.is_fwd | self.is_bwd
-        out = self.iv_base + before[:, self.iv_prefix]
+        blockwise = self.seg_fwd | self.seg_bwd
+        out = before[:, self.seg_prefix]
         out = out + np.where(own & blockwise, own_extra, 0) + np.where(blockwise, in_flight, 0)
         return out
 
-    def peak_over_persist(self, intervals: np.ndarray, n_persist: np.ndarray) -> np.ndarray:
+    def peak_over_persist(self, seg_row: np.ndarray, n_persist: np.ndarray) -> np.ndarray:
         """Activation-side peak (activations + persistent gradients) for each ``n_persist``,
-        given one row of :meth:`interval_activations`."""
-        return (intervals[:, None] + self.grads[:, n_persist]).max(axis=0)
+        given one row of :meth:`segment_activations`."""
+        return (seg_row[:, None] + self.seg_peak[:, n_persist]).max(axis=0)
 
     def activation_peak(self, n_swap, n_checkpoint, n_persist) -> np.ndarray:
         """Activation-side peak bytes for each (n_swap, n_checkpoint) pair at ``n_persist``."""
         n_swap = np.atleast_1d(np.asarray(n_swap, dtype=np.int64))
         n_checkpoint = np.atleast_1d(np.asarray(n_checkpoint, dtype=np.int64))
         pol = policy_matrix(self.n_blocks, n_swap, n_checkpoint)
-        iv = self.interval_activations(pol)
-        return (iv + self.grads[:, n_persist][None, :]).max(axis=1)
+        seg = self.segment_activations(pol)
+        return (seg + self.seg_peak[:, n_persist][None, :]).max(axis=1)
 
     def swap_host_bytes(self, pol: np.ndarray) -> np.ndarray:
         return np.where(pol == SWAP, self.saved, 0).sum(axis=1)

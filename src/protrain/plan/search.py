@@ -28,6 +28,7 @@ in these ranges; nothing else is defaulted.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass, field
 
@@ -57,6 +58,15 @@ class SearchResult:
     work: dict[str, int] = field(default_factory=dict)
 
 
+def _known_knobs(fixed_knobs: dict[str, int] | None) -> dict[str, int]:
+    """The knobs given a value (None: not fixed); an unknown name is an error."""
+    fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
+    unknown = sorted(set(fixed) - set(KNOBS))
+    if unknown:
+        raise ValueError(f"fixed_knobs {unknown} are not knobs; the knobs are {KNOBS}")
+    return fixed
+
+
 class PlanProblem:
     """A profile, the hardware, the budgets and the user's fixed knobs."""
 
@@ -71,10 +81,7 @@ class PlanProblem:
         extra_bytes: int = 0,
         clipping: bool = True,
     ):
-        fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
-        unknown = sorted(set(fixed) - set(KNOBS))
-        if unknown:
-            raise ValueError(f"fixed_knobs {unknown} are not knobs; the knobs are {KNOBS}")
+        fixed = _known_knobs(fixed_knobs)
         self.profile = profile
         self.hardware = hardware
         self.gpu_budget_bytes = int(gpu_budget_bytes)
@@ -87,6 +94,13 @@ class PlanProblem:
         self.clipping = bool(clipping)
         self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping)
         self._check_fixed()
+
+    def with_fixed(self, fixed_knobs: dict[str, int]) -> PlanProblem:
+        """The same problem with other fixed knobs, sharing its memory and runtime models."""
+        other = copy.copy(self)
+        other.fixed = _known_knobs(fixed_knobs)
+        other._check_fixed()
+        return other
 
     def _check_fixed(self) -> None:
         n, b = self.memory.n_chunks, self.memory.n_blocks
@@ -178,7 +192,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     mem, rt = problem.memory, problem.runtime
     s, c = problem.pairs()
     pol = policy_matrix(mem.n_blocks, s, c)
-    iv = mem.interval_activations(pol)  # pairs x intervals
+    seg = mem.segment_activations(pol)  # pairs x segments of intervals
     compute, swap = rt.pair_terms(pol)
     fwd_wait = rt.swap_wait_s(pol, "forward")
     host_swap = mem.swap_host_bytes(pol)
@@ -193,7 +207,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     # Bound: a pair's peak over a few of its intervals (its largest without gradients, and
     # the intervals that hold the most gradients) is at most its peak over all of them, so
     # its best time with that peak is a lower bound of its true best time.
-    act_low = _peak_lower_bound(mem, iv, n_p)
+    act_low = _peak_lower_bound(mem, seg, n_p)
     room = problem.gpu_budget_bytes - constant[None, :] - act_low
     nb, ok = _fit_buffers(problem, room, n_p[None, :])
     ok &= host_ok
@@ -209,7 +223,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         if not np.isfinite(t_low[i]) or t_low[i] >= kth:
             break
         exact += 1
-        act = mem.peak_over_persist(iv[i], n_p)
+        act = mem.peak_over_persist(seg[i], n_p)
         nb_i, ok_i = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p)
         ok_i = ok_i & host_ok[i]
         if not ok_i.any():
@@ -222,7 +236,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         del best[k:]
     work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact, "rows": rows}
     if not best:
-        raise _no_fit(problem, _smallest_budget(problem, iv, constant, n_p), host_swap)
+        raise _no_fit(problem, _smallest_budget(problem, seg, constant, n_p), host_swap)
     plan = _make_plan(problem, [list(knobs) for _, knobs in best])
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
@@ -251,30 +265,32 @@ def _pair_rows(problem: PlanProblem, n_p, nb, t, pair_terms, k: int, kth: float)
     return out
 
 
-def _peak_lower_bound(mem, iv: np.ndarray, n_p: np.ndarray) -> np.ndarray:
-    """pairs x n_persist: the activation-side peak over a few intervals only."""
-    grads = mem.grads[:, n_p]  # intervals x n_persist
-    k_star = iv.argmax(axis=1)
-    low = iv[np.arange(len(iv)), k_star][:, None] + grads[k_star]
-    most_grads = grads.argmax(axis=0)  # per n_persist: the interval with the most gradients
-    for k in np.unique(np.concatenate([most_grads, np.flatnonzero(mem.is_head)])):
-        low = np.maximum(low, iv[:, k][:, None] + grads[k][None, :])
+def _peak_lower_bound(mem, seg: np.ndarray, n_p: np.ndarray) -> np.ndarray:
+    """pairs x n_persist: the activation-side peak over a few segments only (each a term of
+    the true peak's maximum): the largest without gradients, and those that hold the most
+    gradients or the head."""
+    peak = mem.seg_peak[:, n_p]  # segments x n_persist
+    k_star = (seg + mem.seg_base[None, :]).argmax(axis=1)
+    low = seg[np.arange(len(seg)), k_star][:, None] + peak[k_star]
+    most_grads = (peak - mem.seg_base[:, None]).argmax(axis=0)
+    for k in np.unique(np.concatenate([most_grads, np.flatnonzero(mem.seg_head)])):
+        low = np.maximum(low, seg[:, k][:, None] + peak[k][None, :])
     return low
 
 
-def _smallest_budget(problem: PlanProblem, iv, constant, n_p) -> int:
+def _smallest_budget(problem: PlanProblem, seg, constant, n_p) -> int:
     """The least predicted peak of any allowed plan (same bound-then-exact scheme)."""
     mem = problem.memory
     least, most = problem.buffer_bounds(n_p)
     fixed_nb = problem.fixed.get("n_buffer")
     nb = np.minimum(fixed_nb, most) if fixed_nb is not None else least
     static = np.where(nb >= least, constant + nb * mem.chunk_bytes, np.iinfo(np.int64).max // 4)
-    low = iv.max(axis=1) + static.min()
+    low = (seg + mem.seg_base[None, :]).max(axis=1) + static.min()
     smallest = None
     for i in np.argsort(low):
         if smallest is not None and low[i] >= smallest:
             break
-        need = int((static + mem.peak_over_persist(iv[i], n_p)).min())
+        need = int((static + mem.peak_over_persist(seg[i], n_p)).min())
         smallest = need if smallest is None else min(smallest, need)
     return smallest
 

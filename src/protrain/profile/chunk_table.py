@@ -15,13 +15,8 @@ import torch
 from torch import nn
 
 from protrain.chunks.buffers import min_resident_chunks
-from protrain.chunks.layout import (
-    choose_chunk_size,
-    params_in_order,
-    plan_layout,
-    storage_dtype,
-)
-from protrain.quant.four_bit import lift_quant_state
+from protrain.chunks.layout import choose_chunk_size, plan_layout, storage_dtype
+from protrain.profile.param_index import ParamIndex, param_index
 
 
 @dataclass
@@ -55,12 +50,18 @@ def chunk_table(
 
 
 def chunk_table_and_index(
-    model: nn.Module, *, compute_dtype: torch.dtype, chunk_size_bytes: int | None = None
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype,
+    chunk_size_bytes: int | None = None,
+    index: ParamIndex | None = None,
 ) -> tuple[ChunkTable, dict[str, int]]:
-    """The table, and the chunk index of every parameter name (4-bit layers' scales lifted
-    first, as ``protrain.wrap`` does, so that the table counts what the chunks will hold)."""
-    lift_quant_state(model)
-    params = params_in_order(model)
+    """The table, and the chunk index of every parameter name. ``index``: the model's
+    :func:`~protrain.profile.param_index.param_index`, when the caller has it (it lifts
+    4-bit layers' scales first, so that the table counts what the chunks will hold)."""
+    if index is None:
+        index = param_index(model)
+    params = index.params
     if chunk_size_bytes is None:
         sizes = [p.numel() * storage_dtype(p, compute_dtype).itemsize for _, p in params]
         chunk_size_bytes = choose_chunk_size(sizes)
@@ -84,7 +85,7 @@ def chunk_table_and_index(
         for pl in c.placements:
             for n in pl.names:
                 chunk_of[n] = c.index
-    need = min_resident_chunks(model, chunk_of)
+    need = min_resident_chunks(model, chunk_of, index.groups)
     table = ChunkTable(
         chunk_size_bytes=layout.chunk_size_bytes,
         used_bytes=used,

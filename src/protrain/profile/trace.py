@@ -61,6 +61,7 @@ from protrain.activations.swap import is_parameter_like
 from protrain.model.blocks import discover_blocks
 from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
 from protrain.profile.memory_clock import MemoryClock
+from protrain.profile.param_index import block_param_names, param_index
 
 log = logging.getLogger(__name__)
 
@@ -422,17 +423,19 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
     return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w3, 0.0)
 
 
-def chunk_first_blocks(blocks, chunk_of: dict[str, int], n_chunks: int) -> list[int]:
+def chunk_first_blocks(
+    block_names: list[list[str]], chunk_of: dict[str, int], n_chunks: int
+) -> list[int]:
     """Per chunk, the first block whose parameters it holds (-1 before the first block's,
-    ``len(blocks)`` after the last one's): chunks are packed in execution order."""
+    ``len(block_names)`` after the last one's): chunks are packed in execution order.
+    ``block_names``: per block, its parameters' full names (``param_index.block_param_names``)."""
     first = [None] * n_chunks
-    for i, b in enumerate(blocks):
-        for name, _ in b.module.named_parameters(remove_duplicate=False):
-            full = f"{b.name}.{name}"
+    for i, names in enumerate(block_names):
+        for full in names:
             c = chunk_of.get(full)
             if c is not None and first[c] is None:
                 first[c] = i
-    out, nxt = [0] * n_chunks, len(blocks)
+    out, nxt = [0] * n_chunks, len(block_names)
     for c in reversed(range(n_chunks)):  # a chunk with no block parameters: by its place
         if first[c] is not None:
             nxt = first[c]
@@ -476,8 +479,9 @@ def trace_model(
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     layout = discover_blocks(model)
     blocks = layout.blocks
+    index = param_index(model)
     table, chunk_of = chunk_table_and_index(
-        model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes
+        model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes, index=index
     )
     if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
         need = max(table.min_buffers, 2)
@@ -620,7 +624,7 @@ def trace_model(
         free_pre_fwd_s=free_pre,
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
-        chunk_first_block=chunk_first_blocks(blocks, chunk_of, table.n_chunks),
+        chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "

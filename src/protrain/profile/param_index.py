@@ -1,0 +1,51 @@
+"""What the planner reads from a model's parameters, in one walk of its modules.
+
+The chunk-size search (``plan.chunk_size``) re-derives a chunk table for every candidate size
+from the parameters' shapes, the groups of them resident together and the blocks holding
+them. None of that depends on the chunk size, but walking the modules does cost: on a
+100-block LoRA model it was four fifths of a search over seven sizes that walked them once
+per size (``benchmarks/search_time.py``). So it is read once, here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from protrain.chunks.buffers import resident_groups
+from protrain.chunks.layout import params_in_order
+from protrain.model.blocks import discover_blocks
+from protrain.quant.four_bit import lift_quant_state
+
+
+@dataclass(frozen=True)
+class ParamIndex:
+    # each parameter once, with all its names, in execution order (layout.params_in_order)
+    params: list[tuple[list[str], nn.Parameter]]
+    # names resident together (chunks.buffers.resident_groups)
+    groups: list[tuple[str, ...]]
+    # per block of the stack, every name of its parameters (trace.chunk_first_blocks); None
+    # when the model has no block stack
+    block_names: list[list[str]] | None
+
+
+def block_param_names(blocks) -> list[list[str]]:
+    """Per block, the full names of its parameters, shared ones under every name."""
+    return [
+        [f"{b.name}.{n}" for n, _ in b.module.named_parameters(remove_duplicate=False)]
+        for b in blocks
+    ]
+
+
+def param_index(model: nn.Module) -> ParamIndex:
+    """The index of ``model``, 4-bit layers' scales lifted first (as ``protrain.wrap`` does,
+    so that it lists what the chunks will hold)."""
+    lift_quant_state(model)
+    try:
+        blocks = discover_blocks(model).blocks
+    except ValueError:  # no block stack
+        return ParamIndex(params_in_order(model), resident_groups(model, []), None)
+    return ParamIndex(
+        params_in_order(model), resident_groups(model, blocks), block_param_names(blocks)
+    )
