@@ -150,6 +150,7 @@ class Chunk:
         # copies the masters in and casts on the device, then writes the host copy back.
         self.host_stale = False
         self.host_written_event = None  # device-to-host write-back of the host copy done
+        self._byte_runs: dict[bool, list[tuple[int, int]]] = {}  # slots are fixed once made
 
     def drop_build_storage(self) -> None:
         """After the parameter views are made: an offloaded chunk starts with no device bytes."""
@@ -159,6 +160,28 @@ class Chunk:
     @property
     def trainable_slots(self) -> list[ParamSlot]:
         return [s for s in self.slots if s.master is not None]
+
+    def byte_runs(self, trainable: bool) -> list[tuple[int, int]]:
+        """Byte ranges ``[start, end)`` of the chunk covering its trainable (or frozen)
+        parameters, consecutive ones merged: a gather after a host update copies the frozen
+        runs in as they are and writes only the trainable runs back (a LoRA chunk's base
+        weights never change, so writing them back moved the whole chunk for nothing)."""
+        cached = self._byte_runs.get(trainable)
+        if cached is not None:
+            return cached
+        runs: list[list[int]] = []
+        last = None
+        for s in sorted(self.slots, key=lambda s: s.placement.offset_bytes):
+            mine = (s.master is not None) == trainable
+            a = s.placement.offset_bytes
+            b = a + s.placement.nbytes
+            if mine and last is True and runs:
+                runs[-1][1] = b
+            elif mine:
+                runs.append([a, b])
+            last = mine
+        self._byte_runs[trainable] = [(a, b) for a, b in runs]
+        return self._byte_runs[trainable]
 
     def view(self, buffer: torch.Tensor, placement: ParamPlacement) -> torch.Tensor:
         raw = buffer[placement.offset_bytes : placement.offset_bytes + placement.nbytes]

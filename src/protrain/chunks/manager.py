@@ -34,8 +34,9 @@ masters.
 [Note: write-back on the device]
 The host optimizer updates fp32 masters only. The first gather after a step copies the
 masters (fp32, in pieces of ``_PIECE_NUMEL``) to the device and casts them into the chunk
-there; the device-to-host stream then copies the cast chunk back into the host copy, which
-later gathers of the same step read. The cast is the same rounding the host would do, so the
+there; the device-to-host stream then copies the cast parameters back into the host copy
+(the trainable byte runs only: frozen bytes never change), which later gathers of the same
+step read. The cast is the same rounding the host would do, so the
 bytes are the same; the host spends no time on it, and the write-back uses the otherwise idle
 device-to-host direction during forward.
 """
@@ -251,15 +252,15 @@ class ChunkManager:
                 d2h = self.grad_offload_stream
                 d2h.wait_event(c.gathered_event)
                 with torch.cuda.stream(d2h):
-                    c.host_buffer[: c.used_bytes].copy_(
-                        c.device_buffer[: c.used_bytes], non_blocking=True
-                    )
+                    for a, b in c.byte_runs(trainable=True):
+                        c.host_buffer[a:b].copy_(c.device_buffer[a:b], non_blocking=True)
                     c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
             self._copy_in_or_release(c)
             if c.host_stale:
-                c.host_buffer[: c.used_bytes].copy_(c.device_buffer[: c.used_bytes])
+                for a, b in c.byte_runs(trainable=True):
+                    c.host_buffer[a:b].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
             self._wait_update(c)
         c.host_stale = False
@@ -294,10 +295,9 @@ class ChunkManager:
             return
         # See [Note: write-back on the device] and [Note: gathering an updating chunk].
         updating = c.update_future is not None and c.update_progress is not None
-        for s in c.slots:
-            if s.master is None:
-                s.device_view.copy_(s.host_view, non_blocking=self.is_cuda)
-                continue
+        for a, b in c.byte_runs(trainable=False):
+            c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
+        for s in c.trainable_slots:
             if updating and c.update_future is not None:
                 self._wait_update(c, s.update_piece + 1)
             if not self.is_cuda:

@@ -8,7 +8,8 @@
   phase, since each phase's copies can only hide under that phase's compute. Forward:
   host-to-device, every offloaded chunk once (trainable parameters as their fp32 masters,
   which the engine casts on the device after a host update); device-to-host, the bf16
-  write-back of each updated chunk and the swapped activations going out. Backward (with
+  write-back of each updated chunk's trainable parameters and the swapped activations
+  going out. Backward (with
   the loss head and recomputation): host-to-device, the offloaded chunks again except the
   ``n_buffer`` still resident when backward begins, and the swapped activations coming
   back; device-to-host, the fp32 gradients of offloaded trainable parameters. A phase's
@@ -140,7 +141,8 @@ class RuntimeModel:
 
         self.fwd_in = prefix(frozen + 4 * trn)  # forward gather bytes (masters in fp32)
         self.used = prefix(used)
-        self.write_back = prefix(np.where(trn > 0, used, 0))  # forward, after host updates
+        # forward, after host updates: the updated parameters' bytes (frozen ones never change)
+        self.write_back = prefix(np.asarray(t.trainable_bytes, dtype=np.int64))
         self.grads_out = prefix(4 * trn)  # backward, fp32
         self.trainable = prefix(trn)
 
