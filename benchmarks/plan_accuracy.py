@@ -61,6 +61,11 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     "extra-8b-lora-40-b4-s2048": ("llama8b", "lora", 40, 4, 2048, "extra"),
     "extra-14b-lora-40-b2-s2048": ("qwen14b", "lora", 40, 2, 2048, "extra"),
     "extra-14b-lora-80-b8-s512": ("qwen14b", "lora", 80, 8, 512, "extra"),
+    # session 6: the 8B full fine-tuning rows above need more host memory than the GPU
+    # machine's 125 GiB (about 20 bytes per offloaded parameter, plus the fp32 model)
+    "extra-1b-full-40-b8-s2048": ("llama1b", "full", 40, 8, 2048, "extra"),
+    "extra-3b-full-24-b8-s1024": ("llama3b", "full", 24, 8, 1024, "extra"),
+    "extra-3b-lora-80-b2-s4096": ("llama3b", "lora", 80, 2, 4096, "extra"),
 }
 TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny")}  # fmt: skip
 
@@ -85,6 +90,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--max-grad-norm", type=float, default=1.0,
         help="clipping of the measured steps, and the schedule the plan assumes (0: none; the "
              "steps then call optimizer.step_in_backward())",
+    )  # fmt: skip
+    p.add_argument(
+        "--profiles", type=Path,
+        help="write each configuration's model profile and hardware profile here "
+             "(<config>.profile.json.gz, <config>.hardware.json), to re-plan offline",
     )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -173,6 +183,13 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             hardware={k: v for k, v in hw.to_dict().items() if k.endswith("_per_s")},
         )  # fmt: skip
         print(plan, file=sys.stderr)
+        if args.profiles:
+            import gzip
+
+            args.profiles.mkdir(parents=True, exist_ok=True)
+            with gzip.open(args.profiles / f"{name}.profile.json.gz", "wt") as f:
+                f.write(profile.to_json())
+            (args.profiles / f"{name}.hardware.json").write_text(json.dumps(hw.to_dict()))
 
         model, optimizer, _ = protrain.wrap(
             model, n_persist=plan.n_persist, n_buffer=plan.n_buffer or None, device=device,
@@ -263,6 +280,8 @@ def main(argv=None) -> int:
                "--max-grad-norm", str(args.max_grad_norm)]  # fmt: skip
         if args.tiny:
             cmd.append("--tiny")
+        if args.profiles:
+            cmd += ["--profiles", str(args.profiles)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
             last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
