@@ -28,8 +28,9 @@
   did not (otherwise the trace measured it).
 - **other resident bytes** (CUDA): allocated at the traced step's start beyond the trace's
   model states (module buffers, library workspaces).
-- **allocator overhead**: reserved minus allocated at the traced peak (CUDA), in a step that
-  ran on the cache of one step like it (the trace empties the cache after its first step).
+- **allocator overhead** (CUDA): the traced step's reserved peak minus its allocated peak,
+  both raw (buffer pool included), in a step that ran on the cache of one step like it (the
+  trace empties the cache after its first step).
 """
 
 from __future__ import annotations

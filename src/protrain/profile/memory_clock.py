@@ -111,6 +111,14 @@ class MemoryClock:
         else:
             self.counter.reset_peak()
 
+    def raw_peaks(self) -> tuple[int, int]:
+        """(allocated, reserved) peak bytes since ``reset_peak()``, nothing excluded (CUDA;
+        (0, 0) on the CPU)."""
+        if not self.is_cuda:
+            return 0, 0
+        stats = torch.cuda.memory_stats(self.device)
+        return stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
+
     def reserved_minus_allocated_peak(self) -> int:
         """Allocator overhead at the peak: reserved minus allocated (0 on the CPU)."""
         if not self.is_cuda:
