@@ -157,6 +157,12 @@ class MemoryModel:
         self.seg_fwd, self.seg_bwd = self.is_fwd[first], self.is_bwd[first]
         self.seg_prefix, self.seg_own = self.iv_prefix[first], self.iv_own[first]
         self.seg_head = self.is_head[first]
+        self.seg_of = seg_of  # per interval, its segment
+        # per segment, its first interval whose base is the segment's largest (the search's
+        # lower bound picks intervals as it did before segments)
+        at_max = self.iv_base == self.seg_base[seg_of]
+        self.seg_first_max = np.full(n_seg, len(seg_of))
+        np.minimum.at(self.seg_first_max, seg_of[at_max], np.flatnonzero(at_max))
 
     # ---- terms ----------------------------------------------------------------------
 

@@ -16,8 +16,9 @@ What is measured, and how:
   accumulation, so that the gradient bytes the engine holds are constant inside an
   interval) and the optimizer step. The last of ``steps``
   steps is kept; the first ones warm up kernels and create the optimizer state. On CUDA
-  the caching allocator is emptied after the first step and one more step runs, so that
-  the kept step's reserved bytes are those of its own pattern (the allocator term).
+  the caching allocator is emptied after the first step and one more step runs (at least
+  one step between the emptying and the kept one), so that the kept step's reserved bytes
+  are those of its own pattern (the allocator term).
 
 The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then
 ``protrain.close``): a model that does not fit is traced with every chunk offloaded
@@ -547,7 +548,7 @@ def trace_model(
             # against 2.8-3.8 GiB in training). The kept step then runs on the cache that
             # one step of its own left, as every training step after the first does.
             cuda = device.type == "cuda"
-            for i in range(steps + 1 if cuda else steps):
+            for i in range(max(steps + 1, 3) if cuda else steps):
                 if cuda and i == 1:
                     torch.cuda.empty_cache()
                 tracer.reset()
