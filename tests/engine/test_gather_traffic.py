@@ -66,3 +66,39 @@ def test_gathers_per_step_are_the_modelled_traffic(loss, mode, n_persist, n_buff
         if step > 0:  # the first forward records the order
             assert gathers == expected, (step, gathers, expected)
     protrain.close(model)
+
+
+def test_write_back_moves_only_the_trainable_bytes():
+    """After a host update, a gather writes back only the chunk's trainable byte runs; its
+    frozen runs (a LoRA base) stay as the host holds them, and the two kinds of run cover
+    every parameter's bytes without overlapping."""
+    model = _model("lora")
+    model, opt, _ = protrain.wrap(model, n_persist=0, n_buffer=3, device="cpu", lr=1e-2)
+    manager = model._protrain_engine.manager
+    before = {c.index: c.host_buffer.clone() for c in manager.chunks}
+    ids = torch.randint(0, 128, (2, 16))
+    for _ in range(2):
+        _root_loss(model, ids).backward()
+        opt.step()
+        opt.zero_grad()
+    _root_loss(model, ids)  # gathers every chunk after the update: the write-backs
+    for c in manager.chunks:
+        trainable, frozen = c.byte_runs(trainable=True), c.byte_runs(trainable=False)
+        covered = torch.zeros(c.host_buffer.numel(), dtype=torch.int8)
+        for a, b in trainable + frozen:
+            covered[a:b] += 1
+        assert covered.max() <= 1
+        for s in c.slots:
+            a = s.placement.offset_bytes
+            assert covered[a : a + s.placement.nbytes].min() == 1
+            host = s.host_view.view(-1)
+            if s.master is None:  # never written back: the original bytes
+                assert torch.equal(
+                    c.host_buffer[a : a + s.placement.nbytes],
+                    before[c.index][a : a + s.placement.nbytes],
+                )
+            else:  # the updated master, cast
+                assert torch.equal(host, s.master.view(-1).to(host.dtype))
+        if any(s.master is not None for s in c.slots):
+            assert sum(b - a for a, b in trainable) < c.used_bytes  # not the whole chunk
+    protrain.close(model)
