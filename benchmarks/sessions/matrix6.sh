@@ -2,8 +2,9 @@
 # Session 6, last calls (argument D or E). D: the engine, plan and QLoRA GPU tests at the
 # session's engine commit; qlora-70b as a plan-accuracy row without clipping (its allocator
 # term now read after the trace empties the cache; its chunks no longer write the 4-bit base
-# back every step), profiles kept; lora-14b in auto mode. E: full-3b in auto mode with FSDP2
-# CPU offload beside it. No clipping, chunked loss. Needs .whl and COMMIT.
+# back every step), profiles kept; lora-14b in auto mode (no clipping). E: plan accuracy again
+# (clipped) where the allocator term was inflated, and full-3b and lora-14b. Needs .whl and
+# COMMIT.
 set -u
 source benchmarks/sessions/lib.sh
 case "$1" in
@@ -15,10 +16,13 @@ case "$1" in
       --out "$OUT/plan-accuracy.jsonl" --only qlora-70b 2>&1 | grep -v '^{' | tail -3
     row 200 --workload lora-14b $A --out "$OUT/auto.jsonl"
     ;;
-  E)
-    row 170 --workload full-3b $A --out "$OUT/auto.jsonl"
-    row 120 --workload full-3b --system fsdp2_offload --out "$OUT/auto.jsonl"
-    row 200 --workload lora-14b $A --out "$OUT/auto.jsonl"
+  E)  # the configurations whose allocator term the optimizer-step interval had inflated
+    timeout $(( $(left) - 5 )) python3 benchmarks/plan_accuracy.py --timeout-s 200 \
+      --run-id "$RID" --out "$OUT/plan-accuracy.jsonl" --profiles "$OUT/profiles" --only \
+      extra-3b-full-16-b1-s2048,extra-1b-full-16-b2-s1024,full-3b,fits-b8,extra-3b-full-24-b8-s1024,extra-1b-full-40-b8-s2048,lora-14b \
+      2>&1 | grep -v '^{' | grep -i 'configurations ran\|peak error\|Error' | tail -4
     ;;
 esac
+# the device returns at most 8 files: the profiles travel as one archive
+[ -d "$OUT/profiles" ] && tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -rf "$OUT/profiles"
 echo "elapsed $((SECONDS - T0)) s"
