@@ -68,20 +68,24 @@ def test_gathers_per_step_are_the_modelled_traffic(loss, mode, n_persist, n_buff
     protrain.close(model)
 
 
-def test_write_back_moves_only_the_trainable_bytes():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_write_back_moves_only_the_trainable_bytes(device):
     """After a host update, a gather writes back only the chunk's trainable byte runs; its
     frozen runs (a LoRA base) stay as the host holds them, and the two kinds of run cover
-    every parameter's bytes without overlapping."""
+    every parameter's bytes without overlapping. On CUDA the write-back runs on the
+    device-to-host stream after the cast."""
     model = _model("lora")
-    model, opt, _ = protrain.wrap(model, n_persist=0, n_buffer=3, device="cpu", lr=1e-2)
+    model, opt, _ = protrain.wrap(model, n_persist=0, n_buffer=3, device=device, lr=1e-2)
     manager = model._protrain_engine.manager
     before = {c.index: c.host_buffer.clone() for c in manager.chunks}
-    ids = torch.randint(0, 128, (2, 16))
+    ids = torch.randint(0, 128, (2, 16), device=device)
     for _ in range(2):
         _root_loss(model, ids).backward()
         opt.step()
         opt.zero_grad()
     _root_loss(model, ids)  # gathers every chunk after the update: the write-backs
+    if device == "cuda":
+        torch.cuda.synchronize()
     for c in manager.chunks:
         trainable, frozen = c.byte_runs(trainable=True), c.byte_runs(trainable=False)
         covered = torch.zeros(c.host_buffer.numel(), dtype=torch.int8)
