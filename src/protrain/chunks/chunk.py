@@ -39,7 +39,7 @@ class ChunkState(enum.Enum):
 _ALLOWED = {
     ChunkState.ON_HOST: {ChunkState.IN_FLIGHT},
     ChunkState.IN_FLIGHT: {ChunkState.RESIDENT, ChunkState.RELEASED},
-    ChunkState.RESIDENT: {ChunkState.RELEASED},
+    ChunkState.RESIDENT: {ChunkState.RELEASED, ChunkState.IN_FLIGHT},  # in flight: a refresh
     ChunkState.RELEASED: {ChunkState.IN_FLIGHT, ChunkState.ON_HOST},
 }
 

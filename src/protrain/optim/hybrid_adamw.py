@@ -415,7 +415,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 opt.step()
                 torch._foreach_copy_([s.device_view for s in stepped], [s.master for s in stepped])
 
-        manager.release_all()  # device copies of offloaded chunks are about to be stale
+        # Offloaded chunks resident now stay: marked stale below, their next gather
+        # refreshes only the trainable parameters ([Note: chunks kept through a step]).
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
         for chunk in manager.offloaded:  # the worker runs them in forward order
             ci = chunk.index
