@@ -211,3 +211,48 @@ def test_a_failed_host_update_is_raised_at_every_gather(monkeypatch):
     with pytest.raises(RuntimeError, match="injected host AdamW failure"):
         protrain.close(model)
     assert not hasattr(model, "_protrain_engine")
+
+
+@pytest.mark.parametrize("n_buffer", [4, 5])
+def test_chunks_kept_through_a_step_never_serve_old_weights(n_buffer):
+    """The step keeps resident chunks and refreshes them at their next gather; a chunk a
+    prefetch brought in but no module used (micro-batches that take different paths: images
+    in one, text in the other) is released instead, or the next forward would read its old
+    weights (found by review: a no-grad loss 1.9e-4 off plain PyTorch)."""
+    base = build("llava")
+    images = batches("llava", 6)
+    text = [
+        {"input_ids": b["input_ids"].clamp(max=90), "labels": b["input_ids"].clamp(max=90)}
+        for b in batches("llama", 6, seed=5)
+    ]
+    windows = [
+        (images[0], text[0]), (text[3], images[1]), (images[2], text[2]), (text[4], images[3])
+    ]  # fmt: skip
+
+    def run(model, step, zero_grad):
+        losses = []
+        for window in windows:
+            for b in window:
+                loss = model(**b).loss / 2
+                loss.backward()
+                losses.append(loss.item())
+            step()
+            zero_grad()
+            with torch.no_grad():
+                losses.append(model(**images[5]).loss.item())
+        return losses
+
+    reference = copy.deepcopy(base)
+    params = [p for p in reference.parameters() if p.requires_grad]
+    plain = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, fused=True)
+    want = run(reference, plain.step, plain.zero_grad)
+    model, opt, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, n_buffer=n_buffer, lr=1e-2, weight_decay=0.01,
+        device="cpu",
+    )  # fmt: skip
+    got = run(model, opt.step, opt.zero_grad)
+    assert got == pytest.approx(want, abs=1e-6)
+    state = protrain.state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0)
+    protrain.close(model)

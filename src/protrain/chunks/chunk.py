@@ -150,6 +150,9 @@ class Chunk:
         # copies the masters in and casts on the device, then writes the host copy back.
         self.host_stale = False
         self.host_written_event = None  # device-to-host write-back of the host copy done
+        # compute-stream event at the optimizer step that kept this chunk resident: the
+        # last use of its old bytes (its refresh waits for it)
+        self.refresh_after = None
         self._byte_runs: dict[bool, list[tuple[int, int]]] = {}  # slots are fixed once made
 
     def drop_build_storage(self) -> None:
@@ -193,7 +196,9 @@ class Chunk:
         if new not in _ALLOWED[self.state]:
             raise RuntimeError(f"chunk {self.index}: illegal transition {self.state} -> {new}")
         if new is ChunkState.IN_FLIGHT:
-            self.device_buffer.untyped_storage().resize_(self.nbytes)
+            storage = self.device_buffer.untyped_storage()
+            if storage.nbytes() != self.nbytes:  # a refresh keeps it (resize_ would copy it)
+                storage.resize_(self.nbytes)
         elif new is not ChunkState.RESIDENT and self.device_buffer.untyped_storage().nbytes():
             self.device_buffer.untyped_storage().resize_(0)
         self.state = new

@@ -25,11 +25,13 @@ before copying; a prefetch never blocks on an update, it leaves the chunk for la
 The optimizer step leaves the offloaded chunks resident at the end of backward on the
 device (they are the first the next forward needs), although their trainable parameters are
 about to change on the host: such a chunk is resident and ``host_stale``. Its next gather
-is a refresh: after the compute already enqueued (and the chunk's last write-back) is done
-with the old bytes, it copies in only the trainable parameters' new masters and casts them,
+is a refresh: after the compute enqueued before the step (and the chunk's last write-back)
+is done with the old bytes, it copies in only the trainable parameters' new masters and casts them,
 as a gather after an update does, and writes them back; the frozen bytes on the device are
 current. A LoRA chunk of lora-14b moves 1.5 GB less per refresh (the base), 4.5 GB a step at
-``n_buffer=3``. Evicting such a chunk releases it as usual; the full gather then follows.
+``n_buffer=3``. Evicting such a chunk releases it as usual; the full gather then follows. A
+chunk still in flight at the step (prefetched, never used: a later micro-batch took another
+path) is released instead (``mark_stale``), so that no use can read its old bytes.
 
 [Note: gathering an updating chunk]
 A host update runs in pieces of a few parameters (see ``HybridAdamW``), and a gather that
@@ -96,7 +98,7 @@ class ChunkManager:
         self._host_arena_pinned = False
         self.param_gather_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.grad_offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self.stats = {"gathers": 0, "wait_cpu_optimizer_s": 0.0}
+        self.stats = {"gathers": 0, "refreshes": 0, "wait_cpu_optimizer_s": 0.0}
         self._copy_wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.time_copy_waits = False
         self._build_storage(params, trainable_index)
@@ -262,10 +264,11 @@ class ChunkManager:
         if updating and c.update_progress is None:
             self._wait_update(c)
         if self.is_cuda:
-            if refresh:  # compute already enqueued, and the last write-back, read the old bytes
-                self.param_gather_stream.wait_event(
-                    torch.cuda.current_stream(self.device).record_event()
-                )
+            if refresh:  # compute enqueued before the step, and the last write-back, read
+                # the old bytes
+                if c.refresh_after is not None:
+                    self.param_gather_stream.wait_event(c.refresh_after)
+                    c.refresh_after = None
                 if c.host_written_event is not None:
                     self.param_gather_stream.wait_event(c.host_written_event)
             with torch.cuda.stream(self.param_gather_stream):
@@ -289,11 +292,21 @@ class ChunkManager:
             self._wait_update(c)
         c.host_stale = False
         if refresh:
-            self.stats["refreshes"] = self.stats.get("refreshes", 0) + 1
+            self.stats["refreshes"] += 1
             return True
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
+
+    def mark_stale(self, c: Chunk) -> None:
+        """The host is about to update ``c``'s masters: a resident ``c`` stays and is
+        refreshed at its next gather ([Note: chunks kept through a step]); one still in
+        flight (prefetched, never used) is released, since its refresh would race its copy."""
+        if c.state is ChunkState.IN_FLIGHT:
+            self._release(c)
+        elif c.state is ChunkState.RESIDENT and self.is_cuda:
+            c.refresh_after = torch.cuda.current_stream(self.device).record_event()
+        c.host_stale = True
 
     def _wait_update(self, c: Chunk, pieces: int | None = None) -> None:
         """Wait for ``c``'s host update: all of it, or its first ``pieces`` pieces."""

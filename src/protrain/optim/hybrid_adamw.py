@@ -423,14 +423,14 @@ class HybridAdamW(torch.optim.Optimizer):
             if ci not in self._host_opts:
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
-                chunk.host_stale = True
+                manager.mark_stale(chunk)
                 for pi in range(len(self._host_opts[ci])):  # pieces some gradient never reached
                     if pi not in started[ci]:
                         self._submit_piece(chunk, pi, hyper, None, None)
                 continue
             if not any(s.has_grad for s in chunk.trainable_slots):
                 continue
-            chunk.host_stale = True  # the next gather casts the new masters on the device
+            manager.mark_stale(chunk)  # the next gather casts the new masters on the device
             self._begin_update(chunk)
             for pi in range(len(self._host_opts[ci])):
                 self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)
