@@ -39,7 +39,7 @@ class ChunkState(enum.Enum):
 _ALLOWED = {
     ChunkState.ON_HOST: {ChunkState.IN_FLIGHT},
     ChunkState.IN_FLIGHT: {ChunkState.RESIDENT, ChunkState.RELEASED},
-    ChunkState.RESIDENT: {ChunkState.RELEASED, ChunkState.IN_FLIGHT},  # in flight: a refresh
+    ChunkState.RESIDENT: {ChunkState.RELEASED},
     ChunkState.RELEASED: {ChunkState.IN_FLIGHT, ChunkState.ON_HOST},
 }
 
@@ -150,9 +150,6 @@ class Chunk:
         # copies the masters in and casts on the device, then writes the host copy back.
         self.host_stale = False
         self.host_written_event = None  # device-to-host write-back of the host copy done
-        # compute-stream event at the optimizer step that kept this chunk resident: the
-        # last use of its old bytes (its refresh waits for it)
-        self.refresh_after = None
         self._byte_runs: dict[bool, list[tuple[int, int]]] = {}  # slots are fixed once made
 
     def drop_build_storage(self) -> None:
@@ -196,9 +193,7 @@ class Chunk:
         if new not in _ALLOWED[self.state]:
             raise RuntimeError(f"chunk {self.index}: illegal transition {self.state} -> {new}")
         if new is ChunkState.IN_FLIGHT:
-            storage = self.device_buffer.untyped_storage()
-            if storage.nbytes() != self.nbytes:  # a refresh keeps it (resize_ would copy it)
-                storage.resize_(self.nbytes)
+            self.device_buffer.untyped_storage().resize_(self.nbytes)
         elif new is not ChunkState.RESIDENT and self.device_buffer.untyped_storage().nbytes():
             self.device_buffer.untyped_storage().resize_(0)
         self.state = new

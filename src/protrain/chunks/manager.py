@@ -21,18 +21,6 @@ after that chunk's last copy-in finished (it synchronizes on ``gathered_event``)
 gather of a chunk whose masters are being updated waits for the update (``update_future``)
 before copying; a prefetch never blocks on an update, it leaves the chunk for later.
 
-[Note: chunks kept through a step]
-The optimizer step leaves the offloaded chunks resident at the end of backward on the
-device (they are the first the next forward needs), although their trainable parameters are
-about to change on the host: such a chunk is resident and ``host_stale``. Its next gather
-is a refresh: after the compute enqueued before the step (and the chunk's last write-back)
-is done with the old bytes, it copies in only the trainable parameters' new masters and casts them,
-as a gather after an update does, and writes them back; the frozen bytes on the device are
-current. A LoRA chunk of lora-14b moves 1.5 GB less per refresh (the base), 4.5 GB a step at
-``n_buffer=3``. Evicting such a chunk releases it as usual; the full gather then follows. A
-chunk still in flight at the step (prefetched, never used: a later micro-batch took another
-path) is released instead (``mark_stale``), so that no use can read its old bytes.
-
 [Note: gathering an updating chunk]
 A host update runs in pieces of a few parameters (see ``HybridAdamW``), and a gather that
 needs a chunk whose update is still running copies each parameter's master as soon as the
@@ -98,7 +86,7 @@ class ChunkManager:
         self._host_arena_pinned = False
         self.param_gather_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.grad_offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
-        self.stats = {"gathers": 0, "refreshes": 0, "wait_cpu_optimizer_s": 0.0}
+        self.stats = {"gathers": 0, "wait_cpu_optimizer_s": 0.0}
         self._copy_wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self.time_copy_waits = False
         self._build_storage(params, trainable_index)
@@ -238,23 +226,15 @@ class ChunkManager:
     def _gather(
         self, c: Chunk, *, blocking_update: bool, required: bool, keep: set[int] = frozenset()
     ) -> bool:
-        """Start the copy-in of ``c`` if it is not on the device, or the refresh of its
-        trainable parameters if it stayed resident through a host update (see [Note: chunks
-        kept through a step]). False if there is no room, or (``blocking_update=False``) if
-        the chunk's update is still running."""
-        if c.state is ChunkState.IN_FLIGHT or (c.state is ChunkState.RESIDENT and not c.host_stale):
+        """Start the copy-in of ``c`` if it is not on the device. False if there is no room."""
+        if c.state in (ChunkState.RESIDENT, ChunkState.IN_FLIGHT):
             return True
-        refresh = c.state is ChunkState.RESIDENT
         # An update started in backward (step_in_backward) leaves the host copy as it was
         # until step() marks it stale: gathers before then read the old weights, as they must.
         updating = c.update_future is not None and c.host_stale
         if updating and not blocking_update and not c.update_future.done():
             return False
-        if (
-            not refresh
-            and len(self.resident) >= self.n_buffer
-            and not self._evict_one(keep | {c.index})
-        ):
+        if len(self.resident) >= self.n_buffer and not self._evict_one(keep | {c.index}):
             if required:
                 raise RuntimeError(
                     f"protrain: no room to gather chunk {c.index}: all n_buffer={self.n_buffer} "
@@ -264,16 +244,9 @@ class ChunkManager:
         if updating and c.update_progress is None:
             self._wait_update(c)
         if self.is_cuda:
-            if refresh:  # compute enqueued before the step, and the last write-back, read
-                # the old bytes
-                if c.refresh_after is not None:
-                    self.param_gather_stream.wait_event(c.refresh_after)
-                    c.refresh_after = None
-                if c.host_written_event is not None:
-                    self.param_gather_stream.wait_event(c.host_written_event)
             with torch.cuda.stream(self.param_gather_stream):
                 c._set_state(ChunkState.IN_FLIGHT)
-                self._copy_in_or_release(c, frozen=not refresh)
+                self._copy_in_or_release(c)
                 c.gathered_event = self.param_gather_stream.record_event()
             if c.host_stale:
                 d2h = self.grad_offload_stream
@@ -284,29 +257,16 @@ class ChunkManager:
                     c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
-            self._copy_in_or_release(c, frozen=not refresh)
+            self._copy_in_or_release(c)
             if c.host_stale:
                 for a, b in c.byte_runs(trainable=True):
                     c.host_buffer[a:b].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
             self._wait_update(c)
         c.host_stale = False
-        if refresh:
-            self.stats["refreshes"] += 1
-            return True
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
-
-    def mark_stale(self, c: Chunk) -> None:
-        """The host is about to update ``c``'s masters: a resident ``c`` stays and is
-        refreshed at its next gather ([Note: chunks kept through a step]); one still in
-        flight (prefetched, never used) is released, since its refresh would race its copy."""
-        if c.state is ChunkState.IN_FLIGHT:
-            self._release(c)
-        elif c.state is ChunkState.RESIDENT and self.is_cuda:
-            c.refresh_after = torch.cuda.current_stream(self.device).record_event()
-        c.host_stale = True
 
     def _wait_update(self, c: Chunk, pieces: int | None = None) -> None:
         """Wait for ``c``'s host update: all of it, or its first ``pieces`` pieces."""
@@ -316,20 +276,18 @@ class ChunkManager:
             c.update_future = c.update_progress = None
         self.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t0
 
-    def _copy_in_or_release(self, c: Chunk, frozen: bool = True) -> None:
+    def _copy_in_or_release(self, c: Chunk) -> None:
         """``_copy_in``; if the host update it waits for failed, the chunk goes back to
         released (its device storage freed) and the update's error is raised, at this
         gather and at every later one."""
         try:
-            self._copy_in(c, frozen)
+            self._copy_in(c)
         except BaseException:
             c._set_state(ChunkState.RELEASED)
-            self.resident.pop(c.index, None)  # a refreshed chunk was resident
             raise
 
-    def _copy_in(self, c: Chunk, frozen: bool = True) -> None:
-        """Enqueue the copy of ``c`` into its device storage (on the current stream); after
-        a host update, its frozen bytes only if ``frozen`` (a refresh keeps them)."""
+    def _copy_in(self, c: Chunk) -> None:
+        """Enqueue the copy of ``c`` into its device storage (on the current stream)."""
         if not c.host_stale:
             c.device_buffer[: c.used_bytes].copy_(
                 c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
@@ -337,7 +295,7 @@ class ChunkManager:
             return
         # See [Note: write-back on the device] and [Note: gathering an updating chunk].
         updating = c.update_future is not None and c.update_progress is not None
-        for a, b in c.byte_runs(trainable=False) if frozen else ():
+        for a, b in c.byte_runs(trainable=False):
             c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
         for s in c.trainable_slots:
             if updating and c.update_future is not None:

@@ -415,22 +415,21 @@ class HybridAdamW(torch.optim.Optimizer):
                 opt.step()
                 torch._foreach_copy_([s.device_view for s in stepped], [s.master for s in stepped])
 
-        # Offloaded chunks resident now stay: marked stale below, their next gather
-        # refreshes only the trainable parameters ([Note: chunks kept through a step]).
+        manager.release_all()  # device copies of offloaded chunks are about to be stale
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
         for chunk in manager.offloaded:  # the worker runs them in forward order
             ci = chunk.index
             if ci not in self._host_opts:
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
-                manager.mark_stale(chunk)
+                chunk.host_stale = True
                 for pi in range(len(self._host_opts[ci])):  # pieces some gradient never reached
                     if pi not in started[ci]:
                         self._submit_piece(chunk, pi, hyper, None, None)
                 continue
             if not any(s.has_grad for s in chunk.trainable_slots):
                 continue
-            manager.mark_stale(chunk)  # the next gather casts the new masters on the device
+            chunk.host_stale = True  # the next gather casts the new masters on the device
             self._begin_update(chunk)
             for pi in range(len(self._host_opts[ci])):
                 self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)

@@ -7,9 +7,7 @@
 - **copy traffic** (host-device, shared by parameter gathers and activation swap), per
   phase, since each phase's copies can only hide under that phase's compute. Forward:
   host-to-device, every offloaded chunk once (trainable parameters as their fp32 masters,
-  which the engine casts on the device after a host update), except the frozen bytes of the
-  ``n_buffer`` chunks still resident from backward, which the step keeps and the forward
-  only refreshes; device-to-host, the bf16
+  which the engine casts on the device after a host update); device-to-host, the bf16
   write-back of each updated chunk's trainable parameters and the swapped activations
   going out. Backward (with
   the loss head and recomputation): host-to-device, the offloaded chunks again except the
@@ -142,7 +140,6 @@ class RuntimeModel:
             return np.concatenate([[0], np.cumsum(x)])
 
         self.fwd_in = prefix(frozen + 4 * trn)  # forward gather bytes (masters in fp32)
-        self.frozen = prefix(frozen)
         self.used = prefix(used)
         # forward, after host updates: the updated parameters' bytes (frozen ones never change)
         self.write_back = prefix(np.asarray(t.trainable_bytes, dtype=np.int64))
@@ -245,8 +242,7 @@ class RuntimeModel:
         n_off = n - n_persist
         resident_at_turn = np.minimum(n_buffer, n_off)
         hw = self.hw
-        kept = self.frozen[n_persist + resident_at_turn] - self.frozen[n_persist]
-        h2d_f = self.fwd_in[n] - self.fwd_in[n_persist] - kept
+        h2d_f = self.fwd_in[n] - self.fwd_in[n_persist]
         d2h_f = self.write_back[n] - self.write_back[n_persist] + swap_bytes
         h2d_b = self.used[n - resident_at_turn] - self.used[n_persist] + swap_bytes
         d2h_b = self.grads_out[n] - self.grads_out[n_persist]

@@ -564,8 +564,7 @@ def trace_model(
             # The step's reserved peak minus its allocated peak, both raw (buffer pool
             # included): what the allocator holds beyond the most the step ever had
             # allocated. One interval's own figure overstated it: in the optimizer step,
-            # pool buffers released then (before 3f76ecc) counted as cache (3 x 1.24 GiB
-            # on a 3B model).
+            # the released pool buffers (3 x 1.24 GiB on a 3B model) count as cache.
             overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
             tracer.remove()
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
