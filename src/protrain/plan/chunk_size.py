@@ -23,6 +23,7 @@ shapes, without tracing again (:func:`rechunk`):
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import numpy as np
@@ -65,10 +66,12 @@ def rechunk(
     model: nn.Module,
     chunk_size_bytes: int,
     index: ParamIndex | None = None,
+    traced: MemoryModel | None = None,
 ) -> ModelProfile:
     """``profile`` as a trace at ``chunk_size_bytes`` would have measured it (see the module
-    docstring); ``profile`` itself is unchanged. ``index``: ``model``'s parameter index,
-    when the caller has it."""
+    docstring); ``profile`` itself is unchanged. ``index``: ``model``'s parameter index, and
+    ``traced``: ``MemoryModel(profile)``, when the caller has them (the same for every
+    size)."""
     if chunk_size_bytes == profile.chunks.chunk_size_bytes:
         return profile
     if len(profile.grad_names) != len(profile.grad_order):
@@ -93,7 +96,7 @@ def rechunk(
         grad_order=grad_order,
         chunk_first_block=chunk_first_blocks(index.block_names, chunk_of, table.n_chunks),
     )
-    old, new = MemoryModel(profile), MemoryModel(draft)
+    old, new = traced or MemoryModel(profile), MemoryModel(draft)
     trn = np.asarray(profile.chunks.trainable_numel, dtype=np.int64)
     traced_offloaded = bool(trn[profile.trace_n_persist :].sum() > 0)
     n_old = min(profile.trace_n_persist, old.n_chunks)
@@ -108,7 +111,9 @@ def rechunk(
     read = [i for i, iv in enumerate(profile.intervals) if iv.kind in kinds]
     intervals = list(profile.intervals)
     for i, d in zip(read, delta.tolist()):
-        intervals[i] = dataclasses.replace(intervals[i], peak_bytes=intervals[i].peak_bytes + d)
+        iv = copy.copy(intervals[i])  # not dataclasses.replace: a thousand per size on LoRA
+        iv.peak_bytes += d
+        intervals[i] = iv
     return dataclasses.replace(
         draft,
         intervals=intervals,
@@ -156,7 +161,8 @@ def search_chunk_sizes(
     ):
         index = param_index(model)  # one walk of the modules for every size
         sizes = chunk_size_candidates(model, profile, index)
-        profiles = {size: rechunk(profile, model, size, index) for size in sizes}
+        traced = MemoryModel(profile)
+        profiles = {size: rechunk(profile, model, size, index, traced) for size in sizes}
     else:
         profiles = {sizes[0]: profile}
     # One problem per size: its memory and runtime models do not depend on the fixed knobs,
