@@ -5,6 +5,14 @@ over candidate chunk sizes that auto mode runs (``plan.chunk_size.search_chunk_s
 One JSON row to ``--out``; nothing here asserts a time::
 
     python benchmarks/search_time.py --out benchmarks/results/search-time.jsonl
+
+With ``--profile`` (a profile that ``plan_accuracy.py --profiles`` kept) it times the search of
+auto mode on that real profile instead, the model built on the meta device from a benchmark
+shape (``--shape``, LoRA of ``--lora-rank`` on every linear layer: the parameter names and
+shapes the chunk-size search re-reads; 4-bit layers are plain linear layers here)::
+
+    python benchmarks/search_time.py --profile qlora-70b.profile.json.gz \
+        --hardware qlora-70b.hardware.json --shape llama70b --lora-rank 16 --budget-gib 24
 """
 
 from __future__ import annotations
@@ -35,7 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=100)
     p.add_argument("--chunk-bytes", type=int, default=70_000)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "search-time.jsonl"))
+    p.add_argument("--profile", help="a kept model profile (.json.gz) to search on")
+    p.add_argument("--hardware", help="its hardware profile (.json)")
+    p.add_argument("--shape", help="benchmarks/workloads.py model shape of that profile")
+    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--budget-gib", type=float, default=24.0)
+    p.add_argument("--clipping", action="store_true")
     args = p.parse_args(argv)
+    if args.profile:
+        return _on_profile(args)
     model = tiny_llama.build(layers=args.layers)
     profile = trace_model(
         model, tiny_llama.batch(), device="cpu", n_persist=0, chunk_size_bytes=args.chunk_bytes
@@ -57,6 +73,60 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_size_search_s": round(t2 - t1, 3),
         "chunk_size_search_work": over_sizes.work,
         "chosen_chunk_bytes": over_sizes.plan.chunk_size_bytes,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
+    }
+    print(json.dumps(row))
+    with open(args.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    return 0
+
+
+def _on_profile(args) -> int:
+    import gzip
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from protrain.plan.chunk_size import search_chunk_sizes
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.trace import ModelProfile
+    from workloads import hf_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config(args.shape), dtype=torch.bfloat16)
+    if args.lora_rank:
+        import peft
+
+        config = peft.LoraConfig(
+            r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear"
+        )
+        model = peft.get_peft_model(model, config)
+    with gzip.open(args.profile, "rt") as f:
+        profile = ModelProfile.from_json(f.read())
+    with open(args.hardware) as f:
+        hw = HardwareProfile(**json.load(f))
+    times, result = [], None
+    for _ in range(3):
+        t0 = time.perf_counter()
+        result, _ = search_chunk_sizes(
+            model, profile, hw, gpu_budget_bytes=int(args.budget_gib * (1 << 30)),
+            clipping=args.clipping,
+        )  # fmt: skip
+        times.append(round(time.perf_counter() - t0, 3))
+    row = {
+        "kind": "search_time_profile",
+        "profile": os.path.basename(args.profile),
+        "shape": args.shape,
+        "lora_rank": args.lora_rank,
+        "budget_gib": args.budget_gib,
+        "blocks": len(profile.blocks),
+        "chunks_traced": profile.chunks.n_chunks,
+        "intervals": len(profile.intervals),
+        "chunk_size_search_s": times,
+        "work": result.work,
+        "plan": result.plan.knobs,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
     }
