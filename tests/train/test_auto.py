@@ -191,27 +191,3 @@ def test_the_plan_assumes_the_host_optimizer_schedule_the_run_uses(
     monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
     assert plan_memory(torch.nn.Linear(2, 2), {}, settings, {}) == (1, 2)
     assert seen["clipping"] is clipping
-
-
-@pytest.mark.parametrize("chunked_loss_tokens", [None, 16])
-def test_planner_loss_is_the_loop_loss_without_a_host_count(chunked_loss_tokens):
-    """The planner's loss divides by the trained-token count as a tensor (no wait for the
-    device at every step's start) and equals the loop's sum over the host count exactly."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from protrain.train.loss import count_trained_tokens
-    from protrain.train.planning import planner_loss
-    from protrain.train.trainable import loss_sum
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    ids = torch.randint(0, 128, (2, 32))
-    labels = ids.clone()
-    labels[:, :10] = -100
-    batch = {"input_ids": ids, "labels": labels}
-    cpu = torch.device("cpu")
-    got = planner_loss(cpu, chunked_loss_tokens)(model, batch)
-    n = count_trained_tokens(labels)
-    assert torch.equal(got, loss_sum(model, batch, cpu, chunked_loss_tokens) / n)

@@ -13,15 +13,9 @@ import torch.nn.functional as F
 IGNORE_INDEX = -100
 
 
-def trained_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Tokens whose next-token prediction is trained (labels are shifted by one), as a
-    tensor on the labels' device: no wait for the device."""
-    return (labels[..., 1:] != IGNORE_INDEX).sum()
-
-
 def count_trained_tokens(labels: torch.Tensor) -> int:
-    """:func:`trained_tokens` as a host int."""
-    return int(trained_tokens(labels))
+    """Tokens whose next-token prediction is trained (labels are shifted by one)."""
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
 
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
