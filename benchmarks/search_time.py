@@ -48,9 +48,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", help="benchmarks/workloads.py model shape of that profile")
     p.add_argument("--lora-rank", type=int, default=None)
     p.add_argument("--budget-gib", type=float, default=24.0)
-    p.add_argument("--clipping", action="store_true")
+    p.add_argument(
+        "--clipping", action="store_true",
+        help="plan for clipping (plan_accuracy.py's default, max_grad_norm 1.0); without it, "
+             "for training without clipping (the qlora-70b row of session 6)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.profile:
+        if not (args.hardware and args.shape):
+            p.error("--profile needs --hardware (its hardware profile) and --shape (its model)")
         return _on_profile(args)
     model = tiny_llama.build(layers=args.layers)
     profile = trace_model(
@@ -125,8 +131,10 @@ def _on_profile(args) -> int:
         "chunks_traced": profile.chunks.n_chunks,
         "intervals": len(profile.intervals),
         "chunk_size_search_s": times,
+        "clipping": args.clipping,
         "work": result.work,
         "plan": result.plan.knobs,
+        "chunk_size_bytes": result.plan.chunk_size_bytes,
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
     }

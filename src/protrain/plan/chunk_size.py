@@ -96,7 +96,8 @@ def rechunk(
         grad_order=grad_order,
         chunk_first_block=chunk_first_blocks(index.block_names, chunk_of, table.n_chunks),
     )
-    old, new = traced or MemoryModel(profile), MemoryModel(draft)
+    old = traced if traced is not None else MemoryModel(profile)
+    new = MemoryModel(draft)
     trn = np.asarray(profile.chunks.trainable_numel, dtype=np.int64)
     traced_offloaded = bool(trn[profile.trace_n_persist :].sum() > 0)
     n_old = min(profile.trace_n_persist, old.n_chunks)
