@@ -79,11 +79,16 @@ def main(argv: list[str] | None = None) -> int:
         "chunk_size_search_s": round(t2 - t1, 3),
         "chunk_size_search_work": over_sizes.work,
         "chosen_chunk_bytes": over_sizes.plan.chunk_size_bytes,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
     }
+    return _write(row, args.out)
+
+
+def _write(row: dict, out: str) -> int:
+    """Stamp ``row`` with the machine and the time, print it and append it to ``out``."""
+    row["machine"] = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs"
+    row["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     print(json.dumps(row))
-    with open(args.out, "a") as f:
+    with open(out, "a") as f:
         f.write(json.dumps(row) + "\n")
     return 0
 
@@ -135,13 +140,8 @@ def _on_profile(args) -> int:
         "work": result.work,
         "plan": result.plan.knobs,
         "chunk_size_bytes": result.plan.chunk_size_bytes,
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%MZ"),
     }
-    print(json.dumps(row))
-    with open(args.out, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    return 0
+    return _write(row, args.out)
 
 
 if __name__ == "__main__":
