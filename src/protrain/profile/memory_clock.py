@@ -118,10 +118,3 @@ class MemoryClock:
             return 0, 0
         stats = torch.cuda.memory_stats(self.device)
         return stats["allocated_bytes.all.peak"], stats["reserved_bytes.all.peak"]
-
-    def reserved_minus_allocated_peak(self) -> int:
-        """Allocator overhead at the peak: reserved minus allocated (0 on the CPU)."""
-        if not self.is_cuda:
-            return 0
-        stats = torch.cuda.memory_stats(self.device)
-        return stats["reserved_bytes.all.peak"] - stats["allocated_bytes.all.peak"]

@@ -340,7 +340,7 @@ class _StepTracer:
                 peak_bytes=max(peak, now),
                 end_bytes=now,
                 gathers=g - self.cut_g,
-                reserved_overhead_bytes=self.clock.reserved_minus_allocated_peak(),
+                reserved_overhead_bytes=reserved - allocated,
                 grads_done=self.cut_grads,
                 copy_wait_s=wait,
             )
