@@ -96,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="write each configuration's model profile and hardware profile here "
              "(<config>.profile.json.gz, <config>.hardware.json), to re-plan offline",
     )  # fmt: skip
+    p.add_argument(
+        "--also",
+        help="other knobs to run on the same trace after the plan's, with their predictions: "
+             "'n_persist,n_buffer,n_swap,n_checkpoint[,host_threads];...' (in the row's "
+             "'alternatives')",
+    )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -129,13 +135,10 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     }  # fmt: skip
     t_start = time.perf_counter()
     try:
-        import protrain
-        from protrain.activations import apply_activation_knobs
         from protrain.plan.auto import profile_model
         from protrain.plan.chunk_size import search_chunk_sizes
         from protrain.plan.closed_loop import check_plan
         from protrain.profile.hardware import measure_hardware
-        from protrain.profile.measure import measure_steps
         from protrain.profile.trace import hf_loss
         from protrain.train.planning import planner_loss
 
@@ -191,12 +194,78 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
                 f.write(profile.to_json())
             (args.profiles / f"{name}.hardware.json").write_text(json.dumps(hw.to_dict()))
 
-        model, optimizer, _ = protrain.wrap(
-            model, n_persist=plan.n_persist, n_buffer=plan.n_buffer or None, device=device,
-            lr=1e-5, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-            chunk_size_bytes=plan.chunk_size_bytes,
+        row.update(_run_plan(model, plan.knobs, plan.chunk_size_bytes, sample, loss_fn, clip,
+                             device, args, t_start=t_start))  # fmt: skip
+        m = row.pop("_measured")
+        check = check_plan(plan, problem, measured_peak_bytes=m.peak_reserved_bytes,
+                           measured_step_s=m.step_s,
+                           measured_allocated_bytes=m.peak_allocated_bytes if device.type == "cuda" else None)  # fmt: skip
+        row.update(
+            peak_error=round(check.peak_error, 4), step_error=round(check.step_error, 4),
+            closed_loop_corrected=check.corrected.knobs if check.corrected else None,
         )  # fmt: skip
-        handle = apply_activation_knobs(model, plan.n_swap, plan.n_checkpoint, device=device)
+        # Other knobs on the same trace and hardware profile: is the model's ranking right?
+        alternatives = []
+        for knobs, threads in _parse_also(args.also):
+            alt = {"plan": knobs, "host_threads": threads}
+            try:
+                e = problem.evaluate(**knobs)
+                alt.update(predicted_peak_gib=round(e["peak_bytes"] / _GIB, 3),
+                           predicted_step_s=round(e["step_s"], 4),
+                           predicted_time_terms={k: round(v, 4) for k, v in e["time_terms"].items()})  # fmt: skip
+                alt.update(_run_plan(model, knobs, plan.chunk_size_bytes, sample, loss_fn, clip,
+                                     device, args, host_threads=threads))  # fmt: skip
+                ma = alt.pop("_measured")
+                alt["step_error"] = round((e["step_s"] - ma.step_s) / ma.step_s, 4)
+                alt["peak_error"] = round(
+                    (e["peak_bytes"] - ma.peak_reserved_bytes) / ma.peak_reserved_bytes, 4
+                )
+            except Exception as exc:  # an alternative that fails is recorded, not fatal
+                traceback.print_exc()
+                alt["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            alternatives.append(alt)
+        if alternatives:
+            row["alternatives"] = alternatives
+    except Exception as e:  # one row per failure; the traceback goes to stderr
+        traceback.print_exc()
+        text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        oom = "out of memory" in text.lower()
+        row.update(status="oom" if oom else "error", error=text[:500])
+    return row
+
+
+def _parse_also(text: str | None) -> list[tuple[dict, int | None]]:
+    """``--also`` as (knobs, host threads or None) per alternative."""
+    out = []
+    for item in filter(None, (text or "").split(";")):
+        v = [int(x) for x in item.split(",")]
+        if len(v) not in (4, 5):
+            raise SystemExit(
+                f"--also {item!r}: want n_persist,n_buffer,n_swap,n_checkpoint[,host_threads]"
+            )
+        out.append((dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), v[:4])),
+                    v[4] if len(v) == 5 else None))  # fmt: skip
+    return out
+
+
+def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, args, *,
+              host_threads=None, t_start=None) -> dict:  # fmt: skip
+    """Wrap ``model`` with ``knobs``, run the warm-up and timed steps, unwrap; the measured
+    fields of a row, and the measurement itself under ``_measured``."""
+    import torch
+
+    import protrain
+    from protrain.activations import apply_activation_knobs
+    from protrain.profile.measure import measure_steps
+
+    out: dict = {}
+    model, optimizer, _ = protrain.wrap(
+        model, n_persist=knobs["n_persist"], n_buffer=knobs["n_buffer"] or None, device=device,
+        lr=1e-5, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        chunk_size_bytes=chunk_size_bytes, host_threads=host_threads,
+    )  # fmt: skip
+    handle = apply_activation_knobs(model, knobs["n_swap"], knobs["n_checkpoint"], device=device)
+    try:
 
         def step():
             if clip is None:  # the host AdamW starts inside backward
@@ -209,32 +278,25 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
 
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-            row["time_to_first_step_s"] = round(time.perf_counter() - t_start, 1)
+            if t_start is not None:
+                out["time_to_first_step_s"] = round(time.perf_counter() - t_start, 1)
         m = measure_steps(model, step, steps=args.steps, warmup=args.warmup, device=device)
-        check = check_plan(plan, problem, measured_peak_bytes=m.peak_reserved_bytes,
-                           measured_step_s=m.step_s,
-                           measured_allocated_bytes=m.peak_allocated_bytes if device.type == "cuda" else None)  # fmt: skip
-        row.update(
-            step_s=round(m.step_s, 4), tokens_per_s=round(batch * seq / m.step_s, 1),
+        b, s = sample["input_ids"].shape
+        out.update(
+            step_s=round(m.step_s, 4), tokens_per_s=round(b * s / m.step_s, 1),
             peak_alloc_gib=round(m.peak_allocated_bytes / _GIB, 3),
-            peak_reserved_gib=round(m.peak_reserved_bytes / _GIB, 3),
-            peak_error=round(check.peak_error, 4), step_error=round(check.step_error, 4),
-            closed_loop_corrected=check.corrected.knobs if check.corrected else None,
+            peak_reserved_gib=round(m.peak_reserved_bytes / _GIB, 3), _measured=m,
         )  # fmt: skip
         # The engine's counters over warm-up and timed steps (gathers, seconds waited on
         # copies and on the host optimizer, host AdamW seconds), for diagnosing step errors.
         n = args.steps + args.warmup
-        row["engine_stats_per_step"] = {
+        out["engine_stats_per_step"] = {
             k: round(v / n, 4) for k, v in optimizer.stats.items() if isinstance(v, (int, float))
         }
+    finally:
         handle.remove()
         protrain.close(model)
-    except Exception as e:  # one row per failure; the traceback goes to stderr
-        traceback.print_exc()
-        text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-        oom = "out of memory" in text.lower()
-        row.update(status="oom" if oom else "error", error=text[:500])
-    return row
+    return out
 
 
 def summarize(rows: list[dict]) -> str:
@@ -278,6 +340,8 @@ def main(argv=None) -> int:
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--chunked-loss-tokens", str(args.chunked_loss_tokens),
                "--max-grad-norm", str(args.max_grad_norm)]  # fmt: skip
+        if args.also:
+            cmd += ["--also", args.also]
         if args.tiny:
             cmd.append("--tiny")
         if args.profiles:
