@@ -102,6 +102,11 @@ def parse_args(argv=None) -> argparse.Namespace:
              "'n_persist,n_buffer,n_swap,n_checkpoint[,host_threads];...' (in the row's "
              "'alternatives')",
     )  # fmt: skip
+    p.add_argument(
+        "--profile-search", action="store_true",
+        help="search a second time under cProfile: its time and the top functions by "
+             "cumulative time (the row's search_hot)",
+    )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
@@ -172,6 +177,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None
         )
         t3 = time.perf_counter()
+        if args.profile_search:  # where the search's time goes on this host: once more, profiled
+            row["search_hot"] = _profiled(lambda: search_chunk_sizes(
+                model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None))  # fmt: skip
         plan = result.plan
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
@@ -232,6 +240,25 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         oom = "out of memory" in text.lower()
         row.update(status="oom" if oom else "error", error=text[:500])
     return row
+
+
+def _profiled(fn) -> dict:
+    """``fn()`` under cProfile: its seconds, and the 15 functions of most cumulative time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.runcall(fn)
+    seconds = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    # stats: (file, line, name) -> (primitive calls, calls, own s, cumulative s, callers)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:15]
+    return {
+        "seconds_profiled": round(seconds, 4),
+        "top": [[f"{Path(f).name}:{line}({name})", v[1], round(v[2], 4), round(v[3], 4)]
+                for (f, line, name), v in rows],
+    }  # fmt: skip
 
 
 def _parse_also(text: str | None) -> list[tuple[dict, int | None]]:
@@ -342,6 +369,8 @@ def main(argv=None) -> int:
                "--max-grad-norm", str(args.max_grad_norm)]  # fmt: skip
         if args.also:
             cmd += ["--also", args.also]
+        if args.profile_search:
+            cmd.append("--profile-search")
         if args.tiny:
             cmd.append("--tiny")
         if args.profiles:
