@@ -169,3 +169,45 @@ def test_a_large_problem_that_needs_swap_screens_the_sizes_at_a_few_swap_counts(
     plan, problem, model = _auto()
     assert len(full_searches) == 1 and plan.chunk_size_bytes == full_searches[0]
     assert any("screened at swap [1, 2]" in r for r in plan.reasons), plan.reasons
+
+
+def _table_from_layout(model, dtype, size):
+    """The table read from the layout protrain.wrap would build (plan_layout's placements)."""
+    from protrain.chunks.layout import params_in_order, plan_layout
+
+    layout = plan_layout(params_in_order(model), compute_dtype=dtype, device=torch.device("meta"),
+                         n_persist=0, n_buffer=None, chunk_size_bytes=size)  # fmt: skip
+    rows = []
+    for c in layout.chunks:
+        tr = [pl for pl in c.placements if pl.trainable]
+        rows.append((c.used_bytes, sum(pl.numel for pl in tr), sum(pl.nbytes for pl in tr),
+                     len(tr), max((pl.numel for pl in tr), default=0)))  # fmt: skip
+    return rows
+
+
+@pytest.mark.parametrize("kind", ["full", "lora", "tied", "qlora"])
+def test_chunk_table_is_the_layouts_table(kind):
+    """The planner's table (packed over arrays) is the one the engine's layout gives, at
+    several sizes: full fine-tuning, LoRA (frozen and trainable tensors mixed), tied
+    embeddings (one parameter under two names), 4-bit bases (uint8 weights, fp32 scales that
+    keep their dtype)."""
+    import peft
+
+    from protrain.chunks.layout import storage_dtype
+
+    model = tiny_llama.build(tie=kind == "tied")
+    if kind == "qlora":
+        from protrain.quant import quantize_linear_4bit
+
+        quantize_linear_4bit(model, compute_dtype=torch.float32)
+    if kind in ("lora", "qlora"):
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules="all-linear"))
+    for dtype in (torch.float32, torch.bfloat16):
+        sizes = [p.numel() * storage_dtype(p, dtype).itemsize for p in model.parameters()]
+        for size in (max(sizes), max(sizes) + 4096, 3 * max(sizes), sum(sizes) + 64):
+            table = chunk_table(model, compute_dtype=dtype, chunk_size_bytes=size)
+            got = list(zip(table.used_bytes, table.trainable_numel, table.trainable_bytes,
+                           table.trainable_tensors, table.max_trainable_numel))  # fmt: skip
+            assert got == _table_from_layout(model, dtype, size)
+    with pytest.raises(ValueError, match="too small"):
+        chunk_table(model, compute_dtype=torch.bfloat16, chunk_size_bytes=max(sizes) - 1)

@@ -161,7 +161,7 @@ def _assign_parameters(
                 owner.add(id(p))
                 names.append(canonical[id(p)])
         owned_blocks.append(Block(block.name, block.module, block.stack, block.index, tuple(names)))
-    non_block = [name for name, p in model.named_parameters() if id(p) not in owner]
+    non_block = [name for pid, name in canonical.items() if pid not in owner]
     return BlockLayout(owned_blocks, non_block, stack_paths, source)
 
 

@@ -29,7 +29,7 @@ import dataclasses
 import numpy as np
 from torch import nn
 
-from protrain.chunks.layout import _align, choose_chunk_size, storage_dtype
+from protrain.chunks.layout import _align, choose_chunk_size
 from protrain.plan.memory import MemoryModel
 from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, search
 from protrain.profile.chunk_table import chunk_table_and_index
@@ -52,9 +52,7 @@ def chunk_size_candidates(
     model: nn.Module, profile: ModelProfile, index: ParamIndex | None = None
 ) -> list[int]:
     """Chunk sizes worth planning for ``model``, the traced one included, ascending."""
-    dtype = _dtype(profile)
-    params = (index or param_index(model)).params
-    sizes = [p.numel() * storage_dtype(p, dtype).itemsize for _, p in params]
+    sizes = (index or param_index(model)).arrays(_dtype(profile))[1].tolist()
     largest = _align(max(sizes))
     out = {profile.chunks.chunk_size_bytes, choose_chunk_size(sizes)}
     out.update(_align(int(largest * m)) for m in _MULTIPLES)

@@ -9,12 +9,14 @@ per size (``benchmarks/search_time.py``). So it is read once, here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
+import torch
 from torch import nn
 
 from protrain.chunks.buffers import resident_groups
-from protrain.chunks.layout import params_in_order
+from protrain.chunks.layout import params_in_order, storage_dtype
 from protrain.model.blocks import discover_blocks
 from protrain.quant.four_bit import lift_quant_state
 
@@ -28,6 +30,18 @@ class ParamIndex:
     # per block of the stack, every name of its parameters (trace.chunk_first_blocks); None
     # when the model has no block stack
     block_names: list[list[str]] | None
+    _arrays: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def arrays(self, compute_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per parameter of ``params``: elements, bytes as stored in ``compute_dtype``
+        (``layout.storage_dtype``), trainable; read once per dtype."""
+        if compute_dtype not in self._arrays:
+            ps = [p for _, p in self.params]
+            numel = np.asarray([p.numel() for p in ps], dtype=np.int64)
+            size = [storage_dtype(p, compute_dtype).itemsize for p in ps]
+            trainable = np.asarray([p.requires_grad for p in ps], dtype=bool)
+            self._arrays[compute_dtype] = (numel, numel * np.asarray(size, np.int64), trainable)
+        return self._arrays[compute_dtype]
 
 
 def block_param_names(blocks) -> list[list[str]]:

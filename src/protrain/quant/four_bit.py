@@ -25,6 +25,7 @@ layer at a time on the GPU and kept on the host.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -58,10 +59,13 @@ def _bnb():
 
 def _is_bnb(module: nn.Module, class_name: str) -> bool:
     """An instance of bitsandbytes' ``class_name`` (without importing bitsandbytes)."""
-    return any(
-        cls.__name__ == class_name and cls.__module__.startswith("bitsandbytes")
-        for cls in type(module).__mro__
-    )
+    return class_name in _bnb_bases(type(module))
+
+
+@functools.cache
+def _bnb_bases(cls: type) -> frozenset[str]:
+    # per class, not per module: the planner lifts every module of a 70B model per search
+    return frozenset(c.__name__ for c in cls.__mro__ if c.__module__.startswith("bitsandbytes"))
 
 
 def is_4bit_linear(module: nn.Module) -> bool:
