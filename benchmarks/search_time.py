@@ -9,10 +9,12 @@ One JSON row to ``--out``; nothing here asserts a time::
 With ``--profile`` (a profile that ``plan_accuracy.py --profiles`` kept) it times the search of
 auto mode on that real profile instead, the model built on the meta device from a benchmark
 shape (``--shape``, LoRA of ``--lora-rank`` on every linear layer: the parameter names and
-shapes the chunk-size search re-reads; 4-bit layers are plain linear layers here)::
+shapes the chunk-size search re-reads; with ``--four-bit`` the decoder's linear layers are
+4-bit layers of the real shapes, so the search does the same work as in the GPU run)::
 
     python benchmarks/search_time.py --profile qlora-70b.profile.json.gz \
-        --hardware qlora-70b.hardware.json --shape llama70b --lora-rank 16 --budget-gib 24
+        --hardware qlora-70b.hardware.json --shape llama70b --lora-rank 16 --budget-gib 24 \
+        --four-bit
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         "--clipping", action="store_true",
         help="plan for clipping (plan_accuracy.py's default, max_grad_norm 1.0); without it, "
              "for training without clipping (the qlora-70b row of session 6)",
+    )  # fmt: skip
+    p.add_argument(
+        "--four-bit", action="store_true",
+        help="with --profile: the decoder layers' linear layers as 4-bit NF4 layers (one "
+             "layer quantized on the CPU, its shapes copied to the others on the meta device)",
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.profile:
@@ -107,6 +114,8 @@ def _on_profile(args) -> int:
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config(args.shape), dtype=torch.bfloat16)
+    if args.four_bit:
+        _quantize_on_meta(model)
     if args.lora_rank:
         import peft
 
@@ -137,11 +146,66 @@ def _on_profile(args) -> int:
         "intervals": len(profile.intervals),
         "chunk_size_search_s": times,
         "clipping": args.clipping,
+        "four_bit": args.four_bit,
         "work": result.work,
         "plan": result.plan.knobs,
         "chunk_size_bytes": result.plan.chunk_size_bytes,
     }
     return _write(row, args.out)
+
+
+def _quantize_on_meta(model) -> None:
+    """The model's decoder layers as QLoRA's 4-bit layers, on the meta device: the first
+    layer is materialized on the CPU and quantized (bitsandbytes, NF4, double quantization,
+    as ``materialize.build_qlora``), and every layer gets 4-bit layers of its shapes with
+    meta tensors, which is all the search reads (parameter shapes and dtypes)."""
+    import bitsandbytes as bnb
+    import torch
+    from bitsandbytes.functional import QuantState
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from materialize import _fill
+    from protrain.quant import quantize_linear_4bit
+
+    def meta(t):
+        return None if t is None else torch.empty_like(t, device="meta")
+
+    def meta_state(q):
+        inner = q.state2 and QuantState(meta(q.state2.absmax), code=meta(q.state2.code),
+                                        blocksize=q.state2.blocksize, dtype=q.state2.dtype)  # fmt: skip
+        return QuantState(meta(q.absmax), shape=q.shape, code=meta(q.code),
+                          blocksize=q.blocksize, quant_type=q.quant_type, dtype=q.dtype,
+                          offset=meta(q.offset), state2=inner)  # fmt: skip
+
+    layers = model.get_decoder().layers
+    first = layers[0]
+    first.to_empty(device="cpu")
+    with torch.no_grad():
+        for name, param in first.named_parameters():
+            _fill(name, param, torch.device("cpu"))
+    quantize_linear_4bit(first, compute_dtype=torch.bfloat16)
+    template = dict(first.named_modules())
+    for layer in layers:
+        for name, module in list(layer.named_modules()):
+            t = template[name]
+            if isinstance(t, bnb.nn.Linear4bit):
+                new = bnb.nn.Linear4bit(t.in_features, t.out_features, bias=t.bias is not None,
+                                        compute_dtype=torch.bfloat16, quant_type="nf4",
+                                        device="meta")  # fmt: skip
+                w = t.weight
+                new.weight = bnb.nn.Params4bit(
+                    meta(w.data), requires_grad=False, quant_state=meta_state(w.quant_state),
+                    blocksize=w.blocksize, compress_statistics=w.compress_statistics,
+                    quant_type=w.quant_type, bnb_quantized=True, module=new,
+                )  # fmt: skip
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, child, new)
+            elif module is not layer and not isinstance(module, bnb.nn.Linear4bit):
+                for pname, param in list(module.named_parameters(recurse=False)):
+                    module._parameters[pname] = torch.nn.Parameter(
+                        meta(param), requires_grad=param.requires_grad
+                    )
+    model.is_loaded_in_4bit = True  # PEFT's 4-bit LoRA layers, as build_qlora sets it
 
 
 if __name__ == "__main__":
