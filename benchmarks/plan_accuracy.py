@@ -184,6 +184,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
             plan_s=round(t3 - t0, 2), search_work=result.work, plan=plan.knobs,
+            chunk_size_bytes=plan.chunk_size_bytes,
             predicted_peak_gib=round(plan.predicted_peak_bytes / _GIB, 3),
             predicted_step_s=round(plan.predicted_step_s, 4),
             predicted_memory_terms_gib={k: round(v / _GIB, 3) for k, v in plan.memory_terms.items()},
