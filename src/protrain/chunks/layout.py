@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -107,24 +108,43 @@ class ChunkLayout:
 
 def _pack(sizes: list[int], chunk_size_bytes: int) -> list[tuple[int, int]]:
     """(chunk index, offset) for each size, greedy in order."""
-    out, chunk, used = [], 0, 0
-    for n in sizes:
-        if used and _align(used) + n > chunk_size_bytes:
-            chunk, used = chunk + 1, 0
-        off = _align(used)
-        out.append((chunk, off))
-        used = off + n
-    return out
+    chunk, offset = pack_arrays(sizes, chunk_size_bytes)
+    return list(zip(chunk.tolist(), offset.tolist()))
+
+
+def pack_arrays(sizes, chunk_size_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """Chunk index and byte offset of each size (bytes, each at most ``chunk_size_bytes``),
+    packed greedily in order: a size that does not fit in the rest of the current chunk
+    starts the next one, each offset aligned to ``ALIGN_BYTES``.
+
+    One array search per chunk instead of a Python step per parameter: the planner packs
+    every candidate chunk size (a 70B QLoRA model has 3,000 tensors; 22 packings were a
+    quarter of its search). In a chunk starting at parameter ``s``, parameter ``i`` lies at
+    ``A[i] - A[s]`` (``A``: the prefix sums of the aligned sizes) and fits while
+    ``A[i] + size[i] <= A[s] + chunk_size_bytes``; the left side never decreases in ``i``."""
+    n = np.asarray(sizes, dtype=np.int64)
+    aligned = (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+    start = np.concatenate([[0], np.cumsum(aligned)])[:-1]  # A
+    end = start + n
+    chunk = np.empty(len(n), dtype=np.int64)
+    offset = np.empty(len(n), dtype=np.int64)
+    s, c = 0, 0
+    while s < len(n):
+        e = max(int(np.searchsorted(end, start[s] + chunk_size_bytes, side="right")), s + 1)
+        chunk[s:e] = c
+        offset[s:e] = start[s:e] - start[s]
+        s, c = e, c + 1
+    return chunk, offset
 
 
 def choose_chunk_size(sizes: list[int]) -> int:
     """Chunk size that wastes the fewest bytes among the candidates (ties: the smaller)."""
     largest = _align(max(sizes))
-    best, best_waste = largest, None
+    best, best_waste, total = largest, None, sum(sizes)
     for k in range(_CANDIDATE_STEPS + 1):
         size = _align(largest + largest * k // _CANDIDATE_STEPS)
-        n_chunks = _pack(sizes, size)[-1][0] + 1
-        waste = n_chunks * size - sum(sizes)
+        n_chunks = int(pack_arrays(sizes, size)[0][-1]) + 1
+        waste = n_chunks * size - total
         if best_waste is None or waste < best_waste:
             best, best_waste = size, waste
     return best

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.buffers import min_resident_chunks
-from protrain.chunks.layout import _pack, choose_chunk_size
+from protrain.chunks.layout import choose_chunk_size, pack_arrays
 from protrain.profile.param_index import ParamIndex, param_index
 
 
@@ -61,7 +61,7 @@ def chunk_table_and_index(
     :func:`~protrain.profile.param_index.param_index`, when the caller has it (it lifts
     4-bit layers' scales first, so that the table counts what the chunks will hold).
 
-    The parameters are packed by ``layout._pack``, the rule ``protrain.wrap`` lays them out
+    The parameters are packed by ``layout.pack_arrays``, the rule ``protrain.wrap`` lays them out
     by, and summed per chunk over arrays: the chunk-size search builds a table for every
     candidate size, and building the whole layout (a placement object per parameter) for
     each was a third of qlora-70b's search (1,843 parameters, 6 sizes)."""
@@ -77,7 +77,7 @@ def chunk_table_and_index(
             f"chunk_size_bytes={chunk_size_bytes!r} is too small: it must be at least "
             f"{int(nbytes.max())} bytes, the largest parameter in the compute dtype"
         )
-    chunk = np.fromiter((c for c, _ in _pack(nbytes.tolist(), chunk_size_bytes)), np.int64)
+    chunk = pack_arrays(nbytes, chunk_size_bytes)[0]
     n = int(chunk[-1]) + 1
 
     def per_chunk(values: np.ndarray, ufunc=np.add) -> list[int]:
