@@ -100,7 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--also",
         help="other knobs to run on the same trace after the plan's, with their predictions: "
              "'n_persist,n_buffer,n_swap,n_checkpoint[,host_threads];...' (in the row's "
-             "'alternatives')",
+             "'alternatives'; the prediction assumes the default host threads; they share the "
+             "configuration's --timeout-s)",
     )  # fmt: skip
     p.add_argument(
         "--profile-search", action="store_true",
@@ -177,9 +178,6 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None
         )
         t3 = time.perf_counter()
-        if args.profile_search:  # where the search's time goes on this host: once more, profiled
-            row["search_hot"] = _profiled(lambda: search_chunk_sizes(
-                model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None))  # fmt: skip
         plan = result.plan
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
@@ -235,6 +233,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             alternatives.append(alt)
         if alternatives:
             row["alternatives"] = alternatives
+        if args.profile_search:  # where the search's time goes on this host: once more, profiled
+            row["search_hot"] = _profiled(lambda: search_chunk_sizes(
+                model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None))  # fmt: skip
     except Exception as e:  # one row per failure; the traceback goes to stderr
         traceback.print_exc()
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -263,13 +264,18 @@ def _profiled(fn) -> dict:
 
 
 def _parse_also(text: str | None) -> list[tuple[dict, int | None]]:
-    """``--also`` as (knobs, host threads or None) per alternative."""
+    """``--also`` as (knobs, host threads or None) per alternative; ValueError names the bad
+    item (``main`` parses it before any configuration runs)."""
     out = []
     for item in filter(None, (text or "").split(";")):
-        v = [int(x) for x in item.split(",")]
-        if len(v) not in (4, 5):
-            raise SystemExit(
-                f"--also {item!r}: want n_persist,n_buffer,n_swap,n_checkpoint[,host_threads]"
+        try:
+            v = [int(x) for x in item.split(",")]
+        except ValueError:
+            v = []
+        if len(v) not in (4, 5) or min(v) < 0:
+            raise ValueError(
+                f"--also {item!r}: want n_persist,n_buffer,n_swap,n_checkpoint[,host_threads], "
+                "non-negative integers, alternatives separated by ';'"
             )
         out.append((dict(zip(("n_persist", "n_buffer", "n_swap", "n_checkpoint"), v[:4])),
                     v[4] if len(v) == 5 else None))  # fmt: skip
@@ -287,13 +293,16 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
     from protrain.profile.measure import measure_steps
 
     out: dict = {}
+    _empty_cache(device)  # a failed run before may have left its blocks cached
     model, optimizer, _ = protrain.wrap(
         model, n_persist=knobs["n_persist"], n_buffer=knobs["n_buffer"] or None, device=device,
         lr=1e-5, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         chunk_size_bytes=chunk_size_bytes, host_threads=host_threads,
     )  # fmt: skip
-    handle = apply_activation_knobs(model, knobs["n_swap"], knobs["n_checkpoint"], device=device)
+    handle = None
     try:
+        handle = apply_activation_knobs(model, knobs["n_swap"], knobs["n_checkpoint"],
+                                        device=device)  # fmt: skip
 
         def step():
             if clip is None:  # the host AdamW starts inside backward
@@ -322,14 +331,21 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
             k: round(v / n, 4) for k, v in optimizer.stats.items() if isinstance(v, (int, float))
         }
     finally:
-        handle.remove()
-        protrain.close(model)
-        if device.type == "cuda":  # the next run's reserved peak starts from an empty cache
-            import gc
-
-            gc.collect()
-            torch.cuda.empty_cache()
+        if handle is not None:
+            handle.remove()
+        protrain.close(model)  # the model is unwrapped for the next run, whatever happened
+        _empty_cache(device)  # the next run's reserved peak starts from an empty cache
     return out
+
+
+def _empty_cache(device) -> None:
+    if device.type == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def summarize(rows: list[dict]) -> str:
@@ -355,6 +371,11 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(run_one(args.child, configs[args.child], args)))
         return 0
+    try:
+        _parse_also(args.also)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     names = args.only.split(",") if args.only else list(configs)
     unknown = [n for n in names if n not in configs]
     if unknown:

@@ -79,7 +79,8 @@ def _problem(row: dict, profiles: Path, models: dict):
     if row.get("chunk_size_bytes"):
         return problem_at(row["chunk_size_bytes"])
     # Rows before session 7 lack the size: of the candidates with the row's chunk count, the
-    # one whose prediction (by this checkout's models) is nearest the row's own.
+    # one whose prediction (by this checkout's models) is nearest the row's own. That pulls
+    # "now" toward "row": such rows are marked "inferred" and say little about a model change.
     found = [problem_at(s) for s in chunk_size_candidates(model, profile)]
     found = [q for q in found if q.memory.n_chunks == row["n_chunks"]]
     if not found:
@@ -120,8 +121,10 @@ def main(argv: list[str] | None = None) -> int:
                     new.append(abs(err))
                     peaks.append(abs(peak))
                 knobs = "/".join(str(v) for v in run["plan"].values())
+                size = "" if row.get("chunk_size_bytes") else "  (chunk size inferred)"
                 print(f"{row['config'][:30]:30s} {knobs:16s} {run['step_s']:10.3f} "
-                      f"{100 * run['step_error']:+7.1f}% {100 * err:+7.1f}%  {100 * peak:+7.1f}%")  # fmt: skip
+                      f"{100 * run['step_error']:+7.1f}% {100 * err:+7.1f}%  {100 * peak:+7.1f}%"
+                      f"{size}")  # fmt: skip
     if new:
         print(f"{len(new)} rows: step error median {100 * statistics.median(old):.1f}% as "
               f"measured, {100 * statistics.median(new):.1f}% now (worst {100 * max(new):.1f}%); "

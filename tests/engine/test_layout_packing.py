@@ -26,9 +26,10 @@ def _greedy(sizes: list[int], chunk_size: int) -> list[tuple[int, int]]:
 @pytest.mark.parametrize("seed", range(20))
 def test_pack_arrays_is_the_greedy_rule(seed):
     rng = random.Random(seed)
-    # unaligned sizes, runs of small ones (norms, LoRA factors) between large ones
-    sizes = [rng.choice([rng.randint(1, 300), rng.randint(1, 5000), rng.randint(4000, 9000)])
+    # unaligned and zero sizes, runs of small ones (norms, LoRA factors) between large ones
+    sizes = [rng.choice([0, rng.randint(1, 300), rng.randint(1, 5000), rng.randint(4000, 9000)])
              for _ in range(rng.randint(1, 400))]  # fmt: skip
+    sizes[0] = max(sizes[0], 1)  # the largest size is positive (a chunk size at least it)
     for chunk_size in (max(sizes), max(sizes) + 63, 2 * max(sizes), 3 * max(sizes) + 1,
                        sum(sizes) + 4096, choose_chunk_size(sizes)):  # fmt: skip
         chunk, offset = pack_arrays(sizes, chunk_size)

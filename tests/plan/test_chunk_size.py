@@ -13,7 +13,7 @@ import torch
 from protrain.plan import PlanProblem, search
 from protrain.plan.auto import profile_and_plan
 from protrain.plan.chunk_size import chunk_size_candidates, rechunk
-from protrain.profile.chunk_table import chunk_table
+from protrain.profile.chunk_table import chunk_table, chunk_table_and_index
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
 import plan_synthetic as syn  # noqa: E402
@@ -172,7 +172,8 @@ def test_a_large_problem_that_needs_swap_screens_the_sizes_at_a_few_swap_counts(
 
 
 def _table_from_layout(model, dtype, size):
-    """The table read from the layout protrain.wrap would build (plan_layout's placements)."""
+    """The table and chunk of every name read from the layout protrain.wrap would build
+    (plan_layout's placements)."""
     from protrain.chunks.layout import params_in_order, plan_layout
 
     layout = plan_layout(params_in_order(model), compute_dtype=dtype, device=torch.device("meta"),
@@ -182,7 +183,8 @@ def _table_from_layout(model, dtype, size):
         tr = [pl for pl in c.placements if pl.trainable]
         rows.append((c.used_bytes, sum(pl.numel for pl in tr), sum(pl.nbytes for pl in tr),
                      len(tr), max((pl.numel for pl in tr), default=0)))  # fmt: skip
-    return rows
+    chunk_of = {n: pl.chunk for c in layout.chunks for pl in c.placements for n in pl.names}
+    return rows, chunk_of
 
 
 @pytest.mark.parametrize("kind", ["full", "lora", "tied", "qlora"])
@@ -205,9 +207,26 @@ def test_chunk_table_is_the_layouts_table(kind):
     for dtype in (torch.float32, torch.bfloat16):
         sizes = [p.numel() * storage_dtype(p, dtype).itemsize for p in model.parameters()]
         for size in (max(sizes), max(sizes) + 4096, 3 * max(sizes), sum(sizes) + 64):
-            table = chunk_table(model, compute_dtype=dtype, chunk_size_bytes=size)
+            table, chunk_of = chunk_table_and_index(model, compute_dtype=dtype,
+                                                    chunk_size_bytes=size)  # fmt: skip
             got = list(zip(table.used_bytes, table.trainable_numel, table.trainable_bytes,
                            table.trainable_tensors, table.max_trainable_numel))  # fmt: skip
-            assert got == _table_from_layout(model, dtype, size)
-    with pytest.raises(ValueError, match="too small"):
-        chunk_table(model, compute_dtype=torch.bfloat16, chunk_size_bytes=max(sizes) - 1)
+            assert (got, chunk_of) == _table_from_layout(model, dtype, size)
+    for bad in (max(sizes) - 1, float(10 * max(sizes)), True):
+        with pytest.raises(ValueError, match="too small"):
+            chunk_table(model, compute_dtype=torch.bfloat16, chunk_size_bytes=bad)
+
+
+def test_param_index_arrays_are_a_read_only_snapshot():
+    from protrain.profile.param_index import param_index
+
+    model = tiny_llama.build()
+    index = param_index(model)
+    numel, nbytes, trainable = index.arrays(torch.bfloat16)
+    assert nbytes.tolist() == [2 * p.numel() for _, p in index.params] and trainable.all()
+    assert index.arrays(torch.bfloat16)[0] is numel  # read once per dtype
+    assert index.arrays(torch.float32)[1].tolist() == [4 * n for n in numel.tolist()]
+    with pytest.raises(ValueError):
+        numel[0] = 0  # callers cannot change what later callers read
+    next(model.parameters()).requires_grad_(False)
+    assert not param_index(model).arrays(torch.bfloat16)[2][0]  # a new index sees the change

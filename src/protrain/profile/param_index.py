@@ -30,17 +30,21 @@ class ParamIndex:
     # per block of the stack, every name of its parameters (trace.chunk_first_blocks); None
     # when the model has no block stack
     block_names: list[list[str]] | None
-    _arrays: dict = field(default_factory=dict, compare=False, repr=False)
+    _arrays: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def arrays(self, compute_dtype: torch.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per parameter of ``params``: elements, bytes as stored in ``compute_dtype``
-        (``layout.storage_dtype``), trainable; read once per dtype."""
+        (``layout.storage_dtype``), trainable; read once per dtype and read-only. Like the
+        whole index, a snapshot: build a new index after changing the model."""
         if compute_dtype not in self._arrays:
             ps = [p for _, p in self.params]
             numel = np.asarray([p.numel() for p in ps], dtype=np.int64)
             size = [storage_dtype(p, compute_dtype).itemsize for p in ps]
             trainable = np.asarray([p.requires_grad for p in ps], dtype=bool)
-            self._arrays[compute_dtype] = (numel, numel * np.asarray(size, np.int64), trainable)
+            arrays = (numel, numel * np.asarray(size, np.int64), trainable)
+            for a in arrays:
+                a.setflags(write=False)
+            self._arrays[compute_dtype] = arrays
         return self._arrays[compute_dtype]
 
 
