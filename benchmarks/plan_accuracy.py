@@ -188,7 +188,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             predicted_memory_terms_gib={k: round(v / _GIB, 3) for k, v in plan.memory_terms.items()},
             predicted_time_terms={k: round(v, 4) for k, v in plan.time_terms.items()},
             trace_n_persist=profile.trace_n_persist, n_chunks=plan.n_chunks,
-            traced_step_s=round(profile.step_s, 4),
+            traced_step_s=round(profile.step_s, 4), trace_phases_s=profile.trace_phases_s,
+            trace_notes=profile.notes,
             free_fwd_bwd_s=profile.free_fwd_bwd_s and round(profile.free_fwd_bwd_s, 4),
             hardware={k: v for k, v in hw.to_dict().items() if k.endswith("_per_s")},
         )  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,18 @@ def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
         calls.append(n_persist)
         if n_persist != 0:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB.")
-        return "profile"
+        return profile
 
+    profile = types.SimpleNamespace(notes=[])
     monkeypatch.setattr(auto, "trace_model", fake_trace)
     with caplog.at_level(logging.WARNING, logger="protrain.plan.auto"):
-        assert auto.profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu") == "profile"
+        assert auto.profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu") is profile
     assert calls == [None, 0]
     assert "retrying with every chunk offloaded" in caplog.text
     assert "3.91 GiB" in caplog.text
+    # the profile says it is the second trace (the plan time counts both)
+    assert profile.notes == ["traced with every chunk offloaded after n_persist=None ran out of "
+                             "memory (CUDA out of memory. Tried to allocate 3.91 GiB.)"]  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", [0, 1 << 40])

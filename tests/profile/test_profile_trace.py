@@ -126,3 +126,15 @@ def test_free_running_step_and_chunk_blocks(traced):
     assert first == sorted(first)  # chunks are packed in execution order
     assert first[0] in (-1, 0)  # the embedding's chunk: before or with the first block
     assert all(-1 <= f <= profile.n_blocks for f in first)
+
+
+def test_trace_times_its_parts(traced):
+    """Each part of the trace is timed (where a long plan time goes), the parts cover the
+    trace, and the record survives a round trip through JSON."""
+    _, _, p = traced
+    parts = ["index_and_wrap", "keep_pass", "traced_steps", "free_running_step", "close"]
+    assert list(p.trace_phases_s) == parts
+    assert all(v >= 0 for v in p.trace_phases_s.values())
+    assert sum(p.trace_phases_s.values()) == pytest.approx(p.trace_s, abs=0.05)
+    assert p.trace_phases_s["traced_steps"] > 0
+    assert ModelProfile.from_json(p.to_json()).trace_phases_s == p.trace_phases_s

@@ -118,6 +118,11 @@ def profile_model(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if traced:
+            if i:  # the plan time counts both traces: say so where it is read
+                profile.notes.append(
+                    f"traced with every chunk offloaded after n_persist={attempts[0]} ran out "
+                    f"of memory ({reason})"
+                )
             return profile
         if i + 1 < len(attempts):
             log.warning(

@@ -146,6 +146,9 @@ class ModelProfile:
     free_blocks_fwd_s: float | None = None  # the blocks' forward, first to last
     free_fwd_bwd_s: float | None = None  # step start to the end of backward (checkpoint-all)
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
+    # Seconds of each part of the trace (parameter walk and chunk table, wrap, keep pass,
+    # traced steps, free-running step, close): where the plan time goes (full-8b: 77 s).
+    trace_phases_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -482,6 +485,14 @@ def trace_model(
         device = torch.device("cuda", torch.cuda.current_device())
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    phases: dict[str, float] = {}
+    mark = [t_begin]
+
+    def phase(name: str) -> None:
+        now = time.perf_counter()
+        phases[name] = round(phases.get(name, 0.0) + now - mark[0], 3)
+        mark[0] = now
+
     layout = discover_blocks(model)
     blocks = layout.blocks
     index = param_index(model)
@@ -505,6 +516,7 @@ def trace_model(
     )
     manager = model._protrain_engine.manager
     chunk_bytes = chunk_layout.chunk_size_bytes
+    phase("index_and_wrap")
 
     def pool_bytes() -> int:
         return len(manager.resident) * chunk_bytes
@@ -521,6 +533,7 @@ def trace_model(
             saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
                 model, blocks, batch, loss_fn, clock, sync
             )
+            phase("keep_pass")
             if handle is not None:
                 handle.remove()
             handle = apply_activation_knobs(
@@ -567,17 +580,20 @@ def trace_model(
             # the released pool buffers (3 x 1.24 GiB on a 3B model) count as cache.
             overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
             tracer.remove()
+        phase("traced_steps")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
         free_pre, free_blocks, free_total = _free_running_step(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
+        phase("free_running_step")
     finally:
         if tracer is not None:
             tracer.remove()
         if handle is not None:
             handle.remove()
         protrain.close(model)
+    phase("close")
 
     iv = tracer.intervals
     bwd_compute: dict[int, float] = {}
@@ -630,15 +646,17 @@ def trace_model(
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
+        trace_phases_s=phases,
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
-        "forward + backward %.3f s)",
+        "forward + backward %.3f s; seconds by part: %s)",
         len(blocks),
         bsz,
         seq,
         profile.trace_s,
         profile.step_s,
         free_total,
+        phases,
     )
     return profile
