@@ -106,11 +106,13 @@ def profile_model(
     attempts = [n_persist] if n_persist == 0 else [n_persist, 0]
     for i, n in enumerate(attempts):
         traced = False
+        t0 = time.perf_counter()
         try:
             profile = trace_model(model, sample_batch, n_persist=n, **kwargs)
             traced = True
         except torch.OutOfMemoryError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
+            failed_s = time.perf_counter() - t0
         # Cleaned up outside the handler: the exception's traceback holds the trace's tensors.
         # After a trace that ran, too: its layout (more persistent chunks than the plan, say)
         # left blocks in the caching allocator, and training would start with them reserved.
@@ -118,10 +120,11 @@ def profile_model(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if traced:
-            if i:  # the plan time counts both traces: say so where it is read
+            if i:  # the plan time counts both traces: say so, and what the first one cost
+                first = "all" if attempts[0] is None else attempts[0]
                 profile.notes.append(
-                    f"traced with every chunk offloaded after n_persist={attempts[0]} ran out "
-                    f"of memory ({reason})"
+                    f"traced with every chunk offloaded after the trace with n_persist={first} "
+                    f"ran out of memory in {failed_s:.1f} s ({reason})"
                 )
             return profile
         if i + 1 < len(attempts):
