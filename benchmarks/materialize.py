@@ -18,16 +18,17 @@ def build_on_meta(config, dtype: torch.dtype, lora_rank: int | None = None) -> n
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config.use_cache = False
-    if lora_rank is not None:
-        import peft
+    return add_lora(model, lora_rank) if lora_rank is not None else model
 
-        model = peft.get_peft_model(
-            model,
-            peft.LoraConfig(
-                r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
-            ),
-        )
-    return model
+
+def add_lora(model: nn.Module, lora_rank: int) -> nn.Module:
+    """The benchmarks' LoRA: rank ``lora_rank``, alpha twice that, every linear layer."""
+    import peft
+
+    config = peft.LoraConfig(
+        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
+    )
+    return peft.get_peft_model(model, config)
 
 
 @torch.no_grad()
@@ -49,7 +50,6 @@ def build_qlora(config, lora_rank: int, fill_device: torch.device | str) -> nn.M
     quantization, and moved to the host, one layer at a time; the embeddings, norms and
     output layer stay bf16 on the host; LoRA adapters of rank ``lora_rank`` on every
     linear layer (PEFT's 4-bit LoRA layers)."""
-    import peft
     import transformers
 
     from protrain.quant import quantize_linear_4bit
@@ -72,10 +72,7 @@ def build_qlora(config, lora_rank: int, fill_device: torch.device | str) -> nn.M
     model.tie_weights()
     _rebuild_rotary_buffers(model, torch.device("cpu"))
     model.is_loaded_in_4bit = True  # PEFT's 4-bit LoRA layers, as for a model transformers loads
-    config_lora = peft.LoraConfig(
-        r=lora_rank, lora_alpha=2 * lora_rank, lora_dropout=0.0, target_modules="all-linear"
-    )
-    return peft.get_peft_model(model, config_lora)
+    return add_lora(model, lora_rank)
 
 
 def build_for_mode(config, mode: str, lora_rank: int | None, fill_device) -> nn.Module:

@@ -31,19 +31,13 @@ sys.path.insert(0, str(HERE))
 
 def _model(shape: str, mode: str):
     import torch
-    from transformers import AutoModelForCausalLM
 
+    from materialize import build_on_meta
     from workloads import LORA_RANK, hf_config
 
-    dtype = torch.bfloat16 if mode == "lora" else torch.float32
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=dtype)
-    if mode == "lora":
-        import peft
-
-        cfg = peft.LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, target_modules="all-linear")
-        model = peft.get_peft_model(model, cfg)
-    return model
+    lora = mode == "lora"
+    return build_on_meta(hf_config(shape), torch.bfloat16 if lora else torch.float32,
+                         LORA_RANK if lora else None)  # fmt: skip
 
 
 def _problem(row: dict, profiles: Path, models: dict):

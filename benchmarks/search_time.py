@@ -104,25 +104,19 @@ def _on_profile(args) -> int:
     import gzip
 
     import torch
-    from transformers import AutoModelForCausalLM
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    from materialize import add_lora, build_on_meta
     from protrain.plan.chunk_size import search_chunk_sizes
     from protrain.profile.hardware import HardwareProfile
     from protrain.profile.trace import ModelProfile
     from workloads import hf_config
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config(args.shape), dtype=torch.bfloat16)
+    model = build_on_meta(hf_config(args.shape), torch.bfloat16)
     if args.four_bit:
         _quantize_on_meta(model)
     if args.lora_rank:
-        import peft
-
-        config = peft.LoraConfig(
-            r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules="all-linear"
-        )
-        model = peft.get_peft_model(model, config)
+        model = add_lora(model, args.lora_rank)
     with gzip.open(args.profile, "rt") as f:
         profile = ModelProfile.from_json(f.read())
     with open(args.hardware) as f:
