@@ -517,6 +517,8 @@ def trace_model(
     manager = model._protrain_engine.manager
     chunk_bytes = chunk_layout.chunk_size_bytes
     phase("index_and_wrap")
+    for part, seconds in manager.build_s.items():  # parts of the wrap, not added to the sum
+        phases[f"of_which_wrap_{part}"] = seconds
 
     def pool_bytes() -> int:
         return len(manager.resident) * chunk_bytes
