@@ -189,6 +189,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             predicted_time_terms={k: round(v, 4) for k, v in plan.time_terms.items()},
             trace_n_persist=profile.trace_n_persist, n_chunks=plan.n_chunks,
             traced_step_s=round(profile.step_s, 4), trace_phases_s=profile.trace_phases_s,
+            trace_wrap_build_s=profile.wrap_build_s,
             trace_notes=profile.notes,
             free_fwd_bwd_s=profile.free_fwd_bwd_s and round(profile.free_fwd_bwd_s, 4),
             hardware={k: v for k, v in hw.to_dict().items() if k.endswith("_per_s")},
@@ -300,6 +301,7 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
         lr=1e-5, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
         chunk_size_bytes=chunk_size_bytes, host_threads=host_threads,
     )  # fmt: skip
+    out["wrap_build_s"] = dict(model._protrain_engine.manager.build_s)
     handle = None
     try:
         handle = apply_activation_knobs(model, knobs["n_swap"], knobs["n_checkpoint"],

@@ -138,3 +138,6 @@ def test_trace_times_its_parts(traced):
     assert sum(p.trace_phases_s.values()) == pytest.approx(p.trace_s, abs=0.05)
     assert p.trace_phases_s["traced_steps"] > 0
     assert ModelProfile.from_json(p.to_json()).trace_phases_s == p.trace_phases_s
+    # the wrap's own parts (pinning, copying in) lie inside "index_and_wrap"
+    assert list(p.wrap_build_s) == ["host_alloc_pin", "copy_in"]
+    assert sum(p.wrap_build_s.values()) <= p.trace_phases_s["index_and_wrap"] + 0.01

@@ -149,6 +149,9 @@ class ModelProfile:
     # Seconds of each part of the trace (parameter walk and chunk table, wrap, keep pass,
     # traced steps, free-running step, close): where the plan time goes (full-8b: 77 s).
     trace_phases_s: dict[str, float] = field(default_factory=dict)
+    # Of "index_and_wrap": the chunk build's parts (host arena allocated and pinned,
+    # parameters copied in; see ``ChunkManager.build_s``).
+    wrap_build_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -517,8 +520,6 @@ def trace_model(
     manager = model._protrain_engine.manager
     chunk_bytes = chunk_layout.chunk_size_bytes
     phase("index_and_wrap")
-    for part, seconds in manager.build_s.items():  # parts of the wrap, not added to the sum
-        phases[f"of_which_wrap_{part}"] = seconds
 
     def pool_bytes() -> int:
         return len(manager.resident) * chunk_bytes
@@ -649,10 +650,11 @@ def trace_model(
         free_fwd_bwd_s=free_total,
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
         trace_phases_s=phases,
+        wrap_build_s=dict(manager.build_s),
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
-        "forward + backward %.3f s; seconds by part: %s)",
+        "forward + backward %.3f s; seconds by part: %s; of the wrap: %s)",
         len(blocks),
         bsz,
         seq,
@@ -660,5 +662,6 @@ def trace_model(
         profile.step_s,
         free_total,
         phases,
+        manager.build_s,
     )
     return profile
