@@ -132,11 +132,13 @@ def test_trace_times_its_parts(traced):
     """Each part of the trace is timed (where a long plan time goes), the parts cover the
     trace, and the record survives a round trip through JSON."""
     _, _, p = traced
-    parts = ["index_and_wrap", "keep_pass", "traced_steps", "free_running_step", "close"]
+    parts = [
+        "index_and_wrap", "keep_pass", "warm_up", "free_running_step", "traced_step", "close"
+    ]  # fmt: skip
     assert list(p.trace_phases_s) == parts
     assert all(v >= 0 for v in p.trace_phases_s.values())
     assert sum(p.trace_phases_s.values()) == pytest.approx(p.trace_s, abs=0.05)
-    assert p.trace_phases_s["traced_steps"] > 0
+    assert p.trace_phases_s["traced_step"] > 0
     assert ModelProfile.from_json(p.to_json()).trace_phases_s == p.trace_phases_s
     # the wrap's own parts (pinning, copying in) lie inside "index_and_wrap"
     assert list(p.wrap_build_s) == ["host_alloc_pin", "copy_in"]

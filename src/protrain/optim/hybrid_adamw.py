@@ -435,6 +435,34 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)
         return loss
 
+    @torch.no_grad()
+    def step_without_host_updates(self) -> None:
+        """``step()`` with every offloaded chunk's host update left out: the persistent
+        chunks step on the device, and each offloaded chunk with a gradient is marked for
+        the write-back its next gather does after a real update (its fp32 masters copied in
+        and cast on the device), so that the next step moves the bytes and holds the
+        staging memory a training step does. For the profiler's traced steps, at ``lr=0``,
+        where no weight changes either way: the host update's time comes from the hardware
+        profile, and running it would also make every offloaded parameter's Adam moments
+        (8 bytes each on the host; 55 GB for full-8b's trace)."""
+        self._check_open()
+        if self._armed_hyper is not None:
+            raise RuntimeError(
+                "protrain: step_without_host_updates() after step_in_backward(): updates have "
+                "started"
+            )
+        self._wait_accumulations()
+        for chunk in self._manager.offloaded:
+            had = [s for s in chunk.trainable_slots if s.has_grad]
+            chunk.host_stale = chunk.host_stale or bool(had)
+            for s in had:
+                s.has_grad = False
+        if any(s.has_grad for s in self._persistent_slots):
+            self.step()
+        else:  # nothing to step (and fp16's step() refuses a step without gradients)
+            self._clip_coef = self._found_inf = self._inv_scale = None
+            self._manager.release_all()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
         self.check_between_steps("zero_grad()")

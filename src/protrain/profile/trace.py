@@ -7,22 +7,26 @@ What is measured, and how:
   backward (parameters excluded). The saved tensors are held only until the block's forward
   ends, so the pass needs one block's activations at a time, and it also gives the block's
   forward peak under ``keep`` (above the memory at block entry).
-- **Traced steps** (forward, backward, optimizer step) with every block checkpointed, the
-  policy that needs the least memory. Hooks at block boundaries take the time (after a device
+- **Steps** (forward, backward, optimizer step), every block checkpointed, the policy that
+  needs the least memory: ``steps - 1`` warm-up steps (kernels, the optimizer state), then
+  on CUDA the caching allocator emptied, the free-running step below, and last the traced
+  step, which runs on the cache one step of its own pattern left (so that its reserved bytes
+  are those of its own pattern: the allocator term). In the traced step, hooks at block boundaries take the time (after a device
   synchronize) and the memory clock (:mod:`protrain.profile.memory_clock`): the peak of every
   interval between two hooks, from the step's start through the embedding, each block's
   forward, the head and loss, each block's backward (from the gradient of its output to the
   gradient of the previous block's output, cut again at every parameter's gradient
   accumulation, so that the gradient bytes the engine holds are constant inside an
-  interval) and the optimizer step. The last of ``steps``
-  steps is kept; the first ones warm up kernels and create the optimizer state. On CUDA
-  the caching allocator is emptied after the first step and one more step runs (at least
-  one step between the emptying and the kept one), so that the kept step's reserved bytes
-  are those of its own pattern (the allocator term).
+  interval) and the optimizer step.
 
 The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then
 ``protrain.close``): a model that does not fit is traced with every chunk offloaded
-(``n_persist=0``), one block's chunks at a time. Memory readings leave out offloaded chunks
+(``n_persist=0``), one block's chunks at a time. Its optimizer steps the persistent chunks
+on the device and leaves the offloaded chunks' host updates out, but still makes their
+next gathers write back as after an update (``HybridAdamW.step_without_host_updates``): the
+device sees a training step's traffic and memory, and the host update, which the runtime
+model takes from the hardware profile, costs the trace neither its seconds nor its Adam
+moments. Memory readings leave out offloaded chunks
 resident in the buffer pool and everything allocated before the step (model states): the
 interval peaks are activation and transient bytes, which the plan's memory model combines
 with its model-state terms.
@@ -34,7 +38,7 @@ event timing of those waits), so a trace with offloaded chunks still measures co
 
 - **Free-running step**: the synchronizations at every cut expose the host's kernel launch
   time that an unsynchronized step hides under device work, so the intervals sum to more
-  than a real step's compute. One more step, with the tracer's hooks removed, is timed with
+  than a real step's compute. One step without the tracer's hooks is timed with
   three synchronizations only (first block's forward, last block's forward, end of backward):
   its forward and backward seconds (gather stalls left out) are the totals the runtime model
   uses; the per-block intervals only apportion them. It runs outside the memory clock: on
@@ -146,8 +150,8 @@ class ModelProfile:
     free_blocks_fwd_s: float | None = None  # the blocks' forward, first to last
     free_fwd_bwd_s: float | None = None  # step start to the end of backward (checkpoint-all)
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
-    # Seconds of each part of the trace (parameter walk and chunk table, wrap, keep pass,
-    # traced steps, free-running step, close): where the plan time goes (full-8b: 77 s).
+    # Seconds of each part of the trace (index_and_wrap, keep_pass, warm_up,
+    # free_running_step, traced_step, close): where the plan time goes (full-8b: 77 s).
     trace_phases_s: dict[str, float] = field(default_factory=dict)
     # Of "index_and_wrap": the chunk build's parts (host arena allocated and pinned,
     # parameters copied in; see ``ChunkManager.build_s``).
@@ -422,9 +426,7 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         del loss
         t3 = sync()
         w3 = copy_wait()
-        optimizer.step()
-        optimizer.zero_grad()
-        optimizer.synchronize()
+        _optimizer_step(optimizer)
     finally:
         h0.remove()
         h1.remove()
@@ -432,6 +434,14 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
     pre = max(t1 - t0 - w1, 0.0)
     blocks_fwd = max(t2 - t1 - w2, 0.0)
     return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w3, 0.0)
+
+
+def _optimizer_step(optimizer) -> None:
+    """The traced steps' optimizer step: the persistent chunks' on the device, none on the
+    host (see ``HybridAdamW.step_without_host_updates``; ``lr=0`` changes no weight)."""
+    optimizer.step_without_host_updates()
+    optimizer.zero_grad()
+    optimizer.synchronize()
 
 
 def chunk_first_blocks(
@@ -526,7 +536,6 @@ def trace_model(
 
     sync = _Sync(device)
     handle = None
-    tracer = None
     try:
         with MemoryClock(device, exclude=pool_bytes) as clock:
             if tiled_mlp_tokens is not None:
@@ -536,63 +545,59 @@ def trace_model(
             saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
                 model, blocks, batch, loss_fn, clock, sync
             )
-            phase("keep_pass")
-            if handle is not None:
-                handle.remove()
-            handle = apply_activation_knobs(
-                model,
-                0,
-                len(blocks),
-                device=device,
-                layout=layout,
-                tiled_mlp_tokens=tiled_mlp_tokens,
-            )
-            trainable = [
-                (n, p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad
-            ]
-            copy_wait = lambda: 0.0  # noqa: E731
-            if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
-                manager.time_copy_waits = True
-                copy_wait = manager.copy_wait_s
-            tracer = _StepTracer(
-                blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
-            )
-            # On CUDA one more step, and the caching allocator emptied after the first: the
-            # keep pass and the first step (which makes the optimizer state) leave blocks
-            # cached that training with the plan never has, and reserved minus allocated
-            # read over them overstated the allocator term (qlora-70b: 6.21 GiB traced
-            # against 2.8-3.8 GiB in training). The kept step then runs on the cache that
-            # one step of its own left, as every training step after the first does.
-            cuda = device.type == "cuda"
-            for i in range(max(steps + 1, 3) if cuda else steps):
-                if cuda and i == 1:
-                    torch.cuda.empty_cache()
-                tracer.reset()
-                tracer.start()
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
-                tracer.cut("opt", -1)
-                optimizer.step()
-                optimizer.zero_grad()
-                optimizer.synchronize()
-                t_end, _ = tracer.cut("end", -1)
-            # The step's reserved peak minus its allocated peak, both raw (buffer pool
-            # included): what the allocator holds beyond the most the step ever had
-            # allocated. One interval's own figure overstated it: in the optimizer step,
-            # the released pool buffers (3 x 1.24 GiB on a 3B model) count as cache.
-            overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
-            tracer.remove()
-        phase("traced_steps")
+        phase("keep_pass")
+        if handle is not None:
+            handle.remove()
+        handle = apply_activation_knobs(
+            model, 0, len(blocks), device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
+        )
+        trainable = [(n, p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
+        copy_wait = lambda: 0.0  # noqa: E731
+        if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
+            manager.time_copy_waits = True
+            copy_wait = manager.copy_wait_s
+        # Warm-up (kernels, the persistent chunks' optimizer state), then on CUDA the caching
+        # allocator emptied: the keep pass and the first step leave blocks cached that
+        # training with the plan never has, and reserved minus allocated read over them
+        # overstated the allocator term (qlora-70b: 6.21 GiB traced against 2.8-3.8 GiB in
+        # training). The free-running step runs next, so that the traced step runs on the
+        # cache that one step of its own pattern left, as every training step after the
+        # first does.
+        for _ in range(max(steps - 1, 1)):
+            loss = loss_fn(model, batch)
+            loss.backward()
+            del loss
+            _optimizer_step(optimizer)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        phase("warm_up")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
         free_pre, free_blocks, free_total = _free_running_step(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
         phase("free_running_step")
+        with MemoryClock(device, exclude=pool_bytes) as clock:
+            tracer = _StepTracer(
+                blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
+            )
+            try:
+                tracer.start()
+                loss = loss_fn(model, batch)
+                loss.backward()
+                del loss
+                tracer.cut("opt", -1)
+                _optimizer_step(optimizer)
+                t_end, _ = tracer.cut("end", -1)
+            finally:
+                tracer.remove()
+        # The step's reserved peak minus its allocated peak, both raw (buffer pool
+        # included): what the allocator holds beyond the most the step ever had allocated.
+        # One interval's own figure overstated it: in the optimizer step, the released pool
+        # buffers (3 x 1.24 GiB on a 3B model) count as cache.
+        overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
+        phase("traced_step")
     finally:
-        if tracer is not None:
-            tracer.remove()
         if handle is not None:
             handle.remove()
         protrain.close(model)

@@ -1,0 +1,94 @@
+"""optimizer.step_without_host_updates(): the profiler's step. Persistent chunks step as in
+step(); offloaded chunks are not updated, make no Adam state, and are written back by their
+next gather as after an update."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+
+from .models import batches, build
+
+LR, WD = 1e-2, 0.01
+
+
+def _n_chunks(model) -> int:
+    _, opt, layout = protrain.wrap(copy.deepcopy(model), device="cpu")
+    opt.close()
+    return layout.n_chunks
+
+
+def test_persistent_chunks_step_as_in_step_and_offloaded_ones_do_not():
+    base = build("llama")
+    data = batches("llama", 1)  # one step: after it, offloaded weights differ from step()'s
+    n_persist = _n_chunks(base) // 2
+    ref_model, ref_opt, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=n_persist, lr=LR, weight_decay=WD, device="cpu"
+    )
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=n_persist, lr=LR, weight_decay=WD, device="cpu"
+    )
+    manager = model._protrain_engine.manager
+    offloaded = {id(s.param) for c in manager.offloaded for s in c.slots}
+    assert offloaded and len(offloaded) < len(list(model.parameters()))
+    before = {n: p.detach().clone() for n, p in base.named_parameters()}
+    for b in data:
+        ref_model(**b).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(**b).loss.backward()
+        optimizer.step_without_host_updates()
+        optimizer.zero_grad()
+    optimizer.synchronize()
+    # no host Adam state was made, the device optimizer's was
+    host_states = [len(opt.state) for opts in optimizer._host_opts.values() for opt, *_ in opts]
+    assert host_states and sum(host_states) == 0
+    assert len(optimizer._device_opt[0].state) > 0
+    ref, got = protrain.state_dict(ref_model), protrain.state_dict(model)
+    changed = 0
+    for name, p in model.named_parameters():
+        if id(p) in offloaded:  # never updated: as built
+            torch.testing.assert_close(got[name], before[name], atol=0, rtol=0, msg=name)
+        else:  # as step() does
+            torch.testing.assert_close(got[name], ref[name], atol=0, rtol=0, msg=name)
+            changed += not torch.equal(got[name], before[name])
+    assert changed > 0
+    protrain.close(ref_model)
+    protrain.close(model)
+
+
+def test_offloaded_chunks_are_written_back_by_their_next_gather():
+    """The next gather goes through the write-back (masters cast on the device, the host
+    copy written again), as after a real update, and reads the same bytes."""
+    base = build("llama")
+    data = batches("llama", 2)
+    model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, lr=0.0, device="cpu")
+    manager = model._protrain_engine.manager
+    host_before = [c.host_buffer.clone() for c in manager.offloaded]
+    model(**data[0]).loss.backward()
+    optimizer.step_without_host_updates()
+    stale = [c.host_stale for c in manager.offloaded if c.trainable_slots]
+    assert stale and all(stale)
+    assert not manager.resident  # device copies released, as step() does
+    optimizer.zero_grad()
+    loss = model(**data[1]).loss
+    assert not any(c.host_stale for c in manager.offloaded)
+    for c, before in zip(manager.offloaded, host_before):
+        assert torch.equal(c.host_buffer, before)
+    loss.backward()
+    optimizer.step_without_host_updates()
+    protrain.close(model)
+
+
+def test_after_arming_is_an_error():
+    model, optimizer, _ = protrain.wrap(build("llama"), n_persist=0, lr=LR, device="cpu")
+    optimizer.step_in_backward()
+    model(**batches("llama", 1)[0]).loss.backward()
+    with pytest.raises(RuntimeError, match="after step_in_backward"):
+        optimizer.step_without_host_updates()
+    optimizer.step()
+    protrain.close(model)
