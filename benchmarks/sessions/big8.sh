@@ -11,7 +11,7 @@ timeout 120 python3 benchmarks/host_adam_pages.py --numel 268435456 --out "$OUT/
 timeout 90 python3 benchmarks/host_pinning.py --gib 16 --out "$OUT/host-pinning.jsonl" 2>&1 | tail -10
 timeout $(( $(left) - 10 )) python3 benchmarks/plan_accuracy.py --run-id "$RID" \
   --out "$OUT/plan-accuracy.jsonl" --profiles "$OUT/profiles" --timeout-s 400 \
-  --only full-8b,extra-8b-full-40-b1-s2048 2>&1 | grep -v '^{' | tail -3
+  --only full-8b,full-3b,extra-8b-full-40-b1-s2048 2>&1 | grep -v '^{' | tail -3
 [ -d "$OUT/profiles" ] && tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -rf "$OUT/profiles"
 python3 - "$OUT/plan-accuracy.jsonl" <<'PY'
 import json, sys
