@@ -108,8 +108,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="search a second time under cProfile: its time and the top functions by "
              "cumulative time (the row's search_hot)",
     )  # fmt: skip
+    p.add_argument(
+        "--host-arena", choices=("huge", "plain"), default="huge",
+        help="the engine's host arena (huge: its own, huge pages touched before pinning); "
+             "plain: torch.empty, pinned by cudaHostRegister faulting in 4 KiB pages, as the "
+             "engine did before session 8 (fresh pages from the kernel are zero), for A/B runs",
+    )  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p.parse_args(argv)
+
+
+def _plain_host_arena(nbytes: int):
+    import torch
+
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def git_commit() -> str:
@@ -131,11 +143,16 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     from workloads import LORA_RANK, MODEL_SHAPES, hf_config
 
     model_name, mode, budget_gib, batch, seq, workload = cfg
+    if args.host_arena == "plain":  # an A/B against the engine's own arena
+        import protrain.chunks.manager
+
+        protrain.chunks.manager.host_arena = _plain_host_arena
     tiny = model_name == "tiny"
     device = torch.device("cpu") if tiny else torch.device("cuda", 0)
     row = {
         "workload": workload, "config": name, "system": "protrain", "model": model_name,
         "mode": mode, "budget_gib": budget_gib, "batch": batch, "seq": seq, "status": "ok",
+        "host_arena": args.host_arena,
         "run_id": args.run_id, "commit": git_commit(),
         "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
     }  # fmt: skip
@@ -401,6 +418,7 @@ def main(argv=None) -> int:
             cmd += ["--also", args.also]
         if args.profile_search:
             cmd.append("--profile-search")
+        cmd += ["--host-arena", args.host_arena]
         if args.tiny:
             cmd.append("--tiny")
         if args.profiles:

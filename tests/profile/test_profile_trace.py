@@ -16,6 +16,7 @@ from protrain.profile.trace import ModelProfile, hf_loss, trace_model
 def traced():
     model = tiny_llama.build()
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.storages_before = [p.data_ptr() for p in model.parameters()]
     profile = trace_model(model, tiny_llama.batch(), device="cpu")
     return model, before, profile
 
@@ -26,6 +27,8 @@ def test_model_is_unchanged_by_the_trace(traced):
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert not hasattr(model, "_protrain_engine")
     assert all(p.grad is None for p in model.parameters())
+    # host weights get their own storage back, not a copy out of the chunks
+    assert [p.data_ptr() for p in model.parameters()] == model.storages_before
 
 
 def test_blocks_and_intervals(traced):
@@ -141,5 +144,5 @@ def test_trace_times_its_parts(traced):
     assert p.trace_phases_s["traced_step"] > 0
     assert ModelProfile.from_json(p.to_json()).trace_phases_s == p.trace_phases_s
     # the wrap's own parts (pinning, copying in) lie inside "index_and_wrap"
-    assert list(p.wrap_build_s) == ["host_alloc_pin", "copy_in"]
+    assert list(p.wrap_build_s) == ["host_alloc", "host_pin", "copy_in"]
     assert sum(p.wrap_build_s.values()) <= p.trace_phases_s["index_and_wrap"] + 0.01

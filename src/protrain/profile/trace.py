@@ -153,7 +153,7 @@ class ModelProfile:
     # Seconds of each part of the trace (index_and_wrap, keep_pass, warm_up,
     # free_running_step, traced_step, close): where the plan time goes (full-8b: 77 s).
     trace_phases_s: dict[str, float] = field(default_factory=dict)
-    # Of "index_and_wrap": the chunk build's parts (host arena allocated and pinned,
+    # Of "index_and_wrap": the chunk build's parts (host arena allocated, pinned,
     # parameters copied in; see ``ChunkManager.build_s``).
     wrap_build_s: dict[str, float] = field(default_factory=dict)
 
@@ -517,6 +517,10 @@ def trace_model(
         n_buffer = min(table.n_chunks - n_persist, need + 1)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     bsz, seq = _batch_shape(batch)
+    # The weights on the host, kept to be given back as they are: no weight changes in the
+    # trace, and close() would otherwise copy every one back out of the chunks. On the
+    # host only: kept device weights would take memory from the traced step.
+    originals = {p: p.data for p in model.parameters() if p.device.type == "cpu"}
 
     model, optimizer, chunk_layout = protrain.wrap(
         model,
@@ -600,7 +604,8 @@ def trace_model(
     finally:
         if handle is not None:
             handle.remove()
-        protrain.close(model)
+        model._protrain_engine.close(originals)
+        del originals
     phase("close")
 
     iv = tracer.intervals
