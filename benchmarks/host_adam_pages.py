@@ -44,6 +44,7 @@ def _rate(numel: int, huge: bool, steps: int) -> dict:
     # The state torch's AdamW would make, in the chosen memory (its own format:
     # torch.optim.AdamW._init_group keeps a state that is already there).
     opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
+    huge_kib = _anon_huge_kib()  # while the tensors live: did the huge pages come?
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -58,7 +59,15 @@ def _rate(numel: int, huge: bool, steps: int) -> dict:
         "best_params_per_s": round(numel / best / 1e9, 3),
         "median_params_per_s": round(numel / median / 1e9, 3),
         "unit": "G params/s",
+        "anon_huge_pages_gib": round(huge_kib / 2**20, 2),
     }
+
+
+def _anon_huge_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
 
 
 def main() -> None:

@@ -404,7 +404,12 @@ def host_arena(nbytes: int) -> torch.Tensor:
     ``MADV_HUGEPAGE``, written once with torch's threads, then registered, at 14 GiB/s
     (``benchmarks/host_pinning.py``, 16 GiB; the hosts' transparent huge pages are
     ``madvise``). The mapping lives as long as any view of the tensor."""
-    mm = mmap.mmap(-1, nbytes)  # anonymous and private
+    # Private: Python's default for an anonymous mapping is MAP_SHARED, which Linux backs
+    # with shmem, where transparent huge pages are off by default (shmem_enabled=never):
+    # session 8's first engine runs pinned such a mapping at the 4 KiB pages' rate.
+    if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: torch's own allocation
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere plain pages
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             mm.madvise(mmap.MADV_HUGEPAGE)
