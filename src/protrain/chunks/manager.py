@@ -401,7 +401,7 @@ def host_arena(nbytes: int) -> torch.Tensor:
     Written by hand because neither torch allocator does this: ``cudaHostRegister`` of a fresh
     ``torch.empty`` ran at 1.8 GiB/s on the H100 host (the driver faults in and pins 4 KiB
     pages one at a time), ``pin_memory=True`` at 2.7; an anonymous mapping advised
-    ``MADV_HUGEPAGE``, written once with torch's threads, then registered, at 14 GiB/s
+    ``MADV_HUGEPAGE``, touched with torch's threads, then registered, at 14 GiB/s
     (``benchmarks/host_pinning.py``, 16 GiB; the hosts' transparent huge pages are
     ``madvise``). The mapping lives as long as any view of the tensor."""
     # Private: Python's default for an anonymous mapping is MAP_SHARED, which Linux backs
@@ -414,7 +414,10 @@ def host_arena(nbytes: int) -> torch.Tensor:
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             mm.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(mm, dtype=torch.uint8)
-    arena.zero_()
+    # One write per page faults every page in, on torch's threads; the kernel zero-fills
+    # them, so a full zero_ would only write all of it a second time (full-8b's 82 GB
+    # arena: 8 s to map and touch with zero_).
+    arena[:: mmap.PAGESIZE].zero_()
     return arena
 
 
