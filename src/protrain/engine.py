@@ -152,18 +152,8 @@ def _give_back(model: nn.Module, manager, worker, hooks, originals=None) -> None
     host memory and the worker thread released."""
     if hooks is not None:
         hooks.remove()
-    kept = {id(p): data for p, data in (originals or {}).items()}
+    manager.restore_params({id(p): data for p, data in (originals or {}).items()})
     with torch.no_grad():
-        for s in manager.slots():
-            s.param.grad = None
-            if id(s.param) in kept:
-                s.param.data = kept[id(s.param)]
-                continue
-            if s.master is not None:
-                src = s.master
-            else:
-                src = s.host_view if s.host_view is not None else s.device_view
-            s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
         devices = {s.orig_device for s in manager.slots()}
         if len(devices) == 1:
             model.to(devices.pop())  # buffers back where the parameters were

@@ -289,3 +289,30 @@ def test_a_wrap_that_fails_half_way_leaves_the_model_as_it_was(monkeypatch):
     monkeypatch.undo()
     model, opt, _ = _wrap(model, n_persist=0)  # and it can be wrapped again
     protrain.close(model)
+
+
+def test_a_failed_chunk_build_leaves_every_parameter_as_it_was(monkeypatch):
+    """wrap fails part way through copying parameters into chunks: each parameter already
+    moved gets its own storage back, with its value, and no host memory stays pinned."""
+    from protrain.chunks import manager as manager_mod
+
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    calls = {"n": 0}
+    real = manager_mod.Chunk.drop_build_storage
+
+    def failing(self):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise torch.OutOfMemoryError("injected")
+        return real(self)
+
+    monkeypatch.setattr(manager_mod.Chunk, "drop_build_storage", failing)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        protrain.wrap(model, n_persist=1, lr=LR, device="cpu")
+    assert calls["n"] == 2
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), before[name], atol=0, rtol=0, msg=name)
+        assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
+    assert manager_mod.registered_host_bytes() == 0
+    assert not hasattr(model, "_protrain_engine")

@@ -92,3 +92,24 @@ def test_after_arming_is_an_error():
         optimizer.step_without_host_updates()
     optimizer.step()
     protrain.close(model)
+
+
+def test_after_accumulation_and_the_write_back_carries_the_masters():
+    """Two micro-batches (the host accumulation path) before the call; then a master changed
+    by hand reaches the device and the host copy through the next gather's write-back."""
+    base = build("llama")
+    data = batches("llama", 3)
+    model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, lr=0.0, device="cpu")
+    manager = model._protrain_engine.manager
+    for b in data[:2]:
+        model(**b).loss.backward()
+    optimizer.step_without_host_updates()
+    optimizer.zero_grad()
+    slot = next(s for c in manager.offloaded for s in c.trainable_slots)
+    slot.master.add_(1.0)
+    expected = slot.master.to(slot.orig_dtype)
+    model(**data[2]).loss.backward()  # gathers every chunk: the write-back runs
+    torch.testing.assert_close(slot.host_view, expected, atol=0, rtol=0)
+    optimizer.step_without_host_updates()
+    optimizer.zero_grad()
+    protrain.close(model)

@@ -136,13 +136,35 @@ def test_trace_times_its_parts(traced):
     trace, and the record survives a round trip through JSON."""
     _, _, p = traced
     parts = [
-        "index_and_wrap", "keep_pass", "warm_up", "free_running_step", "traced_step", "close"
+        "index_and_wrap", "keep_pass", "traced_steps", "free_running_step", "close"
     ]  # fmt: skip
     assert list(p.trace_phases_s) == parts
     assert all(v >= 0 for v in p.trace_phases_s.values())
     assert sum(p.trace_phases_s.values()) == pytest.approx(p.trace_s, abs=0.05)
-    assert p.trace_phases_s["traced_step"] > 0
+    assert p.trace_phases_s["traced_steps"] > 0
     assert ModelProfile.from_json(p.to_json()).trace_phases_s == p.trace_phases_s
     # the wrap's own parts (pinning, copying in) lie inside "index_and_wrap"
     assert list(p.wrap_build_s) == ["host_alloc", "host_pin", "copy_in"]
     assert sum(p.wrap_build_s.values()) <= p.trace_phases_s["index_and_wrap"] + 0.01
+
+
+def test_a_trace_that_fails_gives_the_model_back():
+    """The loss raises in the traced steps: the engine is closed and every parameter has its
+    own storage and value back."""
+    model = tiny_llama.build()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    calls = {"n": 0}
+
+    def loss_fn(m, b):
+        calls["n"] += 1
+        if calls["n"] == 3:  # keep pass, first traced step, then this one
+            raise RuntimeError("injected")
+        return hf_loss(m, b)
+
+    with pytest.raises(RuntimeError, match="injected"):
+        trace_model(model, tiny_llama.batch(), device="cpu", loss_fn=loss_fn)
+    assert not hasattr(model, "_protrain_engine")
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

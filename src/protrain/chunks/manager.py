@@ -94,7 +94,12 @@ class ChunkManager:
         # Seconds of the build's parts (host arena allocated, pinned; parameters copied in):
         # where a large model's wrap time goes.
         self.build_s: dict[str, float] = {}
-        self._build_storage(params, trainable_index)
+        try:
+            self._build_storage(params, trainable_index)
+        except BaseException:  # no parameter stays in a half-built chunk
+            self.restore_params()
+            self.close()
+            raise
         self.offloaded = [c for c in self.chunks if not c.persistent]
 
     # ---- construction -------------------------------------------------------------------
@@ -164,7 +169,7 @@ class ChunkManager:
                         fp32_bytes = pl.numel * 4
                         slot.master = take(fp32_bytes, torch.float32, pl.shape)
                         slot.master.copy_(src)
-                        # the arena is zeroed: the accumulator starts at zero
+                        # not zeroed: a step's first gradient is copied in, not added
                         slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape)
                         slot.grad_staging = take(pl.nbytes, pl.dtype, pl.shape)
                 p.data = slot.device_view
@@ -374,6 +379,22 @@ class ChunkManager:
 
     def slots(self) -> list[ParamSlot]:
         return [s for c in self.chunks for s in c.slots]
+
+    def restore_params(self, kept: dict[int, torch.Tensor] | None = None) -> None:
+        """Every parameter back in storage of its own, on its own device and dtype, with its
+        current value (its fp32 master, else its host or device copy); ``kept``: id(param)
+        -> a storage to give back as is instead (the caller vouches for its value)."""
+        kept = kept or {}
+        with torch.no_grad():
+            for s in self.slots():
+                s.param.grad = None
+                if id(s.param) in kept:
+                    s.param.data = kept[id(s.param)]
+                    continue
+                src = s.master
+                if src is None:
+                    src = s.host_view if s.host_view is not None else s.device_view
+                s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
 
     def close(self) -> None:
         """Free device storage and unpin host memory. Parameters must be restored first."""

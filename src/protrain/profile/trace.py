@@ -7,11 +7,12 @@ What is measured, and how:
   backward (parameters excluded). The saved tensors are held only until the block's forward
   ends, so the pass needs one block's activations at a time, and it also gives the block's
   forward peak under ``keep`` (above the memory at block entry).
-- **Steps** (forward, backward, optimizer step), every block checkpointed, the policy that
-  needs the least memory: ``steps - 1`` warm-up steps (kernels, the optimizer state), then
-  on CUDA the caching allocator emptied, the free-running step below, and last the traced
-  step, which runs on the cache one step of its own pattern left (so that its reserved bytes
-  are those of its own pattern: the allocator term). In the traced step, hooks at block boundaries take the time (after a device
+- **Traced steps** (forward, backward, optimizer step) with every block checkpointed, the
+  policy that needs the least memory. The last of ``steps`` steps is kept; the first ones
+  warm up kernels and create the persistent chunks' optimizer state. On CUDA the caching
+  allocator is emptied after the first step and one more step runs (at least one step
+  between the emptying and the kept one), so that the kept step's reserved bytes are those
+  of its own pattern (the allocator term). Hooks at block boundaries take the time (after a device
   synchronize) and the memory clock (:mod:`protrain.profile.memory_clock`): the peak of every
   interval between two hooks, from the step's start through the embedding, each block's
   forward, the head and loss, each block's backward (from the gradient of its output to the
@@ -19,8 +20,9 @@ What is measured, and how:
   accumulation, so that the gradient bytes the engine holds are constant inside an
   interval) and the optimizer step.
 
-The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then
-``protrain.close``): a model that does not fit is traced with every chunk offloaded
+The engine runs the trace (``protrain.wrap`` with ``lr=0``, so no weight changes, then the
+engine's close, which gives the host weights back in the storages the trace kept instead of
+copying them out of the chunks): a model that does not fit is traced with every chunk offloaded
 (``n_persist=0``), one block's chunks at a time. Its optimizer steps the persistent chunks
 on the device and leaves the offloaded chunks' host updates out, but still makes their
 next gathers write back as after an update (``HybridAdamW.step_without_host_updates``): the
@@ -150,8 +152,8 @@ class ModelProfile:
     free_blocks_fwd_s: float | None = None  # the blocks' forward, first to last
     free_fwd_bwd_s: float | None = None  # step start to the end of backward (checkpoint-all)
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
-    # Seconds of each part of the trace (index_and_wrap, keep_pass, warm_up,
-    # free_running_step, traced_step, close): where the plan time goes (full-8b: 77 s).
+    # Seconds of each part of the trace (index_and_wrap, keep_pass, traced_steps,
+    # free_running_step, close): where the plan time goes (full-8b: 77 s in session 7).
     trace_phases_s: dict[str, float] = field(default_factory=dict)
     # Of "index_and_wrap": the chunk build's parts (host arena allocated, pinned,
     # parameters copied in; see ``ChunkManager.build_s``).
@@ -531,7 +533,8 @@ def trace_model(
         compute_dtype=compute_dtype,
         chunk_size_bytes=table.chunk_size_bytes,
     )
-    manager = model._protrain_engine.manager
+    engine = model._protrain_engine
+    manager = engine.manager
     chunk_bytes = chunk_layout.chunk_size_bytes
     phase("index_and_wrap")
 
@@ -560,51 +563,49 @@ def trace_model(
         if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
             manager.time_copy_waits = True
             copy_wait = manager.copy_wait_s
-        # Warm-up (kernels, the persistent chunks' optimizer state), then on CUDA the caching
-        # allocator emptied: the keep pass and the first step leave blocks cached that
-        # training with the plan never has, and reserved minus allocated read over them
-        # overstated the allocator term (qlora-70b: 6.21 GiB traced against 2.8-3.8 GiB in
-        # training). The free-running step runs next, so that the traced step runs on the
-        # cache that one step of its own pattern left, as every training step after the
-        # first does.
-        for _ in range(max(steps - 1, 1)):
-            loss = loss_fn(model, batch)
-            loss.backward()
-            del loss
-            _optimizer_step(optimizer)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        phase("warm_up")
+        # On CUDA one more step, and the caching allocator emptied after the first: the keep
+        # pass and the first step (kernels, the persistent chunks' optimizer state) leave
+        # blocks cached that training with the plan never has, and reserved minus allocated
+        # read over them overstated the allocator term (qlora-70b: 6.21 GiB traced against
+        # 2.8-3.8 GiB in training). The kept step then runs on the cache that a traced step
+        # of its own left, as every training step after the first does. (Session 8 tried
+        # the free-running step in its place, one step fewer: the allocator term came out
+        # 3.5-4.9 GiB on full-8b against 2.2 in session 7 and training's 2.3-2.8, and the
+        # free-running totals would include refilling an emptied cache.)
+        cuda = device.type == "cuda"
+        with MemoryClock(device, exclude=pool_bytes) as clock:
+            for i in range(max(steps + 1, 3) if cuda else max(steps, 1)):
+                if cuda and i == 1:
+                    torch.cuda.empty_cache()
+                tracer = _StepTracer(
+                    blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
+                )
+                try:
+                    tracer.start()
+                    loss = loss_fn(model, batch)
+                    loss.backward()
+                    del loss
+                    tracer.cut("opt", -1)
+                    _optimizer_step(optimizer)
+                    t_end, _ = tracer.cut("end", -1)
+                finally:
+                    tracer.remove()
+        # The step's reserved peak minus its allocated peak, both raw (buffer pool
+        # included): what the allocator holds beyond the most the step ever had allocated.
+        # One interval's own figure overstated it: in the optimizer step, the released pool
+        # buffers (3 x 1.24 GiB on a 3B model) count as cache.
+        overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
+        phase("traced_steps")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
         free_pre, free_blocks, free_total = _free_running_step(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
         phase("free_running_step")
-        with MemoryClock(device, exclude=pool_bytes) as clock:
-            tracer = _StepTracer(
-                blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
-            )
-            try:
-                tracer.start()
-                loss = loss_fn(model, batch)
-                loss.backward()
-                del loss
-                tracer.cut("opt", -1)
-                _optimizer_step(optimizer)
-                t_end, _ = tracer.cut("end", -1)
-            finally:
-                tracer.remove()
-        # The step's reserved peak minus its allocated peak, both raw (buffer pool
-        # included): what the allocator holds beyond the most the step ever had allocated.
-        # One interval's own figure overstated it: in the optimizer step, the released pool
-        # buffers (3 x 1.24 GiB on a 3B model) count as cache.
-        overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
-        phase("traced_step")
     finally:
         if handle is not None:
             handle.remove()
-        model._protrain_engine.close(originals)
+        engine.close(originals)
         del originals
     phase("close")
 
