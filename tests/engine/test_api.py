@@ -316,3 +316,24 @@ def test_a_failed_chunk_build_leaves_every_parameter_as_it_was(monkeypatch):
         assert p.untyped_storage().nbytes() == p.numel() * p.element_size(), name
     assert manager_mod.registered_host_bytes() == 0
     assert not hasattr(model, "_protrain_engine")
+
+
+@pytest.mark.parametrize("n_persist", [None, 0])
+def test_chunks_hold_the_weights_cast_as_torch_casts_them(n_persist):
+    """bf16 compute over fp32 weights: every chunk's copy is ``weight.to(bfloat16)`` bit for
+    bit (persistent chunks cast from their fp32 master on the device), and the masters are
+    the weights."""
+    model = build("llama")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, _, _ = protrain.wrap(
+        model, n_persist=n_persist, lr=LR, device="cpu", compute_dtype=torch.bfloat16
+    )
+    manager = model._protrain_engine.manager
+    names = {id(p): n for n, p in model.named_parameters()}
+    for s in manager.slots():
+        want = before[names[id(s.param)]]
+        stored = s.device_view if s.host_view is None else s.host_view
+        torch.testing.assert_close(stored, want.to(torch.bfloat16), atol=0, rtol=0)
+        if s.master is not None:
+            torch.testing.assert_close(s.master, want, atol=0, rtol=0)
+    protrain.close(model)
