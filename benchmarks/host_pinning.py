@@ -76,37 +76,32 @@ def run(gib: float) -> list[dict]:
         )
         print(json.dumps(rows[-1]), flush=True)
 
+    def pin_cycle(way: str, make, touch: bool) -> None:
+        """Allocate with ``make``, optionally write every byte, register, unregister."""
+        w.lap()
+        t = make()
+        parts = {"alloc": w.lap()}
+        if touch:
+            t.zero_()
+            parts["touch"] = w.lap()
+        _register(t)
+        parts["register"] = w.lap()
+        _unregister(t)
+        parts["unregister"] = w.lap()
+        row(way, **parts)
+
+    def huge() -> torch.Tensor:  # as protrain.chunks.manager.host_arena, before its touch
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mm.madvise(mmap.MADV_HUGEPAGE)
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+    def empty() -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     w = _Watch()
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    a = w.lap()
-    _register(t)
-    r = w.lap()
-    _unregister(t)
-    row("empty_register", alloc=a, register=r, unregister=w.lap())
-    del t
-
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    w.lap()
-    t.zero_()
-    z = w.lap()
-    _register(t)
-    r = w.lap()
-    _unregister(t)
-    row("empty_touch_register", touch=z, register=r, unregister=w.lap())
-    del t
-
-    mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mm.madvise(mmap.MADV_HUGEPAGE)
-    t = torch.frombuffer(mm, dtype=torch.uint8)
-    w.lap()
-    t.zero_()
-    z = w.lap()
-    _register(t)
-    r = w.lap()
-    _unregister(t)
-    row("mmap_huge_touch_register", touch=z, register=r, unregister=w.lap())
-    del t
-    mm.close()
+    pin_cycle("empty_register", empty, touch=False)
+    pin_cycle("empty_touch_register", empty, touch=True)
+    pin_cycle("mmap_huge_touch_register", huge, touch=True)
 
     w.lap()
     pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
