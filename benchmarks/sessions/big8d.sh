@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 8, call 5, on the two-H200 host (one GPU used): full-8b's plan time with the arena
 # touched once per page instead of zeroed in full (call 4: 31.5 s, 8.0 s of it mapping and
-# touching the trace's 82 GB arena). Fewer measured steps: this call is for the plan time.
+# touching the trace's 70 GB arena). Fewer measured steps: this call is for the plan time.
 # Needs .whl and COMMIT.
 set -u
 source benchmarks/sessions/lib.sh

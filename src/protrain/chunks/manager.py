@@ -441,7 +441,7 @@ def host_arena(nbytes: int) -> torch.Tensor:
             mm.madvise(mmap.MADV_HUGEPAGE)
     arena = torch.frombuffer(mm, dtype=torch.uint8)
     # One write per page faults every page in, on torch's threads; the kernel zero-fills
-    # them, so a full zero_ would only write all of it a second time (full-8b's 82 GB
+    # them, so a full zero_ would only write all of it a second time (full-8b's 70 GB
     # arena: 8 s to map and touch with zero_).
     arena[:: mmap.PAGESIZE].zero_()
     return arena

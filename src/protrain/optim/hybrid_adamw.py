@@ -444,7 +444,7 @@ class HybridAdamW(torch.optim.Optimizer):
         staging memory a training step does. For the profiler's traced steps, at ``lr=0``,
         where no weight changes either way: the host update's time comes from the hardware
         profile, and running it would also make every offloaded parameter's Adam moments
-        (8 bytes each on the host; 55 GB for full-8b's trace).
+        (8 bytes each on the host; 47 GB for full-8b's trace).
 
         The offloaded gradients are consumed, as an update would: a backward before
         ``zero_grad()`` starts their accumulators afresh, and with fp16 loss scaling the
