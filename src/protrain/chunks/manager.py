@@ -429,7 +429,8 @@ def host_arena(nbytes: int) -> torch.Tensor:
     pages one at a time), ``pin_memory=True`` at 2.7; an anonymous mapping advised
     ``MADV_HUGEPAGE``, touched with torch's threads, then registered, at 14 GiB/s
     (``benchmarks/host_pinning.py``, 16 GiB; the hosts' transparent huge pages are
-    ``madvise``). The mapping lives as long as any view of the tensor."""
+    ``madvise``). The mapping lives as long as any view of the tensor; a forked child
+    process does not have it."""
     # Private: Python's default for an anonymous mapping is MAP_SHARED, which Linux backs
     # with shmem, where transparent huge pages are off by default (shmem_enabled=never):
     # session 8's first engine runs pinned such a mapping at the 4 KiB pages' rate.
@@ -439,6 +440,11 @@ def host_arena(nbytes: int) -> torch.Tensor:
     if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux; elsewhere plain pages
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages
             mm.madvise(mmap.MADV_HUGEPAGE)
+    if hasattr(mmap, "MADV_DONTFORK"):
+        # A forked child (a DataLoader worker) does not inherit the arena: Linux copies
+        # DMA-pinned private pages into the child at fork instead of sharing them, tens of
+        # GB per worker. Only the engine in the parent ever reads the arena.
+        mm.madvise(mmap.MADV_DONTFORK)
     arena = torch.frombuffer(mm, dtype=torch.uint8)
     # One write per page faults every page in, on torch's threads; the kernel zero-fills
     # them, so a full zero_ would only write all of it a second time (full-8b's 70 GB
