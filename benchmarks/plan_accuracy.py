@@ -66,6 +66,9 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     "extra-1b-full-40-b8-s2048": ("llama1b", "full", 40, 8, 2048, "extra"),
     "extra-3b-full-24-b8-s1024": ("llama3b", "full", 24, 8, 1024, "extra"),
     "extra-3b-lora-80-b2-s4096": ("llama3b", "lora", 80, 2, 4096, "extra"),
+    # session 8: the matrix's long-8b shape (LoRA, batch 1, 80 GiB) at a sequence one GPU
+    # call can trace and time (its longest that trains, 393,216, takes ~400 s a step)
+    "long-8b-s65536": ("llama8b", "lora", 80, 1, 65536, "long-8b"),
 }
 TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny")}  # fmt: skip
 
