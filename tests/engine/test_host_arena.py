@@ -46,3 +46,29 @@ def test_a_forked_child_does_not_inherit_it():
     assert p.exitcode == 0
     assert inherited is False
     assert arena[4096].item() == 1  # the parent's stays
+
+
+def test_landing_places_of_accumulated_gradients_come_with_the_first_accumulation():
+    """A step after every backward never makes them; the first later micro-batch makes one
+    for every offloaded trainable parameter (and training stays exact: tests/engine's
+    equivalence runs accumulate)."""
+    import protrain
+
+    from .models import batches, build
+
+    model, optimizer, _ = protrain.wrap(build("llama"), n_persist=0, lr=1e-3, device="cpu")
+    manager = model._protrain_engine.manager
+    slots = [s for c in manager.offloaded for s in c.trainable_slots]
+    data = batches("llama", 3)
+    model(**data[0]).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    assert slots and all(s.grad_staging is None for s in slots)
+    arena_bytes = manager._host_arena.numel()
+    for b in data[1:]:  # two micro-batches: the second one accumulates
+        model(**b).loss.backward()
+    assert all(s.grad_staging is not None for s in slots)
+    assert all(s.grad_staging.dtype == s.param.dtype for s in slots)
+    assert manager._host_arena.numel() == arena_bytes  # a separate arena
+    optimizer.step()
+    protrain.close(model)

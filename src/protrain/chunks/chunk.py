@@ -54,7 +54,8 @@ class ParamSlot:
     pinned host memory for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across
     micro-batches, next to it (on the device only from the first gradient to ``zero_grad``). ``grad_staging``: pinned host landing place of a low-precision
     gradient of a later micro-batch, added into ``grad_acc`` on the host (offloaded trainable
-    only; the first micro-batch's gradient lands in ``grad_acc`` directly, as fp32).
+    only, made at the run's first accumulation by ``ChunkManager.ensure_grad_staging``; the
+    first micro-batch's gradient lands in ``grad_acc`` directly, as fp32).
     """
 
     param: torch.nn.Parameter

@@ -85,7 +85,8 @@ class ChunkManager:
         self.forward_order: list[int] = []  # offloaded chunks in first-use order
         self._order_recorded = False
         self._host_arena: torch.Tensor | None = None
-        self._host_arena_pinned = False
+        self._registered: list[torch.Tensor] = []  # arenas this manager pinned (close unpins)
+        self._staging_ready = False  # see ensure_grad_staging
         self.param_gather_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.grad_offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.stats = {"gathers": 0, "wait_cpu_optimizer_s": 0.0}
@@ -115,23 +116,17 @@ class ChunkManager:
                 # the chunk size (a view as fp32 needs an offset divisible by 4)
                 host_bytes += _align64(self.layout.chunk_size_bytes)
                 host_bytes += sum(_host_extra_nbytes(pl) for pl in spec.placements if pl.trainable)
+        t_touched = t0
         if host_bytes:
-            # One arena for every host copy and gradient landing place, pinned in place with
-            # cudaHostRegister, so that close() can unpin exactly what wrap pinned (memory
-            # from pin_memory=True stays cached by torch's host allocator after it is freed).
+            # One arena for every host copy, master and gradient accumulator, pinned in place
+            # with cudaHostRegister, so that close() can unpin exactly what wrap pinned
+            # (memory from pin_memory=True stays cached by torch's host allocator after it is
+            # freed). The landing places of accumulated gradients come later, if ever (see
+            # ensure_grad_staging).
             self._host_arena = host_arena(host_bytes)
             t_touched = time.perf_counter()
-            if self.is_cuda:
-                err = torch.cuda.cudart().cudaHostRegister(
-                    self._host_arena.data_ptr(), host_bytes, 0
-                )
-                if int(err) != 0:
-                    raise RuntimeError(f"cudaHostRegister of {host_bytes} bytes failed: {err}")
-                self._host_arena_pinned = True
-                _count_registered(host_bytes)
+            self._pin(self._host_arena)
         t1 = time.perf_counter()
-        if not host_bytes:
-            t_touched = t1
         arena_off = 0
 
         def take(nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
@@ -176,7 +171,6 @@ class ChunkManager:
                         slot.master.copy_(src)
                         # not zeroed: a step's first gradient is copied in, not added
                         slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape)
-                        slot.grad_staging = take(pl.nbytes, pl.dtype, pl.shape)
                 p.data = slot.device_view
                 c.slots.append(slot)
             c.drop_build_storage()  # views are made; one offloaded chunk at a time on device
@@ -385,6 +379,38 @@ class ChunkManager:
     def slots(self) -> list[ParamSlot]:
         return [s for c in self.chunks for s in c.slots]
 
+    def _pin(self, arena: torch.Tensor) -> None:
+        """Page-lock ``arena`` for asynchronous copies (CUDA); close() unpins it."""
+        if not self.is_cuda:
+            return
+        nbytes = arena.numel()
+        err = torch.cuda.cudart().cudaHostRegister(arena.data_ptr(), nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {err}")
+        self._registered.append(arena)
+        _count_registered(nbytes)
+
+    def ensure_grad_staging(self) -> None:
+        """Give every offloaded trainable parameter its landing place for the gradients of
+        later micro-batches (low precision, pinned), all in one arena, the first time a
+        gradient is accumulated. Made on demand: a run that steps after every backward (and
+        the profiler's trace) never needs them, which keeps 2 bytes a parameter of bf16
+        (17% of full fine-tuning's arena) out of pinned memory; the plan's host-memory
+        figure still counts them."""
+        if self._staging_ready:
+            return
+        slots = [s for c in self.offloaded for s in c.trainable_slots]
+        nbytes = sum(_align64(s.placement.nbytes) for s in slots)
+        if nbytes:
+            arena = host_arena(nbytes)
+            self._pin(arena)
+            off = 0
+            for s in slots:
+                pl = s.placement
+                s.grad_staging = arena[off : off + pl.nbytes].view(pl.dtype).view(pl.shape)
+                off += _align64(pl.nbytes)
+        self._staging_ready = True
+
     def restore_params(self, kept: dict[int, torch.Tensor] | None = None) -> None:
         """Every parameter back in storage of its own, on its own device and dtype, with its
         current value (its fp32 master, else its host or device copy); ``kept``: id(param)
@@ -412,11 +438,11 @@ class ChunkManager:
             c.slots.clear()
             c.device_buffer = c.host_buffer = None
             c.gathered_event = c.update_future = c.host_written_event = None
-        if self._host_arena is not None and self._host_arena_pinned:
-            torch.cuda.cudart().cudaHostUnregister(self._host_arena.data_ptr())
-            _count_registered(-self._host_arena.numel())
+        for arena in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(arena.data_ptr())
+            _count_registered(-arena.numel())
+        self._registered = []
         self._host_arena = None
-        self._host_arena_pinned = False
         self.param_gather_stream = self.grad_offload_stream = None
 
 
@@ -458,9 +484,10 @@ def _align64(n: int) -> int:
 
 
 def _host_extra_nbytes(pl) -> int:
-    """Pinned host bytes of a trainable offloaded parameter beyond its host copy: the fp32
-    master, the fp32 gradient accumulator and the low-precision gradient landing place."""
-    return 2 * _align64(pl.numel * 4) + _align64(pl.nbytes)
+    """Pinned host bytes of a trainable offloaded parameter beyond its host copy, in the
+    arena wrap makes: the fp32 master and the fp32 gradient accumulator (the low-precision
+    landing place comes with the first accumulation: ``ensure_grad_staging``)."""
+    return 2 * _align64(pl.numel * 4)
 
 
 def _count_registered(n: int) -> None:

@@ -150,6 +150,8 @@ class GradSink:
     def _offload_later(self, slot: ParamSlot, grad: torch.Tensor) -> None:
         if slot.accumulate_future is not None:
             self._wait(slot.accumulate_future)
+        if slot.grad_staging is None:  # the run's first accumulation
+            self.manager.ensure_grad_staging()
         done_event = None
         if self.manager.is_cuda:
             stream = self.manager.grad_offload_stream
