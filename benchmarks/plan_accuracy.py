@@ -189,20 +189,23 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         ids = torch.randint(vocab, (batch, seq), generator=gen).to(device)
         sample = {"input_ids": ids, "labels": ids}
 
-        t0 = time.perf_counter()
-        hw = measure_hardware(device)
-        t1 = time.perf_counter()
-        profile = profile_model(
-            model, sample, gpu_budget_bytes=budget, device=device, loss_fn=loss_fn
-        )
-        t2 = time.perf_counter()
         clip = args.max_grad_norm or None
         row["max_grad_norm"] = clip
-        # as auto mode plans: the chunk size searched too
-        result, problem = search_chunk_sizes(
-            model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None
-        )
-        t3 = time.perf_counter()
+
+        def plan_once():
+            """Hardware profile, trace, and the search as auto mode runs it (the chunk size
+            searched too); with the times between them."""
+            t0 = time.perf_counter()
+            hw = measure_hardware(device)
+            t1 = time.perf_counter()
+            profile = profile_model(model, sample, gpu_budget_bytes=budget, device=device,
+                                    loss_fn=loss_fn)  # fmt: skip
+            t2 = time.perf_counter()
+            result, problem = search_chunk_sizes(model, profile, hw, gpu_budget_bytes=budget,
+                                                 clipping=clip is not None)  # fmt: skip
+            return hw, profile, result, problem, (t0, t1, t2, time.perf_counter())
+
+        hw, profile, result, problem, (t0, t1, t2, t3) = plan_once()
         plan = result.plan
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
@@ -222,15 +225,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         print(plan, file=sys.stderr)
         repeats = []
         for _ in range(args.plan_repeats - 1):  # the same plan again, in this warm process
-            r0 = time.perf_counter()
-            measure_hardware(device)
-            again = profile_model(model, sample, gpu_budget_bytes=budget, device=device,
-                                  loss_fn=loss_fn)  # fmt: skip
-            r1 = time.perf_counter()
-            res, _ = search_chunk_sizes(model, again, hw, gpu_budget_bytes=budget,
-                                        clipping=clip is not None)  # fmt: skip
+            _, again, res, _, (r0, r1, r2, r3) = plan_once()
             repeats.append({
-                "plan_s": round(time.perf_counter() - r0, 2), "trace_s": round(r1 - r0, 2),
+                "plan_s": round(r3 - r0, 2), "trace_s": round(r2 - r1, 2),
                 "trace_phases_s": again.trace_phases_s, "trace_wrap_build_s": again.wrap_build_s,
                 "plan": res.plan.knobs,
             })  # fmt: skip
