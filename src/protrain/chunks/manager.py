@@ -131,9 +131,8 @@ class ChunkManager:
 
         def take(nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
             nonlocal arena_off
-            raw = self._host_arena[arena_off : arena_off + nbytes]
-            arena_off += _align64(nbytes)
-            return raw.view(dtype).view(shape)
+            view, arena_off = _carve(self._host_arena, arena_off, nbytes, dtype, shape)
+            return view
 
         for spec in self.layout.chunks:
             c = Chunk(spec, self.layout.chunk_size_bytes, self.device)
@@ -409,8 +408,7 @@ class ChunkManager:
         off = 0
         for s in slots:
             pl = s.placement
-            s.grad_staging = arena[off : off + pl.nbytes].view(pl.dtype).view(pl.shape)
-            off += _align64(pl.nbytes)
+            s.grad_staging, off = _carve(arena, off, pl.nbytes, pl.dtype, pl.shape)
         self._staging_ready = True
 
     def restore_params(self, kept: dict[int, torch.Tensor] | None = None) -> None:
@@ -481,6 +479,12 @@ def host_arena(nbytes: int) -> torch.Tensor:
     # arena: 8 s to map and touch with zero_).
     arena[:: mmap.PAGESIZE].zero_()
     return arena
+
+
+def _carve(arena: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape):
+    """The view of ``nbytes`` of ``arena`` at ``off`` as ``dtype`` and ``shape``, and the
+    offset after it, aligned so that any next view starts on a 64-byte boundary."""
+    return arena[off : off + nbytes].view(dtype).view(shape), off + _align64(nbytes)
 
 
 def _align64(n: int) -> int:
