@@ -243,6 +243,7 @@ def wrap(
     loss_scaling: dict | None = None,
     host_threads: int | None = None,
     clipping: bool = True,
+    discard_offloaded_grads: bool = False,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -262,6 +263,9 @@ def wrap(
     the real shape, the knobs left as None are chosen by profiling and search
     (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
     ``clipping=False`` plans for training without clipping, with ``step_in_backward``.
+    ``discard_offloaded_grads``: for the profiler's traced steps, which step with
+    ``optimizer.step_without_host_updates()`` only; offloaded gradients land in one shared
+    scratch area (see [Note: discarded gradients] in ``chunks/manager.py``).
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
     if getattr(model, "_protrain_engine", None) is not None:
@@ -348,7 +352,9 @@ def wrap(
         layout.n_buffer = need
 
     trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
-    manager = ChunkManager(layout, params, device, trainable_index)
+    manager = ChunkManager(
+        layout, params, device, trainable_index, discard_offloaded_grads=discard_offloaded_grads
+    )
     worker = hooks = None
     try:
         model.to(device)  # buffers; parameters are already views of device storage

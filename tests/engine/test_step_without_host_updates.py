@@ -113,3 +113,64 @@ def test_after_accumulation_and_the_write_back_carries_the_masters():
     optimizer.step_without_host_updates()
     optimizer.zero_grad()
     protrain.close(model)
+
+
+def _arena_bytes(model) -> int:
+    return model._protrain_engine.manager._host_arena.numel()
+
+
+def test_discarded_gradients_share_one_scratch_area_and_keep_their_norms():
+    """wrap(discard_offloaded_grads=True), the profiler's wrap: every offloaded accumulator
+    is a view of one scratch area (the arena 4 bytes a trainable offloaded parameter smaller,
+    plus the largest one), and the 2-norms clipping reads are still each gradient's own."""
+    base = build("llama")
+    data = batches("llama", 2)
+    n_persist = _n_chunks(base) // 2
+    kept, kept_opt, _ = protrain.wrap(copy.deepcopy(base), n_persist=n_persist, lr=0.0,
+                                      device="cpu")  # fmt: skip
+    model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_persist=n_persist, lr=0.0,
+                                        device="cpu", discard_offloaded_grads=True)  # fmt: skip
+    slots = [s for c in model._protrain_engine.manager.offloaded for s in c.trainable_slots]
+    assert len(slots) > 1
+    assert {s.grad_acc.data_ptr() for s in slots} == {slots[0].grad_acc.data_ptr()}
+    largest = max(s.master.numel() for s in slots) * 4
+    saved = sum(-(-s.master.numel() * 4 // 64) * 64 for s in slots)
+    assert _arena_bytes(kept) - _arena_bytes(model) == saved - -(-largest // 64) * 64
+    for b in data:
+        kept(**b).loss.backward()
+        model(**b).loss.backward()
+        want = kept_opt.clip_grad_norm_(1.0)
+        got = optimizer.clip_grad_norm_(1.0)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        norms = [s.grad_norm for s in slots]
+        ref = [s.grad_norm for c in kept._protrain_engine.manager.offloaded
+               for s in c.trainable_slots]  # fmt: skip
+        assert len(set(float(n) for n in norms)) > 1  # each its own, not the last one's
+        torch.testing.assert_close(torch.stack(norms), torch.stack(ref), atol=0, rtol=0)
+        kept_opt.step_without_host_updates()
+        kept_opt.zero_grad()
+        optimizer.step_without_host_updates()
+        optimizer.zero_grad()
+    protrain.close(kept)
+    protrain.close(model)
+
+
+def test_discarded_gradients_refuse_whatever_would_read_them():
+    base = build("llama")
+    data = batches("llama", 2)
+    model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, lr=LR, device="cpu",
+                                        discard_offloaded_grads=True)  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"step_in_backward\(\) reads offloaded gradients"):
+        optimizer.step_in_backward()
+    model(**data[0]).loss.backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) reads offloaded gradients"):
+        optimizer.step()
+    with pytest.raises(RuntimeError, match="norm_type=1"):
+        optimizer.clip_grad_norm_(1.0, norm_type=1.0)
+    with pytest.raises(RuntimeError, match="cannot accumulate"):
+        model(**data[1]).loss.backward()  # a second micro-batch: a host accumulation
+    optimizer.step_without_host_updates()
+    optimizer.zero_grad()
+    model(**data[1]).loss.backward()  # a step's first gradient is fine again
+    optimizer.step_without_host_updates()
+    protrain.close(model)

@@ -39,6 +39,18 @@ there; the device-to-host stream then copies the cast parameters back into the h
 step read. The cast is the same rounding the host would do, so the
 bytes are the same; the host spends no time on it, and the write-back uses the otherwise idle
 device-to-host direction during forward.
+
+[Note: discarded gradients]
+The profiler's traced steps (``protrain.profile.trace``) move every byte a training step
+moves but never update an offloaded chunk (``HybridAdamW.step_without_host_updates``), so
+nothing reads an offloaded gradient's value: only its 2-norm, taken on the device as it
+leaves (on the CPU, right after its copy). With ``discard_offloaded_grads`` every offloaded
+gradient accumulator is a view of one shared scratch area the size of the largest one, so
+the device-to-host copies write the same bytes to pinned memory as in training while the
+arena loses 4 bytes a trainable offloaded parameter: a third of full fine-tuning's, the part
+of the trace's plan time that goes to touching and pinning fresh host memory. Anything that
+would read those values (a host update, an accumulation over micro-batches, a norm other
+than the 2-norm) is refused.
 """
 
 from __future__ import annotations
@@ -74,8 +86,12 @@ class ChunkManager:
         params: list[tuple[list[str], torch.nn.Parameter]],
         device: torch.device,
         trainable_index: dict[torch.nn.Parameter, int],
+        *,
+        discard_offloaded_grads: bool = False,
     ):
         self.layout = layout
+        # See [Note: discarded gradients]: offloaded gradients all land in one scratch area.
+        self.discard_offloaded_grads = discard_offloaded_grads
         self.device = device
         self.is_cuda = device.type == "cuda"
         self.n_buffer = layout.n_buffer
@@ -115,7 +131,24 @@ class ChunkManager:
                 # aligned, so that the views after it start on a 64-byte boundary whatever
                 # the chunk size (a view as fp32 needs an offset divisible by 4)
                 host_bytes += _align64(self.layout.chunk_size_bytes)
-                host_bytes += sum(_host_extra_nbytes(pl) for pl in spec.placements if pl.trainable)
+                host_bytes += sum(
+                    _host_extra_nbytes(pl, self.discard_offloaded_grads)
+                    for pl in spec.placements
+                    if pl.trainable
+                )
+        scratch_bytes = 0
+        if self.discard_offloaded_grads:
+            scratch_bytes = max(
+                (
+                    _align64(pl.numel * 4)
+                    for spec in self.layout.chunks
+                    if not spec.persistent
+                    for pl in spec.placements
+                    if pl.trainable
+                ),
+                default=0,
+            )
+            host_bytes += scratch_bytes
         t_touched = t0
         if host_bytes:
             # One arena for every host copy, master and gradient accumulator, pinned in place
@@ -128,6 +161,10 @@ class ChunkManager:
             self._pin(self._host_arena)
         t1 = time.perf_counter()
         arena_off = 0
+        scratch = None
+        if scratch_bytes:
+            scratch = self._host_arena[:scratch_bytes]
+            arena_off = scratch_bytes
 
         def take(nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
             nonlocal arena_off
@@ -169,7 +206,11 @@ class ChunkManager:
                         slot.master = take(fp32_bytes, torch.float32, pl.shape)
                         slot.master.copy_(src)
                         # not zeroed: a step's first gradient is copied in, not added
-                        slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape)
+                        if scratch is not None:
+                            slot.grad_acc, _ = _carve(scratch, 0, fp32_bytes, torch.float32,
+                                                      pl.shape)  # fmt: skip
+                        else:
+                            slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape)
                 p.data = slot.device_view
                 c.slots.append(slot)
             c.drop_build_storage()  # views are made; one offloaded chunk at a time on device
@@ -399,6 +440,11 @@ class ChunkManager:
         pinned at the measured 14 GiB/s: about 1 s for 8B full fine-tuning)."""
         if self._staging_ready:
             return
+        if self.discard_offloaded_grads:
+            raise RuntimeError(
+                "protrain: this engine discards offloaded gradients (the profiler's wrap: "
+                "see [Note: discarded gradients]); it cannot accumulate them over micro-batches"
+            )
         slots = [s for c in self.offloaded for s in c.trainable_slots]
         nbytes = sum(_align64(s.placement.nbytes) for s in slots)
         arena = torch.empty(0, dtype=torch.uint8)  # parameters of no elements alone
@@ -491,11 +537,12 @@ def _align64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def _host_extra_nbytes(pl) -> int:
+def _host_extra_nbytes(pl, discard_grads: bool = False) -> int:
     """Pinned host bytes of a trainable offloaded parameter beyond its host copy, in the
     arena wrap makes: the fp32 master and the fp32 gradient accumulator (the low-precision
-    landing place comes with the first accumulation: ``ensure_grad_staging``)."""
-    return 2 * _align64(pl.numel * 4)
+    landing place comes with the first accumulation: ``ensure_grad_staging``; with
+    discarded gradients the accumulator is a view of the shared scratch area)."""
+    return (1 if discard_grads else 2) * _align64(pl.numel * 4)
 
 
 def _count_registered(n: int) -> None:

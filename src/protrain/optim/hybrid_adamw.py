@@ -244,6 +244,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 norm = s.grad_norm.to(device)
                 norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
+                _refuse_if_discarded(manager, f"clip_grad_norm_(norm_type={norm_type})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
                 grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
@@ -281,6 +282,7 @@ class HybridAdamW(torch.optim.Optimizer):
             )
         if self._armed_hyper is not None:
             raise RuntimeError("protrain: step_in_backward() was already called for this step")
+        _refuse_if_discarded(self._manager, "step_in_backward()")
         if self._sink is None:
             raise RuntimeError("protrain: this optimizer was built without a gradient sink")
         self._armed_hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
@@ -365,6 +367,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 loss = closure()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
+        if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
+            _refuse_if_discarded(manager, "step()")
         armed, started = self._armed_hyper, self._armed_started
         if armed is not None:
             if hyper != armed:
@@ -573,6 +577,15 @@ class HybridAdamW(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if getattr(self, "_closed", False):
             raise RuntimeError("protrain: this optimizer's engine is closed")
+
+
+def _refuse_if_discarded(manager: ChunkManager, what: str) -> None:
+    if manager.discard_offloaded_grads:
+        raise RuntimeError(
+            f"protrain: {what} reads offloaded gradients, which this engine discards (the "
+            "profiler's wrap, see [Note: discarded gradients] in chunks/manager.py); only "
+            "step_without_host_updates() steps it"
+        )
 
 
 def _attach_grads(slots: list[ParamSlot]) -> list[ParamSlot]:

@@ -532,6 +532,7 @@ def trace_model(
         lr=0.0,
         compute_dtype=compute_dtype,
         chunk_size_bytes=table.chunk_size_bytes,
+        discard_offloaded_grads=True,  # stepped without host updates: never read
     )
     engine = model._protrain_engine
     manager = engine.manager
