@@ -21,7 +21,8 @@ for f in ("auto.jsonl", "plan-accuracy.jsonl"):
         r = json.loads(l)
         print(r.get("system", r.get("config")), r.get("status"), r.get("tokens_per_s"),
               r.get("step_s"), r.get("plan"), r.get("step_error"), r.get("peak_error"),
-              r.get("plan_s"), r.get("engine_stats", "")  , r.get("error", "")[:200])
+              r.get("plan_s"), r.get("host_adam_s"), r.get("wait_cpu_optimizer_s"),
+              r.get("alloc_retries_per_step"), r.get("error", "")[:200])
 PY
 [ -d "$OUT/profiles" ] && tar -czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -rf "$OUT/profiles"
 echo "elapsed $((SECONDS - T0)) s"
