@@ -169,6 +169,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         from protrain.plan.auto import profile_model
         from protrain.plan.chunk_size import search_chunk_sizes
         from protrain.plan.closed_loop import check_plan
+        from protrain.plan.host_budget import default_cpu_budget
         from protrain.profile.hardware import measure_hardware
         from protrain.profile.trace import hf_loss
         from protrain.train.planning import planner_loss
@@ -192,6 +193,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         clip = args.max_grad_norm or None
         row["max_grad_norm"] = clip
 
+        host_budget = [None]
+
         def plan_once():
             """Hardware profile, trace, and the search as auto mode runs it (the chunk size
             searched too); with the times between them."""
@@ -201,7 +204,10 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             profile = profile_model(model, sample, gpu_budget_bytes=budget, device=device,
                                     loss_fn=loss_fn)  # fmt: skip
             t2 = time.perf_counter()
+            # auto mode's host budget when none is given, read after the trace as it does
+            host_budget[0] = default_cpu_budget()
             result, problem = search_chunk_sizes(model, profile, hw, gpu_budget_bytes=budget,
+                                                 cpu_budget_bytes=host_budget[0],
                                                  clipping=clip is not None)  # fmt: skip
             return hw, profile, result, problem, (t0, t1, t2, time.perf_counter())
 
@@ -210,6 +216,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
             plan_s=round(t3 - t0, 2), search_work=result.work, plan=plan.knobs,
+            cpu_budget_gib=host_budget[0] and round(host_budget[0] / _GIB, 2),
+            predicted_host_gib=round(plan.predicted_host_bytes / _GIB, 2),
             chunk_size_bytes=plan.chunk_size_bytes,
             predicted_peak_gib=round(plan.predicted_peak_bytes / _GIB, 3),
             predicted_step_s=round(plan.predicted_step_s, 4),
@@ -275,7 +283,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             row["alternatives"] = alternatives
         if args.profile_search:  # where the search's time goes on this host: once more, profiled
             row["search_hot"] = _profiled(lambda: search_chunk_sizes(
-                model, profile, hw, gpu_budget_bytes=budget, clipping=clip is not None))  # fmt: skip
+                model, profile, hw, gpu_budget_bytes=budget, cpu_budget_bytes=host_budget[0],
+                clipping=clip is not None))  # fmt: skip
     except Exception as e:  # one row per failure; the traceback goes to stderr
         traceback.print_exc()
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
@@ -449,7 +458,9 @@ def main(argv=None) -> int:
             last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
             row = json.loads(last) if last.startswith("{") else {
                 "config": name, "status": "error", "run_id": run_id,
-                "error": (proc.stderr.strip().splitlines() or ["no output"])[-1][:500],
+                "error": f"exit status {proc.returncode} without a row (a negative status: "
+                         f"killed by that signal); last line of stderr: "
+                         f"{(proc.stderr.strip().splitlines() or ['none'])[-1][:400]}",
             }  # fmt: skip
             if proc.returncode != 0 or row.get("status") != "ok":
                 sys.stderr.write(proc.stderr[-4000:])

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from protrain.plan.chunk_size import search_chunk_sizes
+from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.search import NoPlanFits, PlanProblem
@@ -184,6 +185,15 @@ def profile_and_plan(
             loss_fn=loss_fn,
             tiled_mlp_tokens=tiled_mlp_tokens,
         )
+    host_defaulted = cpu_budget is None
+    if host_defaulted:  # after the trace: its arena is given back
+        cpu_budget = default_cpu_budget()
+        log.info(
+            "protrain plan: no cpu_budget given: planning with %s of host memory (%.0f%% of "
+            "what the kernel reports available; set cpu_budget to change it)",
+            "no limit" if cpu_budget is None else f"{cpu_budget / 2**30:.1f} GiB",
+            SHARE * 100,
+        )
     fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
     log.info(
         "protrain plan: knobs fixed by the user: %s; searching %s",
@@ -191,16 +201,26 @@ def profile_and_plan(
         ", ".join(k for k in KNOBS if k not in fixed) or "nothing",
     )
     t1 = time.perf_counter()
-    result, problem = search_chunk_sizes(
-        model,
-        profile,
-        hardware,
-        gpu_budget_bytes=budget,
-        cpu_budget_bytes=cpu_budget,
-        fixed_knobs=fixed,
-        clipping=clipping,
-        chunk_size_fixed=chunk_size_bytes is not None,
-    )
+    try:
+        result, problem = search_chunk_sizes(
+            model,
+            profile,
+            hardware,
+            gpu_budget_bytes=budget,
+            cpu_budget_bytes=cpu_budget,
+            fixed_knobs=fixed,
+            clipping=clipping,
+            chunk_size_fixed=chunk_size_bytes is not None,
+        )
+    except NoPlanFits as exc:
+        if host_defaulted and exc.smallest_budget_bytes is None:  # the host budget failed
+            raise NoPlanFits(
+                f"{exc}. No cpu_budget was given, so the plan may use {SHARE:.0%} of the host "
+                "memory available now; free host memory, or set cpu_budget if more will be "
+                "free when training runs",
+                None,
+            ) from None
+        raise
     log.info(
         "protrain plan in %.1f s (search %.3f s, work %s):\n%s",
         time.perf_counter() - t0,

@@ -119,7 +119,9 @@ class MemoryConfig(StrictModel):
         None, description="Device memory the plan may use (auto), e.g. 24GiB."
     )
     cpu_budget: ByteSize | None = Field(
-        None, description="Host memory the plan may use (auto); default: not limited."
+        None,
+        description="Host memory the plan may use (auto); default: 90% of what the host has "
+        "available when the plan is made.",
     )
     n_persist: int | None = Field(None, ge=0, description="Chunks kept on the GPU.")
     n_buffer: int | None = Field(None, ge=1, description="GPU buffers for offloaded chunks.")
