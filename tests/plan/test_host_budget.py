@@ -32,7 +32,7 @@ def test_available_memory_is_read_from_meminfo(tmp_path):
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="MemAvailable is Linux's")
 def test_this_host_reports_its_available_memory():
     avail = available_host_bytes()
-    assert avail is not None and 0 < avail
+    assert avail is not None and avail > 0
 
 
 def _auto(**kwargs):
