@@ -8,7 +8,7 @@ left() { echo $(( LIMIT - (SECONDS - T0) )); }  # seconds left of this call's bu
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
-C=${COMMIT:-unknown}; RID="$(date -u +%Y-%m-%dT%H:%MZ)-$C"
+C=${COMMIT:-unknown}; RID=${RID:-"$(date -u +%Y-%m-%dT%H:%MZ)-$C"}  # a given RID: rows beside an earlier call's on the same warm machine
 row() {  # row <max seconds> <args...>: one benchmarks/run.py row ($R: its command), JSON out
   local t=$1; shift; local l; l=$(left); [ "$l" -lt 20 ] && { echo "skipped (time): $*"; return; }
   [ "$t" -gt "$l" ] && t=$l
