@@ -15,7 +15,7 @@ case "$1" in
      ONLY=extra-14b-lora-40-b2-s2048,extra-14b-lora-80-b8-s512 ;;
   L) free -g | head -2; ONLY=long-8b-s65536 ;;
 esac
-[ -n "$ONLY" ] && timeout $(( $(left) - 8 )) $PA --timeout-s 240 --only "$ONLY" 2>&1 \
+[ -n "$ONLY" ] && timeout $(( $(left) - 8 )) $PA --timeout-s ${PER:-240} --only "$ONLY" 2>&1 \
   | grep -v '^{' | grep -i 'configurations ran\|peak error\|Error\|exit status' | tail -8
 python3 - "$OUT/plan-accuracy.jsonl" <<'PY'
 import json, sys
