@@ -262,6 +262,8 @@ def wrap(
     With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
     the real shape, the knobs left as None are chosen by profiling and search
     (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
+    ``cpu_budget`` bounds the plan's host memory (default: 90% of what the host has
+    available after the trace, ``protrain.plan.host_budget``).
     ``clipping=False`` plans for training without clipping, with ``step_in_backward``.
     ``discard_offloaded_grads``: for the profiler's traced steps, which step with
     ``optimizer.step_without_host_updates()`` only; offloaded gradients land in one shared

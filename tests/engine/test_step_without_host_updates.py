@@ -169,8 +169,18 @@ def test_discarded_gradients_refuse_whatever_would_read_them():
         optimizer.clip_grad_norm_(1.0, norm_type=1.0)
     with pytest.raises(RuntimeError, match="cannot accumulate"):
         model(**data[1]).loss.backward()  # a second micro-batch: a host accumulation
-    optimizer.step_without_host_updates()
-    optimizer.zero_grad()
+    # refused before anything was added: no gradient is left behind on a parameter
+    assert all(p.grad is None for p in model.parameters())
+    optimizer.step_without_host_updates()  # no zero_grad: the next backward starts afresh
     model(**data[1]).loss.backward()  # a step's first gradient is fine again
+    ref, ref_opt, _ = protrain.wrap(copy.deepcopy(base), n_persist=0, lr=LR, device="cpu")
+    ref(**data[1]).loss.backward()
+    slots = [(s, r) for c, rc in zip(model._protrain_engine.manager.offloaded,
+                                     ref._protrain_engine.manager.offloaded)
+             for s, r in zip(c.trainable_slots, rc.trainable_slots)]  # fmt: skip
+    assert slots
+    for s, r in slots:
+        torch.testing.assert_close(s.grad_norm, r.grad_norm, atol=0, rtol=0)
     optimizer.step_without_host_updates()
+    protrain.close(ref)
     protrain.close(model)

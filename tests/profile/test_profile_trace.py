@@ -168,3 +168,22 @@ def test_a_trace_that_fails_gives_the_model_back():
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_trace_discards_its_offloaded_gradients(monkeypatch):
+    """The trace wraps with discard_offloaded_grads (one scratch area for every offloaded
+    gradient: the arena 4 bytes a trainable offloaded parameter smaller), and its traced
+    steps never read those values."""
+    import protrain.engine as engine_mod
+
+    made = []
+
+    class Recording(engine_mod.ChunkManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(engine_mod, "ChunkManager", Recording)
+    trace_model(tiny_llama.build(), tiny_llama.batch(), device="cpu", n_persist=0)
+    (manager,) = made
+    assert manager.discard_offloaded_grads and manager.offloaded

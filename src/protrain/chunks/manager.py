@@ -47,7 +47,7 @@ nothing reads an offloaded gradient's value: only its 2-norm, taken on the devic
 leaves (on the CPU, right after its copy). With ``discard_offloaded_grads`` every offloaded
 gradient accumulator is a view of one shared scratch area the size of the largest one, so
 the device-to-host copies write the same bytes to pinned memory as in training while the
-arena loses 4 bytes a trainable offloaded parameter: a third of full fine-tuning's, the part
+arena loses 4 bytes a trainable offloaded parameter (of 10 in bf16 full fine-tuning), the part
 of the trace's plan time that goes to touching and pinning fresh host memory. Anything that
 would read those values (a host update, an accumulation over micro-batches, a norm other
 than the 2-norm) is refused.

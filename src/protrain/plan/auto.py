@@ -168,7 +168,8 @@ def profile_and_plan(
 ) -> tuple[Plan, PlanProblem]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
-    runs; see :mod:`protrain.plan.runtime`)."""
+    runs; see :mod:`protrain.plan.runtime`). ``cpu_budget_bytes`` None: the default of
+    :mod:`protrain.plan.host_budget`, read after the trace."""
     t0 = time.perf_counter()
     device = _device(device)
     budget = parse_bytes(gpu_budget_bytes)
@@ -188,12 +189,16 @@ def profile_and_plan(
     host_defaulted = cpu_budget is None
     if host_defaulted:  # after the trace: its arena is given back
         cpu_budget = default_cpu_budget()
-        log.info(
-            "protrain plan: no cpu_budget given: planning with %s of host memory (%.0f%% of "
-            "what the kernel reports available; set cpu_budget to change it)",
-            "no limit" if cpu_budget is None else f"{cpu_budget / 2**30:.1f} GiB",
-            SHARE * 100,
-        )
+        if cpu_budget is None:
+            log.info("protrain plan: no cpu_budget given and the host's memory is unknown: "
+                     "host memory is not limited")  # fmt: skip
+        else:
+            log.info(
+                "protrain plan: no cpu_budget given: planning with %.1f GiB of host memory "
+                "(%.0f%% of what this host has available; set cpu_budget to change it)",
+                cpu_budget / 2**30,
+                SHARE * 100,
+            )
     fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
     log.info(
         "protrain plan: knobs fixed by the user: %s; searching %s",
@@ -213,12 +218,13 @@ def profile_and_plan(
             chunk_size_fixed=chunk_size_bytes is not None,
         )
     except NoPlanFits as exc:
-        if host_defaulted and exc.smallest_budget_bytes is None:  # the host budget failed
+        if host_defaulted and exc.kind == "host":
             raise NoPlanFits(
                 f"{exc}. No cpu_budget was given, so the plan may use {SHARE:.0%} of the host "
-                "memory available now; free host memory, or set cpu_budget if more will be "
-                "free when training runs",
+                "memory available now; free host memory, or set cpu_budget (memory.cpu_budget "
+                "in a config) if more will be free when training runs",
                 None,
+                kind="host",
             ) from None
         raise
     log.info(

@@ -215,7 +215,12 @@ def search_chunk_sizes(
         if best is None or result.plan.predicted_step_s < best[0].plan.predicted_step_s:
             best = (result, problem)
     if best is None:
+        # A size whose plans fit the GPU but not the host says more than the GPU budget
+        # another size would need: raising the GPU budget would not help there.
+        host = [e for e in errors if e.kind == "host"]
         known = [e for e in errors if e.smallest_budget_bytes is not None]
+        if host:
+            raise host[0]
         raise min(known, key=lambda e: e.smallest_budget_bytes) if known else errors[0]
     result, problem = best
     if len(sizes) > 1:

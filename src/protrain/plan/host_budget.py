@@ -7,35 +7,101 @@ error. Session 9 saw it: long-8b at 65,536 tokens on an 80 GiB budget planned 27
 blocks, 321 GiB of host memory on a 251 GiB host, and the run died. So auto mode bounds host
 memory by default, with what the kernel says it can give when the plan is made
 (``MemAvailable``: free memory plus the cache it can reclaim; the trace has given its own
-arena back by then, the model's weights are still counted as used), less a tenth for
-everything that is not the plan's (the data loader, the CUDA context, Python).
+arena back by then, the model's weights are still counted as used), or what the process's
+memory cgroup still allows if that is less (a container or a batch job sees the whole
+node's ``/proc/meminfo``), less a tenth for everything that is not the plan's (the data
+loader, the CUDA context, Python).
+
+Not counted: host copies a run makes while the plan's memory is live, such as a checkpoint
+save's state dicts (an fp32 copy of the masters and the host Adam moments); and on a machine
+whose memory grows on demand (some VMs) the available memory at plan time understates it.
+Either way ``cpu_budget`` sets the figure.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-_MEMINFO = Path("/proc/meminfo")
 SHARE = 0.9  # of the available memory
+_MEMINFO = Path("/proc/meminfo")
+_CGROUP_FS = Path("/sys/fs/cgroup")
+_PROC_CGROUP = Path("/proc/self/cgroup")
 
 
-def available_host_bytes(meminfo: Path = _MEMINFO) -> int | None:
+def meminfo_available_bytes(meminfo: Path = _MEMINFO) -> int | None:
     """``MemAvailable`` in bytes, or None where the kernel does not report it (not Linux)."""
     try:
-        text = meminfo.read_text()
-    except OSError:
-        return None
-    for line in text.splitlines():
-        if line.startswith("MemAvailable:"):
-            value, unit = line.split()[1:3]
-            if unit != "kB":
-                return None
-            return int(value) * 1024
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                value, unit = line.split()[1:3]
+                return int(value) * 1024 if unit == "kB" else None
+    except (OSError, ValueError):
+        pass
     return None
 
 
-def default_cpu_budget(meminfo: Path = _MEMINFO) -> int | None:
+def cgroup_available_bytes(fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGROUP) -> int | None:
+    """What this process's memory cgroup (and each cgroup above it) still allows: limit less
+    usage, the least over the levels; None where no level has a limit. cgroup v2
+    (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``,
+    ``memory.usage_in_bytes``). Usage counts page cache, so this errs on the small side."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    found: list[int] = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, controllers, path = parts
+        if controllers == "":  # v2: the unified hierarchy
+            base, files = fs, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        level = base / path.lstrip("/")
+        while True:
+            left = _limit_left(level / files[0], level / files[1])
+            if left is not None:
+                found.append(left)
+            if level == base or base not in level.parents:
+                break
+            level = level.parent
+    return min(found) if found else None
+
+
+def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
+    try:
+        limit = limit_file.read_text().strip()
+        if limit == "max":
+            return None
+        limit_bytes = int(limit)
+        if limit_bytes >= 1 << 60:  # v1 writes "no limit" as a huge number
+            return None
+        return max(limit_bytes - int(usage_file.read_text().strip()), 0)
+    except (OSError, ValueError):
+        return None
+
+
+def available_host_bytes(
+    meminfo: Path = _MEMINFO, fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGROUP
+) -> int | None:
+    """Host memory this process can still take: the least of ``MemAvailable`` and its memory
+    cgroup's room; None when neither is known."""
+    known = [
+        b
+        for b in (meminfo_available_bytes(meminfo), cgroup_available_bytes(fs, proc_cgroup))
+        if b is not None
+    ]
+    return min(known) if known else None
+
+
+def default_cpu_budget(
+    meminfo: Path = _MEMINFO, fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGROUP
+) -> int | None:
     """The host budget auto mode plans with when none is given: ``SHARE`` of the available
     memory; None (not limited) where that is unknown."""
-    avail = available_host_bytes(meminfo)
+    avail = available_host_bytes(meminfo, fs, proc_cgroup)
     return None if avail is None else int(avail * SHARE)

@@ -45,11 +45,14 @@ _GIB = 1 << 30
 
 
 class NoPlanFits(ValueError):
-    """No plan fits the budget; ``smallest_budget_bytes`` is the least that would."""
+    """No plan fits the budget; ``smallest_budget_bytes`` is the least GPU budget that would
+    (None when unknown). ``kind``: which budget failed, ``"gpu"`` or ``"host"`` (some plan
+    fits the GPU, none of those fits the host budget)."""
 
-    def __init__(self, message: str, smallest_budget_bytes: int | None):
+    def __init__(self, message: str, smallest_budget_bytes: int | None, kind: str = "gpu"):
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes
+        self.kind = kind
 
 
 @dataclass
@@ -209,8 +212,8 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     # its best time with that peak is a lower bound of its true best time.
     act_low = _peak_lower_bound(mem, seg, n_p)
     room = problem.gpu_budget_bytes - constant[None, :] - act_low
-    nb, ok = _fit_buffers(problem, room, n_p[None, :])
-    ok &= host_ok
+    nb, gpu_ok = _fit_buffers(problem, room, n_p[None, :])
+    ok = gpu_ok & host_ok
     t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None], fwd_wait[:, None])
     t_low = np.where(ok, t_low, np.inf).min(axis=1)
 
@@ -236,7 +239,11 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         del best[k:]
     work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact, "rows": rows}
     if not best:
-        raise _no_fit(problem, _smallest_budget(problem, seg, constant, n_p), host_swap)
+        # The least host memory of the plans that may fit the GPU (by the lower bound: "at
+        # least"); every other plan needs a larger GPU budget anyway.
+        host_need = mem.host_suffix[n_p][None, :] + host_swap[:, None]
+        least_host = float(np.where(gpu_ok, host_need, np.inf).min())
+        raise _no_fit(problem, _smallest_budget(problem, seg, constant, n_p), least_host)
     plan = _make_plan(problem, [list(knobs) for _, knobs in best])
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
@@ -304,15 +311,15 @@ def _smallest_budget(problem: PlanProblem, seg, constant, n_p) -> int:
     return smallest
 
 
-def _no_fit(problem: PlanProblem, smallest: int | None, host_swap: np.ndarray) -> NoPlanFits:
-    mem = problem.memory
+def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> NoPlanFits:
     fixed = ", ".join(f"{k}={v}" for k, v in problem.fixed.items()) or "none"
     if smallest is not None and smallest <= problem.gpu_budget_bytes:
-        host = int(mem.host_suffix[problem.persist_values()].min() + host_swap.min())
         return NoPlanFits(
             f"no plan fits the host budget of {problem.cpu_budget_bytes / _GIB:.2f} GiB: the "
-            f"least host memory any plan needs is {host / _GIB:.2f} GiB (fixed knobs: {fixed})",
+            f"plans that fit the GPU budget need at least {least_host / _GIB:.2f} GiB "
+            f"({least_host:.0f} bytes) of host memory (fixed knobs: {fixed})",
             None,
+            kind="host",
         )
     return NoPlanFits(
         f"no plan fits the GPU budget of {problem.gpu_budget_bytes / _GIB:.2f} GiB: the "

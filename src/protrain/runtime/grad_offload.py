@@ -84,8 +84,11 @@ class GradSink:
         self.manager.phase = Phase.BACKWARD
         slot = self._slot_of[param]
         first = not slot.has_grad
-        slot.has_grad = True
         chunk = self.manager.chunks[slot.chunk]
+        if not first and not chunk.persistent and self.manager.discard_offloaded_grads:
+            param.grad = None  # refused before anything is added: nothing stale stays
+            self.manager.ensure_grad_staging()  # raises: see [Note: discarded gradients]
+        slot.has_grad = True
         with torch.no_grad():
             if chunk.persistent:
                 if first:  # allocated here, freed by zero_grad: no room taken in forward

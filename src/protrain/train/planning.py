@@ -139,6 +139,10 @@ def _trace_kwargs(settings: PlanSettings) -> dict:
 
 
 def no_plan_fits_message(exc, settings: PlanSettings) -> str:
+    if getattr(exc, "kind", "gpu") == "host":
+        host = settings.cpu_budget_bytes
+        budget = "memory.cpu_budget" + (f" = {_size(host)}" if host is not None else " (unset)")
+        return f"{budget}: {_one_line(exc)}"
     budget = f"memory.gpu_budget = {_size(settings.gpu_budget_bytes)}"
     smallest = exc.smallest_budget_bytes
     if smallest is None:
