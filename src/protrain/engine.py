@@ -68,7 +68,8 @@ class Engine:
         return {id(s.param): s for s in self.manager.slots()}
 
     @torch.no_grad()
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """See :func:`protrain.state_dict`."""
         self._check_open()
         self.optimizer.check_between_steps("protrain.state_dict()")
         self.optimizer.synchronize()
@@ -77,12 +78,12 @@ class Engine:
         for name, t in self.model.state_dict(keep_vars=True).items():
             s = slots.get(id(t))
             if s is None:
-                out[name] = t.detach().to("cpu", copy=True)
+                out[name] = t.detach().to("cpu", copy=copy)
             elif s.master is not None:
-                out[name] = s.master.to("cpu", copy=True)
+                out[name] = s.master.to("cpu", copy=copy)
             else:
                 src = s.host_view if s.host_view is not None else s.device_view
-                out[name] = src.to("cpu", s.orig_dtype, copy=True)
+                out[name] = src.to("cpu", s.orig_dtype, copy=copy)
         return out
 
     @torch.no_grad()
@@ -434,9 +435,15 @@ def close(model: nn.Module) -> nn.Module:
     return model
 
 
-def state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Full-precision state dict of a wrapped model, with the model's own names, on the CPU."""
-    return _engine(model).state_dict()
+def state_dict(model: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Full-precision state dict of a wrapped model, with the model's own names, on the CPU.
+
+    ``copy=False``: what already lives on the host in that dtype (offloaded masters, frozen
+    host weights) is given as views of the engine's own memory instead of copies, which the
+    next step or ``close()`` changes or unmaps: for writing out at once (a checkpoint save),
+    where copies would double the host memory of the model states (12 bytes a parameter in
+    full fine-tuning with the optimizer's)."""
+    return _engine(model).state_dict(copy=copy)
 
 
 def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:

@@ -126,6 +126,48 @@ def test_state_dict_round_trip_resumes_exactly():
     protrain.close(fresh)
 
 
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_state_dicts_without_copies_are_views_of_the_engines_memory(mode):
+    """copy=False (what a checkpoint save uses): the same values, and what lives on the host
+    in its own dtype is the engine's tensor itself (offloaded masters, frozen host weights,
+    the host AdamW's moments), so a save holds no second copy of the model states."""
+    base = lora(build("llama"), "llama") if mode == "lora" else build("llama")
+    data = batches("llama", 12)  # train_engine's steps of ACCUM micro-batches
+    model, opt, _ = _wrap(base, n_persist=1)
+    train_engine(model, data, opt)
+    manager = model._protrain_engine.manager
+    host = {id(s.param): s for c in manager.offloaded for s in c.slots}
+    names = {id(p): n for n, p in model.named_parameters()}
+    copied, viewed = protrain.state_dict(model), protrain.state_dict(model, copy=False)
+    assert copied.keys() == viewed.keys()
+    shared = 0
+    for pid, s in host.items():
+        name = names[pid]
+        torch.testing.assert_close(viewed[name], copied[name], atol=0, rtol=0)
+        own = s.master if s.master is not None else s.host_view
+        assert viewed[name].data_ptr() == own.data_ptr()
+        assert copied[name].data_ptr() != own.data_ptr()
+        shared += 1
+    assert shared > 0
+    ours, views = opt.state_dict(), opt.state_dict(copy=False)
+    moments = 0
+    for i, st in views["state"].items():
+        for k, v in st.items():
+            torch.testing.assert_close(v, ours["state"][i][k], atol=0, rtol=0)
+            moments += torch.is_tensor(v) and v.dim() > 0
+    host_moments = {
+        t.data_ptr()
+        for opts in opt._host_opts.values()
+        for o, *_ in opts
+        for st in o.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    }
+    assert moments and host_moments
+    assert host_moments <= {v.data_ptr() for st in views["state"].values() for v in st.values()}
+    protrain.close(model)
+
+
 def test_optimizer_state_dict_matches_torch_layout():
     data = batches("llama", 2)
     base = build("llama")

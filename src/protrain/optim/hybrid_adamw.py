@@ -515,7 +515,9 @@ class HybridAdamW(torch.optim.Optimizer):
             return self._device_opt[0]
         return self._host_opts[s.chunk][s.update_piece][0]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, copy: bool = True) -> dict:
+        """torch's format, every tensor on the CPU; ``copy=False``: the host AdamW's state as
+        the tensors themselves (see :func:`protrain.state_dict`), for writing out at once."""
         self.check_between_steps("optimizer.state_dict()")
         self.synchronize()
         state = {}
@@ -523,7 +525,7 @@ class HybridAdamW(torch.optim.Optimizer):
             st = self._opt_of(s).state.get(s.master)
             if st:
                 state[i] = {
-                    k: v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                    k: v.detach().to("cpu", copy=copy) if torch.is_tensor(v) else v
                     for k, v in st.items()
                 }
         groups, start = [], 0

@@ -216,8 +216,9 @@ def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
                 path = ckpt.save_checkpoint(
                     output_dir,
                     step,
-                    model_state=trainable.model_state(),
-                    optimizer_state=trainable.optimizer.state_dict(),
+                    # views, not copies: a save must not double the host's model states
+                    model_state=trainable.model_state(copy=False),
+                    optimizer_state=trainable.optimizer_state(copy=False),
                     scheduler_state=scheduler.state_dict(),
                     trainer_state={
                         "position": vars(position),

@@ -152,8 +152,15 @@ class Trainable(abc.ABC):
         """Apply the optimizer update and clear the gradients."""
 
     @abc.abstractmethod
-    def model_state(self) -> dict[str, torch.Tensor]:
-        """Trainable parameters by name, full precision, for checkpoints."""
+    def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Trainable parameters by name, full precision, for checkpoints. ``copy=False``:
+        views of the placement's own memory where it can (to be written out at once: a save
+        then holds no second copy of the model states in host memory)."""
+
+    def optimizer_state(self, copy: bool = True) -> dict:
+        """The optimizer's state dict, for checkpoints (``copy`` as in :meth:`model_state`;
+        torch's optimizers return their own tensors either way)."""
+        return self.optimizer.state_dict()
 
     @abc.abstractmethod
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -238,7 +245,7 @@ class PlainTrainable(Trainable):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def model_state(self) -> dict[str, torch.Tensor]:
+    def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())
         return {name: params[name].detach() for name in self.names}
 
@@ -311,11 +318,14 @@ class EngineTrainable(Trainable):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def model_state(self) -> dict[str, torch.Tensor]:
+    def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         import protrain
 
-        full = protrain.state_dict(self.model)
+        full = protrain.state_dict(self.model, copy=copy)
         return {name: full[name] for name in self.names}
+
+    def optimizer_state(self, copy: bool = True) -> dict:
+        return self.optimizer.state_dict(copy=copy)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         import protrain
