@@ -30,6 +30,7 @@ update the scale as ``torch.amp.GradScaler`` does (``optim/loss_scaler.py``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -68,14 +69,17 @@ class Engine:
         return {id(s.param): s for s in self.manager.slots()}
 
     @torch.no_grad()
-    def state_dict(self, copy: bool = True) -> dict[str, torch.Tensor]:
+    def state_dict(self, copy: bool = True, names=None) -> dict[str, torch.Tensor]:
         """See :func:`protrain.state_dict`."""
         self._check_open()
         self.optimizer.check_between_steps("protrain.state_dict()")
         self.optimizer.synchronize()
         slots = self._slot_by_id()
+        wanted = None if names is None else set(names)
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
+            if wanted is not None and name not in wanted:
+                continue
             s = slots.get(id(t))
             if s is None:
                 out[name] = t.detach().to("cpu", copy=copy)
@@ -435,15 +439,19 @@ def close(model: nn.Module) -> nn.Module:
     return model
 
 
-def state_dict(model: nn.Module, copy: bool = True) -> dict[str, torch.Tensor]:
+def state_dict(
+    model: nn.Module, copy: bool = True, names: Iterable[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Full-precision state dict of a wrapped model, with the model's own names, on the CPU.
 
+    ``names``: only these entries (an adapter's, say), none of the others read or copied.
     ``copy=False``: what already lives on the host in that dtype (offloaded masters, frozen
     host weights) is given as views of the engine's own memory instead of copies, which the
     next step or ``close()`` changes or unmaps: for writing out at once (a checkpoint save),
     where copies would double the host memory of the model states (12 bytes a parameter in
-    full fine-tuning with the optimizer's)."""
-    return _engine(model).state_dict(copy=copy)
+    full fine-tuning with the optimizer's). Tied weights are then two names for one view,
+    which ``safetensors.torch.save_file`` refuses: save one of the names."""
+    return _engine(model).state_dict(copy=copy, names=names)
 
 
 def load_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], strict: bool = True) -> None:

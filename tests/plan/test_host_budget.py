@@ -58,7 +58,9 @@ def test_a_memory_cgroup_bounds_it(tmp_path):
     fs, proc = _cgroup(tmp_path, {  # cgroup v2: the job 8 GiB of 10, its parent 30 of 40
         "memory.max": "max", "memory.current": "1",
         "slurm/memory.max": str(40 * gib), "slurm/memory.current": str(30 * gib),
-        "slurm/job1/memory.max": str(10 * gib), "slurm/job1/memory.current": str(2 * gib),
+        "slurm/job1/memory.max": str(10 * gib), "slurm/job1/memory.current": str(3 * gib),
+        # a GiB of the job's usage is file cache the kernel reclaims first: not counted
+        "slurm/job1/memory.stat": f"anon {2 * gib}\ninactive_file {gib}\nactive_file 5\n",
     }, "0::/slurm/job1\n")  # fmt: skip
     assert cgroup_available_bytes(fs, proc) == 8 * gib
     info = tmp_path / "meminfo"
@@ -162,3 +164,29 @@ def test_app_message_for_a_host_failure_names_the_host_budget():
     assert "gpu_budget" not in text
     Settings.cpu_budget_bytes = 8 << 30
     assert no_plan_fits_message(exc, Settings()).startswith("memory.cpu_budget = 8.00GiB: ")
+
+
+def test_a_host_failure_names_the_least_host_memory_of_plans_that_fit_the_gpu():
+    """Swept over host budgets: a host failure's figure is above the budget that failed, and
+    planning with exactly that figure succeeds (the figure is exact, not a lower bound)."""
+    from protrain.plan import PlanProblem, search
+
+    _, problem = _auto(cpu_budget_bytes=1 << 40)
+    free = search(PlanProblem(problem.profile, problem.hardware,
+                              gpu_budget_bytes=problem.gpu_budget_bytes)).plan  # fmt: skip
+    failures = 0
+    for host in range(0, free.predicted_host_bytes, max(free.predicted_host_bytes // 40, 1)):
+        at = PlanProblem(problem.profile, problem.hardware,
+                         gpu_budget_bytes=problem.gpu_budget_bytes, cpu_budget_bytes=host)  # fmt: skip
+        try:
+            search(at)
+            continue
+        except NoPlanFits as exc:
+            assert exc.kind == "host"
+            least = exc.least_host_bytes
+        failures += 1
+        assert least > host
+        ok = PlanProblem(problem.profile, problem.hardware,
+                         gpu_budget_bytes=problem.gpu_budget_bytes, cpu_budget_bytes=least)  # fmt: skip
+        assert search(ok).plan.predicted_host_bytes <= least
+    assert failures > 0

@@ -219,13 +219,15 @@ def profile_and_plan(
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":
-            raise NoPlanFits(
+            error = NoPlanFits(
                 f"{exc}. No cpu_budget was given, so the plan may use {SHARE:.0%} of the host "
                 "memory available now; free host memory, or set cpu_budget (memory.cpu_budget "
                 "in a config) if more will be free when training runs",
                 None,
                 kind="host",
-            ) from None
+            )
+            error.least_host_bytes = exc.least_host_bytes
+            raise error from None
         raise
     log.info(
         "protrain plan in %.1f s (search %.3f s, work %s):\n%s",

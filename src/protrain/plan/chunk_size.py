@@ -150,7 +150,9 @@ def search_chunk_sizes(
     ``n_swap``, or when nothing fits at any screened count. Only the traced size is planned when the user gave the chunk size
     (``chunk_size_fixed``) or a chunk count (``n_persist``, ``n_buffer``), which mean
     something only at one size, or when the profile has no gradient names. With no plan at
-    any size, the error of the size that needs the least budget is raised."""
+    any size: if some size's plans fit the GPU but not the host budget, the host error of
+    the size that needs the least host memory; else the error of the size that needs the
+    least GPU budget."""
     fixed = dict(fixed_knobs or {})
     sizes = [profile.chunks.chunk_size_bytes]
     if (
@@ -220,7 +222,7 @@ def search_chunk_sizes(
         host = [e for e in errors if e.kind == "host"]
         known = [e for e in errors if e.smallest_budget_bytes is not None]
         if host:
-            raise host[0]
+            raise min(host, key=lambda e: e.least_host_bytes or 0)
         raise min(known, key=lambda e: e.smallest_budget_bytes) if known else errors[0]
     result, problem = best
     if len(sizes) > 1:

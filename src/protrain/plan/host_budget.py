@@ -12,10 +12,10 @@ memory cgroup still allows if that is less (a container or a batch job sees the 
 node's ``/proc/meminfo``), less a tenth for everything that is not the plan's (the data
 loader, the CUDA context, Python).
 
-Not counted: host copies a run makes while the plan's memory is live, such as a checkpoint
-save's state dicts (an fp32 copy of the masters and the host Adam moments); and on a machine
-whose memory grows on demand (some VMs) the available memory at plan time understates it.
-Either way ``cpu_budget`` sets the figure.
+Not counted: host memory a run takes beside the plan's (a checkpoint save writes views of
+the engine's tensors, not copies, so it adds little; the data loader's workers); and on a
+machine whose memory grows on demand (some VMs) the available memory at plan time
+understates it. Either way ``cpu_budget`` sets the figure.
 """
 
 from __future__ import annotations
@@ -42,9 +42,9 @@ def meminfo_available_bytes(meminfo: Path = _MEMINFO) -> int | None:
 
 def cgroup_available_bytes(fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGROUP) -> int | None:
     """What this process's memory cgroup (and each cgroup above it) still allows: limit less
-    usage, the least over the levels; None where no level has a limit. cgroup v2
-    (``memory.max``, ``memory.current``) or v1 (``memory.limit_in_bytes``,
-    ``memory.usage_in_bytes``). Usage counts page cache, so this errs on the small side."""
+    usage (its inactive file cache left out), the least over the levels; None where no level
+    has a limit. cgroup v2 (``memory.max``, ``memory.current``) or v1
+    (``memory.limit_in_bytes``, ``memory.usage_in_bytes``)."""
     try:
         lines = proc_cgroup.read_text().splitlines()
     except OSError:
@@ -56,14 +56,15 @@ def cgroup_available_bytes(fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGRO
             continue
         _, controllers, path = parts
         if controllers == "":  # v2: the unified hierarchy
-            base, files = fs, ("memory.max", "memory.current")
+            base, files = fs, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base, files = fs / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base = fs / "memory"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
         level = base / path.lstrip("/")
         while True:
-            left = _limit_left(level / files[0], level / files[1])
+            left = _limit_left(level / files[0], level / files[1], level / "memory.stat", files[2])
             if left is not None:
                 found.append(left)
             if level == base or base not in level.parents:
@@ -72,7 +73,10 @@ def cgroup_available_bytes(fs: Path = _CGROUP_FS, proc_cgroup: Path = _PROC_CGRO
     return min(found) if found else None
 
 
-def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
+def _limit_left(limit_file: Path, usage_file: Path, stat_file: Path, cache_key: str) -> int | None:
+    """Limit less usage, the usage without the file cache the kernel would reclaim first
+    (``inactive_file`` of ``memory.stat``, as kubelet's working set leaves it out): just
+    after a model is read from disk its pages are cache, not memory a plan competes with."""
     try:
         limit = limit_file.read_text().strip()
         if limit == "max":
@@ -80,9 +84,18 @@ def _limit_left(limit_file: Path, usage_file: Path) -> int | None:
         limit_bytes = int(limit)
         if limit_bytes >= 1 << 60:  # v1 writes "no limit" as a huge number
             return None
-        return max(limit_bytes - int(usage_file.read_text().strip()), 0)
+        usage = int(usage_file.read_text().strip())
     except (OSError, ValueError):
         return None
+    try:
+        for line in stat_file.read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == cache_key:
+                usage -= min(int(value), usage)
+                break
+    except (OSError, ValueError):
+        pass
+    return max(limit_bytes - usage, 0)
 
 
 def available_host_bytes(

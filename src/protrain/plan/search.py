@@ -47,12 +47,14 @@ _GIB = 1 << 30
 class NoPlanFits(ValueError):
     """No plan fits the budget; ``smallest_budget_bytes`` is the least GPU budget that would
     (None when unknown). ``kind``: which budget failed, ``"gpu"`` or ``"host"`` (some plan
-    fits the GPU, none of those fits the host budget)."""
+    fits the GPU, none of those fits the host budget; ``least_host_bytes`` is the least host
+    memory of those)."""
 
     def __init__(self, message: str, smallest_budget_bytes: int | None, kind: str = "gpu"):
         super().__init__(message)
         self.smallest_budget_bytes = smallest_budget_bytes
         self.kind = kind
+        self.least_host_bytes: int | None = None  # kind "host": what the GPU-fitting plans need
 
 
 @dataclass
@@ -239,11 +241,11 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
         del best[k:]
     work = {"pairs": len(s), "persist_values": len(n_p), "exact_pairs": exact, "rows": rows}
     if not best:
-        # The least host memory of the plans that may fit the GPU (by the lower bound: "at
-        # least"); every other plan needs a larger GPU budget anyway.
-        host_need = mem.host_suffix[n_p][None, :] + host_swap[:, None]
-        least_host = float(np.where(gpu_ok, host_need, np.inf).min())
-        raise _no_fit(problem, _smallest_budget(problem, seg, constant, n_p), least_host)
+        raise _no_fit(
+            problem,
+            _smallest_budget(problem, seg, constant, n_p),
+            _least_host(problem, seg, constant, n_p, host_swap, gpu_ok),
+        )
     plan = _make_plan(problem, [list(knobs) for _, knobs in best])
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
@@ -311,16 +313,37 @@ def _smallest_budget(problem: PlanProblem, seg, constant, n_p) -> int:
     return smallest
 
 
+def _least_host(problem: PlanProblem, seg, constant, n_p, host_swap, gpu_ok) -> float:
+    """The least host memory of the plans that fit the GPU budget (inf if none does): pairs
+    checked exactly in the order of their least host need among those the lower bound lets
+    fit, until the next one's need passes the least found."""
+    mem = problem.memory
+    need = mem.host_suffix[n_p][None, :] + host_swap[:, None]
+    cand = np.where(gpu_ok, need, np.inf)
+    pair_least = cand.min(axis=1)
+    least = np.inf
+    for i in np.argsort(pair_least):
+        if not np.isfinite(pair_least[i]) or pair_least[i] >= least:
+            break
+        act = mem.peak_over_persist(seg[i], n_p)
+        _, fit = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p)
+        if fit.any():
+            least = min(least, float(need[i][fit].min()))
+    return least
+
+
 def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> NoPlanFits:
     fixed = ", ".join(f"{k}={v}" for k, v in problem.fixed.items()) or "none"
     if smallest is not None and smallest <= problem.gpu_budget_bytes:
-        return NoPlanFits(
+        error = NoPlanFits(
             f"no plan fits the host budget of {problem.cpu_budget_bytes / _GIB:.2f} GiB: the "
             f"plans that fit the GPU budget need at least {least_host / _GIB:.2f} GiB "
             f"({least_host:.0f} bytes) of host memory (fixed knobs: {fixed})",
             None,
             kind="host",
         )
+        error.least_host_bytes = int(least_host)
+        return error
     return NoPlanFits(
         f"no plan fits the GPU budget of {problem.gpu_budget_bytes / _GIB:.2f} GiB: the "
         f"smallest budget that would work is {smallest / _GIB:.2f} GiB ({smallest} bytes) "

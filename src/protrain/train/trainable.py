@@ -321,8 +321,9 @@ class EngineTrainable(Trainable):
     def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
         import protrain
 
-        full = protrain.state_dict(self.model, copy=copy)
-        return {name: full[name] for name in self.names}
+        # only the trainable names: an adapter's save reads nothing of the frozen base
+        state = protrain.state_dict(self.model, copy=copy, names=self.names)
+        return {name: state[name] for name in self.names}
 
     def optimizer_state(self, copy: bool = True) -> dict:
         return self.optimizer.state_dict(copy=copy)
