@@ -82,10 +82,9 @@ def main(argv: list[str] | None = None) -> int:
             for s in spinners:
                 s.kill()
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+        from report import append  # benchmarks/ is this script's folder
+
+        append(args.out, rows)
     return 0
 
 

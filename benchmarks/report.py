@@ -32,6 +32,14 @@ def load(paths: list[Path]) -> list[dict]:
     return rows
 
 
+def append(path: Path, rows: list[dict]) -> None:
+    """Append ``rows`` to a results file, one JSON line each (its folder made if missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
 def group_key(row: dict) -> tuple:
     return (row["run_id"], row["workload"], row["model"], row["mode"], row["budget_gib"],
             row["batch"], row["seq"], row["gpu"], row.get("max_grad_norm", "not recorded"))  # fmt: skip
