@@ -104,6 +104,17 @@ class EvalConfig(StrictModel):
     max_batches: int | None = Field(None, gt=0, description="Cap on micro-batches per evaluation.")
 
 
+class NonFiniteConfig(StrictModel):
+    """What a step whose loss or gradient norm is not finite does (it never updates weights)."""
+
+    policy: Literal["stop", "skip"] = Field(
+        "stop", description="stop: end the run, naming the step; skip: drop the step and go on."
+    )
+    max_consecutive_skips: int = Field(
+        10, gt=0, description="skip: stop after this many non-finite steps in a row."
+    )
+
+
 class MemoryConfig(StrictModel):
     """How model states and activations are placed; the engine's knobs.
 
@@ -212,9 +223,16 @@ class TrainConfig(DataSettings):
 
     output_dir: str = "outputs/run"
     save_steps: int | None = Field(None, gt=0)
+    save_minutes: float | None = Field(
+        30.0,
+        gt=0.0,
+        description="Unless save_steps is set: a checkpoint after every this many "
+        "minutes of the run; null: none.",
+    )
     save_total_limit: int | None = Field(None, gt=0)
     logging_steps: int = Field(10, gt=0)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
 
     @model_validator(mode="after")
