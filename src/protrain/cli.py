@@ -1,13 +1,16 @@
 """`protrain` command line: train, plan, profile, preprocess, inspect-data.
 
-Mistakes in the user's input (config, data, output directory) are printed as one line
-starting with `error:` and exit with status 2; anything else is a bug and keeps its
-traceback.
+Mistakes in the user's input (config, data, output directory) and every file or OS error
+(a path that cannot be read or written, a full disk, text that is not UTF-8) are printed as
+one line starting with `error:` and exit with status 2; `--debug` (or PROTRAIN_DEBUG=1)
+shows their traceback instead. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
@@ -34,9 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="protrain", description="Memory-aware fine-tuning of LLMs and VLMs."
     )
     parser.add_argument("--version", action="version", version=f"protrain {_version()}")
+    debug_help = "show the traceback of an error instead of one line (or PROTRAIN_DEBUG=1)"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add_config_args(p: argparse.ArgumentParser) -> None:
+        # After the command too; SUPPRESS keeps a `--debug` given before it.
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
         p.add_argument(
             "config",
             nargs="?",
@@ -91,17 +98,91 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    debug = args.debug or os.environ.get("PROTRAIN_DEBUG", "") not in ("", "0")
     from protrain.runtime.allocator import prefer_expandable_segments
 
     prefer_expandable_segments()  # before anything touches CUDA
+    quiet_third_party_noise()  # before anything imports bitsandbytes
     try:
         return _run(args)
     except _user_errors() as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        if debug:
+            raise
+        return _error(str(exc))
+    except UnicodeDecodeError as exc:  # the readers name their file; this one was not caught
+        if debug:
+            raise
+        return _error(f"a file is not UTF-8 text ({exc}); --debug shows which")
+    except OSError as exc:
+        if debug:
+            raise
+        return _error(os_error_line(exc))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def os_error_line(exc: OSError) -> str:
+    """`PATH: what went wrong`, as the shell says it; without a path, what went wrong."""
+    what = exc.strerror or " ".join(str(exc).split()) or type(exc).__name__
+    if exc.filename is None:
+        return f"{what} (--debug shows where)"
+    paths = repr(str(exc.filename))
+    if exc.filename2 is not None:
+        paths += f" -> {str(exc.filename2)!r}"
+    return f"{paths}: {what}"
+
+
+# bitsandbytes logs this at import on CPUs with AVX512-BF16 when the optional `kernels`
+# package (a faster CPU 4-bit matmul, fetched from the hub) is missing; it falls back to its
+# own kernel, so the warning asks nothing of our users.
+_BNB_CPU_LOGGER = "bitsandbytes.backends.cpu.ops"
+_BNB_KERNELS_WARNING = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _DropBitsandbytesKernelsWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_BNB_KERNELS_WARNING)
+
+
+def quiet_third_party_noise() -> None:
+    """Drop the one import-time warning of bitsandbytes about its optional `kernels`
+    package; everything else it logs is kept."""
+    bnb = logging.getLogger(_BNB_CPU_LOGGER)
+    if not any(isinstance(f, _DropBitsandbytesKernelsWarning) for f in bnb.filters):
+        bnb.addFilter(_DropBitsandbytesKernelsWarning())
+
+
+class _DropPlanRecord(logging.Filter):
+    """`protrain plan` prints the plan on stdout; the planner's log record of the same plan
+    would show it twice."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("protrain plan in ")
+
+
+def _check_recorded_config(cfg) -> None:
+    """`--resume` compares the run with the config it recorded: a damaged record is named
+    here, before any data or model is loaded."""
+    from pathlib import Path
+
+    from protrain.train.config import read_yaml_mapping
+    from protrain.train.errors import ConfigError, OutputDirError
+
+    path = Path(cfg.output_dir) / "config.yaml"
+    if not path.exists():
+        return
+    try:
+        read_yaml_mapping(path, what="the run's recorded config")
+    except ConfigError as exc:
+        raise OutputDirError(
+            f"--resume: {exc}; restore it, or delete it to record this run's config instead"
+        ) from None
 
 
 def _sdpa(cfg):
@@ -120,6 +201,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from protrain.train.loop import train
 
+        if args.resume:
+            _check_recorded_config(cfg)
+
         result = train(cfg, resume=args.resume)
         print(f"done: {result.steps} steps; model written to {result.final_dir}")
         return 0
@@ -129,8 +213,14 @@ def _run(args: argparse.Namespace) -> int:
         from protrain.train.planning import plan_memory, planning_inputs
 
         model, batch, settings = planning_inputs(cfg)
-        with _sdpa(cfg):  # the trace runs attention as training will
-            plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+        planner_log = logging.getLogger("protrain.plan.auto")
+        drop = _DropPlanRecord()
+        planner_log.addFilter(drop)
+        try:
+            with _sdpa(cfg):  # the trace runs attention as training will
+                plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+        finally:
+            planner_log.removeFilter(drop)
         print(explain(plan, with_candidates=False))
         print("best candidates:")
         print(candidates_table(plan))

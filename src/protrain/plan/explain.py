@@ -30,7 +30,13 @@ def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
         f"{_gib(plan.predicted_peak_bytes)} ({_gib(budget - plan.predicted_peak_bytes)} left)"
     )
     if plan.n_persist == plan.n_chunks:
-        out.append("every chunk stays on the GPU: no parameter traffic, no host optimizer")
+        if problem.hardware.device == "cuda":
+            out.append("every chunk stays on the GPU: no parameter traffic, no host optimizer")
+        else:  # planned for the CPU: the device is the host, nothing moves
+            out.append(
+                f"every chunk stays on the device ({problem.hardware.device}): no chunk copies, "
+                "no separate host optimizer"
+            )
     else:
         nxt = problem.memory.model_states[min(plan.n_persist + 1, plan.n_chunks)]
         more = nxt - problem.memory.model_states[plan.n_persist]

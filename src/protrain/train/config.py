@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from protrain.train.data import DataSettings
+from protrain.train.data.errors import not_utf8_place
 from protrain.train.errors import ConfigError
 
 QUICKSTART_DIR = Path(__file__).resolve().parent / "quickstart"
@@ -269,18 +270,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     """Read a YAML config (the quickstart's when `path` is None), apply `key=value` overrides
     and validate. Raises ConfigError with one readable message."""
     path = Path(path) if path is not None else QUICKSTART_CONFIG
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
-        raise ConfigError(
-            f"{path}: the top level must be a mapping of keys, got {type(raw).__name__}"
-        )
+    raw = read_yaml_mapping(path, what="config file")
     if path == QUICKSTART_CONFIG:
         _resolve_quickstart_paths(raw)
     for item in overrides or []:
@@ -288,11 +278,61 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     return validate_config(raw, source=str(path))
 
 
+def read_yaml_mapping(path: Path, *, what: str) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping (empty: `{}`); ConfigError with one line
+    naming the file for anything else: missing, a directory, unreadable, not UTF-8, not
+    YAML, not a mapping."""
+    text = _read_text_file(path, what=what)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{what} {str(path)!r} is not valid YAML: {one_line(exc)}") from None
+    if raw is None:
+        return {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{what} {str(path)!r}: the top level must be a mapping of keys, "
+            f"got {type(raw).__name__}"
+        )
+    return raw
+
+
+def _read_text_file(path: Path, *, what: str) -> str:
+    """The UTF-8 text of a file; ConfigError with one line naming it otherwise."""
+    name = repr(str(path))
+    if path.is_dir():
+        raise ConfigError(f"{what} {name} is a directory, not a file")
+    if not path.exists():
+        raise ConfigError(f"{what} {name} does not exist")
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{what} {name}: cannot read it ({exc.strerror or exc})") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{what} {name} is not UTF-8 text at {not_utf8_place(data, exc)}"
+        ) from None
+
+
+def one_line(exc: BaseException | str) -> str:
+    """A message on one line, whatever the library that wrote it put in it."""
+    return " ".join(str(exc).split())
+
+
 def validate_config(raw: dict[str, Any], source: str = "config") -> TrainConfig:
     try:
-        return TrainConfig.model_validate(raw)
+        cfg = TrainConfig.model_validate(raw)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc, TrainConfig, raw, source)) from None
+    if not cfg.datasets:
+        given = "= [] is not allowed" if "datasets" in raw else "is not set"
+        raise ConfigError(
+            f"{source}: datasets {given}: training needs at least one dataset, e.g. "
+            "datasets: [{path: data.jsonl, type: chat}]"
+        )
+    return cfg
 
 
 def apply_override(raw: dict[str, Any], item: str) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from protrain.train.config import QUICKSTART_DIR, AdapterConfig, TrainConfig
+from protrain.train.config import QUICKSTART_DIR, AdapterConfig, TrainConfig, one_line
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
 
@@ -75,16 +75,60 @@ def load_tokenizer(cfg: TrainConfig):
     )
     if _looks_like_path(source) and not Path(source).exists():
         raise ConfigError(f"{key} = {source!r}: no such file or directory")
+    if Path(source).is_dir() and not _has_tokenizer_files(Path(source)):
+        hint = (
+            ""
+            if cfg.model.tokenizer
+            else ": set model.tokenizer to the tokenizer's hub id or directory"
+        )
+        raise ConfigError(
+            f"{key} = {source!r}: the directory holds no tokenizer files "
+            f"({', '.join(TOKENIZER_FILES)}){hint}"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(
             source, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
         )
     except (OSError, ValueError) as exc:
-        raise ConfigError(f"{key} = {source!r}: cannot load a tokenizer from it ({exc})") from None
+        if _needs_remote_code(exc):
+            raise ConfigError(_remote_code_message(key, source)) from None
+        raise ConfigError(
+            f"{key} = {source!r}: cannot load a tokenizer from it ({one_line(exc)})"
+        ) from None
     if tokenizer.pad_token is None:
         warn_once(f"tokenizer of {source!r} has no pad token; using its EOS token for padding")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+# A tokenizer directory holds at least one of these (fast, sentencepiece, BPE, WordPiece).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "spiece.model",
+)
+
+
+def _has_tokenizer_files(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES) or any(
+        directory.glob("*.tiktoken")
+    )
+
+
+def _needs_remote_code(exc: BaseException) -> bool:
+    """transformers refuses a model or tokenizer whose code ships with it unless told to
+    run that code; its message is the only sign of it."""
+    return "trust_remote_code" in str(exc)
+
+
+def _remote_code_message(key: str, source: str) -> str:
+    return (
+        f"{key} = {source!r} needs its own Python code to load (transformers does not know "
+        "its model type): set model.trust_remote_code: true if you trust that code"
+    )
 
 
 def _looks_like_path(name: str) -> bool:
@@ -151,11 +195,14 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     if cfg.adapter.type == "qlora" and not in_process:
         kwargs["quantization_config"] = _bnb_config(cfg.adapter)
         kwargs["device_map"] = {"": torch.cuda.current_device()}
+    name = cfg.model.name_or_path
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model.name_or_path, **kwargs)
-    except OSError as exc:
+        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as exc:
+        if _needs_remote_code(exc):
+            raise ConfigError(_remote_code_message("model.name_or_path", name)) from None
         raise ConfigError(
-            f"model.name_or_path = {cfg.model.name_or_path!r}: cannot load it ({exc})"
+            f"model.name_or_path = {name!r}: cannot load it ({one_line(exc)})"
         ) from None
     if in_process:
         return _quantize_in_process(model, cfg, dtype)

@@ -83,7 +83,7 @@ class PlanSettings:
         if mem.gpu_budget is None:
             raise ConfigError(
                 "memory.gpu_budget is not set: the planner needs the device memory it may "
-                "use (e.g. --set memory.gpu_budget=24GiB)"
+                "use, e.g. --set memory.auto=true --set memory.gpu_budget=24GiB"
             )
         return cls(
             device=device,

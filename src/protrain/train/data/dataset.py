@@ -306,6 +306,8 @@ def build_train_dataset(
     """The tokenized (and, with `sample_packing`, packed) training dataset."""
     from protrain.train.data.preprocess import load_prepared
 
+    if not settings.datasets:
+        raise DataError("datasets is empty: training needs at least one dataset")
     check_settings(settings, tokenizer, processor)
     prepared = load_prepared(
         settings, tokenizer, sequence_len=sequence_len, seed=seed, split="train"

@@ -1,4 +1,4 @@
-"""The one error the data side raises for bad input data."""
+"""The one error the data side raises for bad input data, and where text is not UTF-8."""
 
 from __future__ import annotations
 
@@ -32,3 +32,10 @@ class DataError(ValueError):
             where.append(f"field {field!r}")
         prefix = ", ".join(where)
         super().__init__(f"{prefix}: {message}" if prefix else message)
+
+
+def not_utf8_place(data: bytes, exc: UnicodeDecodeError) -> str:
+    """Where bytes stop being UTF-8, as an editor shows it: line, column and the byte."""
+    line = data.count(b"\n", 0, exc.start) + 1
+    column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+    return f"line {line}, column {column}: byte 0x{data[exc.start]:02x} ({exc.reason})"

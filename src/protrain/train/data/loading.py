@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from protrain.train.data.config import DatasetConfig
-from protrain.train.data.errors import DataError
+from protrain.train.data.errors import DataError, not_utf8_place
 
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "json",
@@ -33,8 +33,24 @@ def _looks_local(path: str) -> bool:
     )
 
 
+def _read_text(path: Path, dataset: str) -> str:
+    """A data file's UTF-8 text; a DataError naming the file (and the line, for bytes that
+    are not UTF-8) otherwise."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}", dataset=dataset) from e
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"{path} is not UTF-8 text at {not_utf8_place(data, e)}; save it as UTF-8",
+            dataset=dataset,
+        ) from e
+
+
 def _read_json_file(path: Path, dataset: str) -> list[dict[str, Any]]:
-    text = path.read_text(encoding="utf-8")
+    text = _read_text(path, dataset)
     rows: list[Any]
     stripped = text.lstrip()
     if path.suffix.lower() == ".json" and stripped.startswith(("[", "{")):
@@ -144,7 +160,10 @@ def _read_local(cfg: DatasetConfig) -> list[dict[str, Any]]:
 def _read_saved(path: Path, cfg: DatasetConfig) -> list[dict[str, Any]]:
     import datasets
 
-    ds = datasets.load_from_disk(str(path))
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (OSError, ValueError) as e:  # missing or damaged arrow files
+        raise DataError(f"cannot read the saved dataset in {path}: {e}", dataset=cfg.path) from e
     if isinstance(ds, datasets.DatasetDict):
         if cfg.split not in ds:
             raise DataError(

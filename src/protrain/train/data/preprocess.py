@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from protrain.train.data.config import DataSettings
+from protrain.train.data.errors import DataError
 
 logger = logging.getLogger("protrain.train.data")
 
@@ -107,7 +108,13 @@ def load_prepared(
     if not folder.exists():
         return None
     logger.info("using prepared %s data from %s", split, folder)
-    return _load(folder)
+    try:
+        return _load(folder)
+    except (OSError, ValueError, RuntimeError) as e:  # torch and datasets on damaged files
+        raise DataError(
+            f"the prepared {split} data in {folder} cannot be read ({' '.join(str(e).split())}); "
+            "delete that folder to tokenize the datasets again"
+        ) from e
 
 
 def preprocess(
@@ -124,7 +131,10 @@ def preprocess(
 
     root = output_path or settings.dataset_prepared_path
     if root is None:
-        raise ValueError("preprocess: set dataset_prepared_path (or pass output_path)")
+        raise DataError(
+            "dataset_prepared_path is not set: preprocess needs a folder to write to, e.g. "
+            "--set dataset_prepared_path=prepared"
+        )
     fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
     folder = Path(root).expanduser() / fp
     uncached = settings.model_copy(update={"dataset_prepared_path": None})

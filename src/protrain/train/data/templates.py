@@ -249,7 +249,12 @@ def resolve_chat_template(spec: str | None, tokenizer) -> str:
         return spec
     path = Path(spec).expanduser()
     if path.is_file():
-        return path.read_text(encoding="utf-8")
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TemplateError(
+                f"chat_template: cannot read {str(path)!r} as UTF-8 text: {e}"
+            ) from e
     raise TemplateError(
         f"chat_template: {spec!r} is not a built-in template ({', '.join(sorted(BUILTIN_TEMPLATES))}), "
         "an existing Jinja file or a Jinja string"
