@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from protrain.train.errors import OutputDirError
 from protrain.train.log import logger
 
 
@@ -40,29 +41,58 @@ def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for _, record in _records(path)[0]]
+
+
+def _records(path: Path) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """`(line, record)` pairs of a metrics file, and its last line apart when a write that
+    did not finish (a kill, a full disk) cut it short. A bad line elsewhere is an
+    OutputDirError naming the file and the line."""
+    data = path.read_bytes()
+    lines = data.decode("utf-8", errors="replace").splitlines()
+    numbered = [(n, line) for n, line in enumerate(lines, 1) if line.strip()]
+    records, cut = [], None
+    for i, (n, line) in enumerate(numbered):
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a metrics record")
+        except ValueError:
+            if i == len(numbered) - 1 and not data.endswith(b"\n"):  # every write ends one
+                cut = line
+                break
+            raise OutputDirError(
+                f"line {n} of {path} is not a metrics record ({line[:40]!r}): delete that "
+                "line, or move the file aside, and run again"
+            ) from None
+        records.append((line, record))
+    return records, cut
 
 
 def set_aside_metrics(output_dir: Path, after_step: int | None = None) -> int:
     """Move records that a new run supersedes out of `metrics.jsonl`; return how many.
 
-    With `after_step` (a resume), the records of later steps go to
-    `metrics.superseded.jsonl`; without it (a fresh run in a directory whose earlier run
-    left no checkpoint), the whole file becomes `metrics.stale-<n>.jsonl`. Nothing is
-    deleted.
+    With `after_step` (a resume), the records of later steps, and a last line cut short by
+    an unfinished write, go to `metrics.superseded.jsonl`; without it (a fresh run in a
+    directory whose earlier run left no checkpoint), the whole file becomes
+    `metrics.stale-<n>.jsonl`. Nothing is deleted.
     """
     path = Path(output_dir) / "metrics.jsonl"
     if not path.exists():
         return 0
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
     if after_step is None:
+        n_lines = sum(1 for line in path.read_bytes().splitlines() if line.strip())
         n = 1
         while (stale := path.with_name(f"metrics.stale-{n}.jsonl")).exists():
             n += 1
         path.rename(stale)
-        return len(lines)
-    keep = [line for line in lines if json.loads(line)["step"] <= after_step]
-    later = [line for line in lines if json.loads(line)["step"] > after_step]
+        return n_lines
+    records, cut = _records(path)
+    keep = [line for line, record in records if record["step"] <= after_step]
+    later = [line for line, record in records if record["step"] > after_step]
+    if cut is not None:
+        logger.warning("the last line of %s was cut short by an unfinished write: set aside", path)
+        later.append(cut)
     if later:
         with open(path.with_name("metrics.superseded.jsonl"), "a") as f:
             f.write("\n".join(later) + "\n")
