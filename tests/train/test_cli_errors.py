@@ -1,20 +1,25 @@
 """Bad input: one clear line on stderr, non-zero exit, no traceback, nothing written."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from protrain.train.config import QUICKSTART_DIR
+
 from .helpers import tiny_config, write_config
 
 
-def run_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, cwd=None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "protrain", *args],
         capture_output=True,
         text=True,
         cwd=cwd,
+        env={**os.environ, "PROTRAIN_DEBUG": "", **(env or {})},
         timeout=300,
     )
 
@@ -97,3 +102,192 @@ def test_model_path_that_does_not_exist(tmp_path):
     proc = run_cli("train", str(write_config(tmp_path, raw)))
     assert_one_line_error(proc, "model.name_or_path", "no such file or directory")
     assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------------------
+# File and OS errors: the exact line, exit status 2, no traceback (issue 28)
+
+
+def the_error(proc: subprocess.CompletedProcess) -> str:
+    """The one `error:` line of a run that failed as the user's mistake."""
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_config_that_is_not_utf8(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes(b"model: {name_or_path: tiny}\n# caf\xe9\n")
+    assert the_error(run_cli("train", str(path))) == (
+        f"error: config file {str(path)!r} is not UTF-8 text at line 2, column 6: "
+        "byte 0xe9 (invalid continuation byte)"
+    )
+
+
+def test_config_that_is_a_directory(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.mkdir()
+    assert the_error(run_cli("plan", str(path))) == (
+        f"error: config file {str(path)!r} is a directory, not a file"
+    )
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
+def test_config_that_cannot_be_read(tmp_path):
+    path = write_config(tmp_path, tiny_config(tmp_path))
+    path.chmod(0)
+    assert the_error(run_cli("train", str(path))) == (
+        f"error: config file {str(path)!r}: cannot read it (Permission denied)"
+    )
+
+
+def test_empty_datasets_list(tmp_path):
+    path = write_config(tmp_path, tiny_config(tmp_path, datasets=[]))
+    assert the_error(run_cli("train", str(path))) == (
+        f"error: {path}: datasets = [] is not allowed: training needs at least one dataset, "
+        "e.g. datasets: [{path: data.jsonl, type: chat}]"
+    )
+
+
+def test_jsonl_with_bytes_that_are_not_utf8(tmp_path):
+    data = tmp_path / "chat.jsonl"
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+    data.write_bytes(
+        (json.dumps(good) + "\n").encode()
+        + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n'
+    )
+    raw = tiny_config(tmp_path, datasets=[{"path": str(data), "type": "chat"}])
+    assert the_error(run_cli("train", str(write_config(tmp_path, raw)))) == (
+        f"error: dataset {str(data)!r}: {data} is not UTF-8 text at line 2, column 47: "
+        "byte 0xe9 (invalid continuation byte); save it as UTF-8"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_directory_with_only_config_json(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    shutil.copy(QUICKSTART_DIR / "model.json", model_dir / "config.json")
+    raw = tiny_config(tmp_path, model={"name_or_path": str(model_dir)})
+    assert the_error(run_cli("train", str(write_config(tmp_path, raw)))) == (
+        f"error: model.name_or_path = {str(model_dir)!r}: the directory holds no tokenizer "
+        "files (tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, vocab.txt, "
+        "spiece.model): set model.tokenizer to the tokenizer's hub id or directory"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_that_needs_trust_remote_code(tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(QUICKSTART_DIR / "tokenizer", model_dir)
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "mymodel",
+                "auto_map": {
+                    "AutoConfig": "configuration_mine.MyConfig",
+                    "AutoModelForCausalLM": "modeling_mine.MyModel",
+                },
+            }
+        )
+    )
+    raw = tiny_config(tmp_path, model={"name_or_path": str(model_dir)})
+    assert the_error(run_cli("train", str(write_config(tmp_path, raw)))) == (
+        f"error: model.name_or_path = {str(model_dir)!r} needs its own Python code to load "
+        "(transformers does not know its model type): set model.trust_remote_code: true if "
+        "you trust that code"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_preprocess_without_a_folder_to_write_to():
+    assert the_error(run_cli("preprocess")) == (
+        "error: dataset_prepared_path is not set: preprocess needs a folder to write to, "
+        "e.g. --set dataset_prepared_path=prepared"
+    )
+
+
+def test_os_error_names_its_path(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    proc = run_cli("preprocess", "--set", f"dataset_prepared_path={blocker}")
+    line = the_error(proc)
+    assert line.startswith(f"error: '{blocker}/") and line.endswith("': Not a directory"), line
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.mkdir()
+    for proc in (
+        run_cli("--debug", "train", str(path)),
+        run_cli("train", str(path), "--debug"),
+        run_cli("train", str(path), env={"PROTRAIN_DEBUG": "1"}),
+    ):
+        assert proc.returncode != 0
+        assert "Traceback" in proc.stderr
+        assert "ConfigError: config file" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A run of 2 steps with a checkpoint at step 2."""
+    root = tmp_path_factory.mktemp("finished")
+    raw = tiny_config(root, max_steps=2, save_steps=2)
+    proc = run_cli("train", str(write_config(root, raw)))
+    assert proc.returncode == 0, proc.stderr
+    return root
+
+
+def resumable_copy(finished_run, tmp_path):
+    """The finished run as a copy to resume in `tmp_path` (its `final` removed), and its
+    config with one more step."""
+    shutil.copytree(finished_run / "run", tmp_path / "run")
+    shutil.rmtree(tmp_path / "run" / "final")
+    return write_config(tmp_path, tiny_config(tmp_path, max_steps=3, save_steps=2))
+
+
+def test_resume_sets_aside_a_cut_metrics_line(finished_run, tmp_path):
+    path = resumable_copy(finished_run, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    with open(metrics, "a") as f:
+        f.write('{"step": 3, "lo')
+    proc = run_cli("train", str(path), "--resume")
+    assert proc.returncode == 0, proc.stderr
+    assert f"the last line of {metrics} was cut short by an unfinished write" in proc.stderr
+    superseded = (tmp_path / "run" / "metrics.superseded.jsonl").read_text()
+    assert superseded.endswith('{"step": 3, "lo\n')
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps[-1] == 3
+
+
+def test_resume_with_a_bad_metrics_line(finished_run, tmp_path):
+    path = resumable_copy(finished_run, tmp_path)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    assert the_error(run_cli("train", str(path), "--resume")) == (
+        f"error: line 2 of {metrics} is not a metrics record ('garbage'): delete that line, "
+        "or move the file aside, and run again"
+    )
+
+
+@pytest.mark.parametrize(
+    "garbage, problem",
+    [
+        (
+            b"\x00\x01\xff\xfe",
+            " is not UTF-8 text at line 1, column 3: byte 0xff (invalid start byte)",
+        ),
+        (b"- just\n- a list\n", ": the top level must be a mapping of keys, got list"),
+    ],
+)
+def test_resume_with_a_garbage_recorded_config(finished_run, tmp_path, garbage, problem):
+    path = resumable_copy(finished_run, tmp_path)
+    recorded = tmp_path / "run" / "config.yaml"
+    recorded.write_bytes(garbage)
+    assert the_error(run_cli("train", str(path), "--resume")) == (
+        f"error: --resume: the run's recorded config {str(recorded)!r}{problem}; restore it, "
+        "or delete it to record this run's config instead"
+    )
