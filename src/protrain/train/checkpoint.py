@@ -1,4 +1,4 @@
-"""Resumable training checkpoints, written atomically and read without unpickling.
+"""Resumable training checkpoints: atomic, verified, read without unpickling.
 
 Layout of `output_dir/checkpoint-<step>/`:
     model.safetensors      trainable parameters (all of them for full fine-tuning), fp32 master
@@ -6,32 +6,61 @@ Layout of `output_dir/checkpoint-<step>/`:
     rng.safetensors        torch CPU and CUDA generator states
     state.json             step, data position, optimizer param groups and scalar state,
                            scheduler state, Python and NumPy RNG states
+    manifest.json          every other file's size and sha256
 
-[Note: atomic save] Everything is written into `.tmp-checkpoint-<step>` next to the final
-directory, each file is fsynced, and only then is the directory renamed into place. A
-process killed mid-save leaves a `.tmp-*` directory that the next run removes, and every
-`checkpoint-*` directory that exists is complete. Only after a rename succeeds are older
-checkpoints pruned to `save_total_limit`.
+[Note: atomic save]
+Everything is written into `.tmp-checkpoint-<step>` next to the final directory and
+fsynced; each file is then read back and hashed into `manifest.json`, written last; only
+then is the directory renamed into place. So every `checkpoint-*` that exists is complete
+and carries the hashes of what was written. A process killed mid-save leaves a `.tmp-*`
+directory: `--resume` removes it, or renames it into place when its manifest verifies (a
+kill between the manifest and the rename).
+
+[Note: pruning]
+A checkpoint leaves the `checkpoint-*` namespace before anything of it is deleted: it is
+renamed to `.trash-checkpoint-<step>` (atomic), and only then removed; a kill mid-prune
+leaves a `.trash-*` directory that the next save or `--resume` removes. Older checkpoints
+are pruned to `save_total_limit` only after the new one is in place and verified, and the
+newest checkpoint is never pruned.
+
+[Note: verified resume]
+`--resume` hashes every file of the newest checkpoint against its manifest before reading
+a byte of it as data. A damaged one (a file missing, truncated or changed, no manifest) is
+moved to `.damaged-checkpoint-<step>`, named in one line, and the next older one is tried.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from protrain.train.errors import OutputDirError
+from protrain.train.log import logger
+from protrain.train.nonfinite import assert_finite
 
 FORMAT_VERSION = 1
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-checkpoint-"
+TRASH_PREFIX = ".trash-checkpoint-"
+DAMAGED_PREFIX = ".damaged-checkpoint-"
+MANIFEST = "manifest.json"
+_HASH_BLOCK_BYTES = 16 << 20
+# Room kept free beyond a checkpoint's tensors (state.json, metadata, the file system's own).
+_SPACE_MARGIN_BYTES = 64 << 20
 
 
 @dataclass
@@ -48,7 +77,7 @@ class Checkpoint:
 
 
 def list_checkpoints(output_dir: Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
+    """Checkpoint directories (complete by construction; see `verify`), oldest first."""
     if not output_dir.is_dir():
         return []
     found = [
@@ -62,15 +91,87 @@ def latest_checkpoint(output_dir: Path) -> Path | None:
     return checkpoints[-1] if checkpoints else None
 
 
-def remove_partial_saves(output_dir: Path) -> list[Path]:
-    """Delete `.tmp-checkpoint-*` left by a process that died while saving."""
-    removed = []
-    if output_dir.is_dir():
-        for p in output_dir.iterdir():
-            if p.name.startswith(TMP_PREFIX):
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+def clean_leftovers(output_dir: Path) -> list[str]:
+    """Finish what a killed process left: remove `.trash-*` and unfinished `.tmp-*` saves,
+    rename a `.tmp-*` save whose manifest verifies into place. One line each, to log."""
+    notes = []
+    if not output_dir.is_dir():
+        return notes
+    for p in sorted(output_dir.iterdir()):
+        if p.name.startswith(TRASH_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)
+            notes.append(f"removed {p}, a checkpoint whose pruning was interrupted")
+        elif p.name.startswith(TMP_PREFIX):
+            final = output_dir / f"checkpoint-{p.name.removeprefix(TMP_PREFIX)}"
+            if CHECKPOINT_RE.match(final.name) and not final.exists() and verify(p) is None:
+                p.rename(final)
+                _fsync(output_dir)
+                notes.append(f"completed {final}, a save interrupted before its rename")
+            else:
                 shutil.rmtree(p, ignore_errors=True)
-                removed.append(p)
-    return removed
+                notes.append(f"removed {p}, an unfinished checkpoint save")
+    return notes
+
+
+def verify(path: Path) -> str | None:
+    """None when every file of the checkpoint matches its manifest; else what is wrong."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+        expected = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+    except FileNotFoundError:
+        return f"no {MANIFEST}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return f"{MANIFEST} unreadable ({type(exc).__name__})"
+    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+        if name not in expected:
+            return f"{MANIFEST} does not list {name}"
+    for name, (size, _) in expected.items():
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} were written"
+    hashes = _hash_files([path / name for name in expected])
+    for name, (_, sha) in expected.items():
+        if hashes[path / name] != sha:
+            return f"{name} does not match its sha256 (changed after it was written)"
+    return None
+
+
+def find_resume_checkpoint(output_dir: Path) -> Path:
+    """The newest checkpoint that verifies; damaged ones are moved aside and named."""
+    for note in clean_leftovers(output_dir):
+        logger.warning(note)
+    damaged = []
+    for path in reversed(list_checkpoints(output_dir)):
+        problem = verify(path)
+        if problem is None:
+            if damaged:
+                logger.warning(
+                    "--resume: %s is damaged (%s) and was moved to %s; resuming from %s, the "
+                    "newest intact checkpoint",
+                    damaged[0][0],
+                    damaged[0][1],
+                    damaged[0][2],
+                    path.name,
+                )
+            return path
+        aside = _move_aside(path)
+        damaged.append((path.name, problem, aside.name))
+    if not damaged:
+        raise OutputDirError(
+            f"--resume: no checkpoint-* directory in output_dir {str(output_dir)!r} to resume from"
+        )
+    names = "; ".join(f"{name}: {problem}" for name, problem, _ in damaged)
+    raise OutputDirError(
+        f"--resume: no intact checkpoint in output_dir {str(output_dir)!r} ({names}); they "
+        f"were moved to {DAMAGED_PREFIX}*; start a new run without --resume"
+    )
 
 
 def save_checkpoint(
@@ -83,62 +184,84 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     save_total_limit: int | None,
 ) -> Path:
+    """Write checkpoint-`step` atomically, verified; then prune older ones (see the Notes)."""
+    assert_finite(model_state, f"checkpoint-{step}")
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"{TMP_PREFIX}{step}"
+    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
+    _check_free_space(output_dir, final, [model_state, opt_tensors])
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+        _save_tensors(tmp / "model.safetensors", model_state)
+        _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
+        rng_tensors, rng_json = _capture_rng()
+        _save_tensors(tmp / "rng.safetensors", rng_tensors)
+        state = {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "trainer": trainer_state,
+            "optimizer": opt_meta,
+            "scheduler": scheduler_state,
+            "rng": rng_json,
+        }
+        _write_text(tmp / "state.json", json.dumps(state, indent=1))
+        _write_manifest(tmp)
+        _fsync(tmp)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutputDirError(
+                f"no space left in output_dir {str(output_dir)!r} while saving checkpoint-{step} "
+                f"(it needs about {_gib(_tensor_bytes([model_state, opt_tensors]))}); nothing "
+                f"of it was kept, {_newest_note(output_dir)}; free some space, then resume"
+            ) from None
+        raise
 
-    _save_tensors(tmp / "model.safetensors", model_state)
-    opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
-    _save_tensors(tmp / "optimizer.safetensors", opt_tensors)
-    rng_tensors, rng_json = _capture_rng()
-    _save_tensors(tmp / "rng.safetensors", rng_tensors)
-    state = {
-        "format_version": FORMAT_VERSION,
-        "step": step,
-        "trainer": trainer_state,
-        "optimizer": opt_meta,
-        "scheduler": scheduler_state,
-        "rng": rng_json,
-    }
-    _write_text(tmp / "state.json", json.dumps(state, indent=1))
-    _fsync(tmp)
-
-    if final.exists():  # the same step saved again after a resume: replace it
-        old = output_dir / f"{TMP_PREFIX}{step}-old"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
+    if final.exists():  # the same step saved again: the old copy leaves the namespace first
+        _trash(final)
+    tmp.rename(final)
     _fsync(output_dir)
 
     if save_total_limit is not None:
+        problem = _check_renamed(final)
+        if problem is not None:
+            raise OutputDirError(f"{final} failed its check right after the save: {problem}")
         for stale in list_checkpoints(output_dir)[:-save_total_limit]:
-            shutil.rmtree(stale)
+            if stale != final:
+                _trash(stale)
+    _remove_trash(output_dir)
     return final
 
 
 def load_checkpoint(path: Path) -> Checkpoint:
-    state = json.loads((path / "state.json").read_text())
-    if state.get("format_version") != FORMAT_VERSION:
-        raise ValueError(
-            f"{path}: checkpoint format {state.get('format_version')} is not supported"
+    """Read a checkpoint that `verify` passed."""
+    try:
+        state = json.loads((path / "state.json").read_text())
+        if state.get("format_version") != FORMAT_VERSION:
+            raise OutputDirError(
+                f"{path}: checkpoint format {state.get('format_version')} is not supported"
+            )
+        opt_tensors = load_file(path / "optimizer.safetensors")
+        return Checkpoint(
+            path=path,
+            step=state["step"],
+            model_state=load_file(path / "model.safetensors"),
+            optimizer_state=_join_optimizer_state(opt_tensors, state["optimizer"]),
+            scheduler_state=state["scheduler"],
+            trainer_state=state["trainer"],
+            rng_tensors=load_file(path / "rng.safetensors"),
+            rng_python=state["rng"]["python"],
+            rng_numpy=state["rng"]["numpy"],
         )
-    opt_tensors = load_file(path / "optimizer.safetensors")
-    return Checkpoint(
-        path=path,
-        step=state["step"],
-        model_state=load_file(path / "model.safetensors"),
-        optimizer_state=_join_optimizer_state(opt_tensors, state["optimizer"]),
-        scheduler_state=state["scheduler"],
-        trainer_state=state["trainer"],
-        rng_tensors=load_file(path / "rng.safetensors"),
-        rng_python=state["rng"]["python"],
-        rng_numpy=state["rng"]["numpy"],
-    )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        # A checkpoint that verified but does not parse was written wrong: name it.
+        raise OutputDirError(
+            f"--resume: {path} does not parse ({type(exc).__name__}: {exc}); move it away "
+            "to resume from the one before"
+        ) from None
 
 
 def restore_rng(ckpt: Checkpoint) -> None:
@@ -216,8 +339,101 @@ def _json_scalars(value: Any) -> Any:
     return value
 
 
+def _trash(path: Path) -> None:
+    """Take a checkpoint out of the `checkpoint-*` namespace (atomic); removed later."""
+    path.rename(path.with_name(TRASH_PREFIX + path.name.removeprefix("checkpoint-")))
+    _fsync(path.parent)
+
+
+def _remove_trash(output_dir: Path) -> None:
+    for p in output_dir.iterdir():
+        if p.name.startswith(TRASH_PREFIX):
+            shutil.rmtree(p)
+
+
+def _move_aside(path: Path) -> Path:
+    """A damaged checkpoint leaves the namespace, kept for inspection."""
+    aside = path.with_name(DAMAGED_PREFIX + path.name.removeprefix("checkpoint-"))
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{DAMAGED_PREFIX}{path.name.removeprefix('checkpoint-')}.{n}")
+    path.rename(aside)
+    _fsync(path.parent)
+    return aside
+
+
+def _write_manifest(tmp: Path) -> None:
+    """Hash what was written, read back from the files themselves."""
+    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+    hashes = _hash_files(files)
+    manifest = {
+        "files": {p.name: {"bytes": p.stat().st_size, "sha256": hashes[p]} for p in files},
+    }
+    _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _check_renamed(path: Path) -> str | None:
+    """After the rename: the manifest lists every file with its size (the hashes were taken
+    from the files just before)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError) as exc:
+        return f"{MANIFEST} unreadable ({type(exc).__name__})"
+    for name, f in files.items():
+        if not (path / name).is_file() or (path / name).stat().st_size != f["bytes"]:
+            return f"{name} does not match {MANIFEST}"
+    return None
+
+
+def _hash_files(paths: list[Path]) -> dict[Path, str]:
+    """sha256 of each file, files in parallel (hashlib releases the GIL)."""
+    if not paths:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(4, len(paths))) as pool:
+        return dict(zip(paths, pool.map(_sha256, paths), strict=True))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK_BYTES):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tensor_bytes(groups: list[dict[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for g in groups for t in g.values())
+
+
+def _check_free_space(output_dir: Path, final: Path, groups: list[dict[str, torch.Tensor]]) -> None:
+    needed = _tensor_bytes(groups) + _SPACE_MARGIN_BYTES
+    free = shutil.disk_usage(output_dir).free
+    if free < needed:
+        raise OutputDirError(
+            f"not enough space in output_dir {str(output_dir)!r} for {final.name}: it needs "
+            f"about {_gib(needed)}, {_gib(free)} are free; nothing was written, "
+            f"{_newest_note(output_dir)}; free some space, then resume"
+        )
+
+
+def _newest_note(output_dir: Path) -> str:
+    newest = latest_checkpoint(output_dir)
+    return f"{newest.name} is the newest checkpoint" if newest else "no checkpoint was saved yet"
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+    try:
+        save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as exc:  # its I/O errors as the OSError they are
+        code = re.search(r"os error (\d+)", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), f"{os.strerror(int(code[1]))}: {path}") from None
     _fsync(path)
 
 

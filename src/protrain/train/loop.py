@@ -1,13 +1,15 @@
 """The training loop of `protrain train`, one story from config to exported model.
 
-1. check the output directory, log the resolved config, seed everything;
+1. lock the output directory (one run per folder) and check it, log the resolved config,
+   seed everything;
 2. tokenizer and data, validated in full before anything is written;
 3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
    engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
    chose for the first micro-batch under `memory.auto`; the LR scheduler;
-4. resume from the latest checkpoint when asked;
-5. the loop: gradient accumulation over micro-batches, global-norm clipping, optimizer and
-   scheduler steps, metrics, evaluation and checkpoints;
+4. resume from the newest intact checkpoint when asked;
+5. the loop: gradient accumulation over micro-batches, global-norm clipping, the non-finite
+   check, optimizer and scheduler steps, metrics, evaluation and checkpoints; SIGINT and
+   SIGTERM stop it at a step boundary, saved;
 6. export: Hugging Face format for full fine-tuning, a PEFT adapter directory otherwise.
 """
 
@@ -47,8 +49,11 @@ from protrain.train.modeling import (
     resolve_autocast_dtype,
     resolve_device,
 )
+from protrain.train.nonfinite import NonFiniteGuard, assert_finite
 from protrain.train.planning import sample_batch
+from protrain.train.run_lock import RunLock, check_free_space
 from protrain.train.sampling import MicroBatchStream, StreamPosition
+from protrain.train.stop_signals import StopSignals, TrainingStopped, resume_command
 from protrain.train.trainable import Trainable, make_trainable
 
 
@@ -61,15 +66,21 @@ class TrainResult:
 
 
 def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
-    """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run."""
-    with sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device)):
-        return _train(cfg, resume=resume)
-
-
-def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
+    """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run,
+    the output directory locked against a second run. Stopped by SIGINT or SIGTERM, it
+    saves and raises `TrainingStopped` (a SystemExit of status 130 or 143)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
+    with (
+        RunLock(output_dir),
+        sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device)),
+    ):
+        return _train(cfg, output_dir, resume=resume)
+
+
+def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
     resume_from = _check_output_dir(output_dir, resume)
+    check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, resume_from), "a checkpoint")
     logger.info("resolved config:\n%s", _yaml(cfg))
     seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
@@ -110,6 +121,7 @@ def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
         "seed": cfg.seed,
     }
     position, step, tokens_seen = StreamPosition(), 0, 0
+    last_saved = resume_from
     if resume_from is not None:
         state = ckpt.load_checkpoint(resume_from)
         _check_data_order(state.trainer_state.get("data_order"), data_order, resume_from)
@@ -134,8 +146,28 @@ def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
     else:
         if set_aside_metrics(output_dir):
             logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
-        output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.yaml").write_text(_yaml(cfg))
+    guard = NonFiniteGuard(
+        cfg.nonfinite, learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm
+    )
+    logger.info("checkpoints: %s", _describe_saving(cfg))
+
+    def save(step: int) -> Path:
+        return ckpt.save_checkpoint(
+            output_dir,
+            step,
+            # views, not copies: a save must not double the host's model states
+            model_state=trainable.model_state(copy=False),
+            optimizer_state=trainable.optimizer_state(copy=False),
+            scheduler_state=scheduler.state_dict(),
+            trainer_state={
+                "position": vars(position),
+                "tokens_seen": tokens_seen,
+                "data_order": data_order,
+                "extra": trainable.extra_state(),
+            },
+            save_total_limit=cfg.save_total_limit,
+        )
 
     # -- 5. the loop
     metrics = MetricsWriter(output_dir)
@@ -145,96 +177,114 @@ def _train(cfg: TrainConfig, *, resume: bool) -> TrainResult:
     # Throughput counts training time only, not evaluation or checkpoint saves.
     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
     tokens_logged = 0  # tokens of the current window already added to tokens_seen
+    last_save_s = time.monotonic()
+    stops = StopSignals()
     try:
-        while step < total_steps:
-            step_start = time.perf_counter()
-            micro = []
-            for _ in range(cfg.gradient_accumulation_steps):
-                position, rows = next(batches)
-                micro.append(collate([train_data[i] for i in rows]))
-            n_trained = sum(count_trained_tokens(b["labels"]) for b in micro)
-            step_loss = 0.0
-            for i, batch in enumerate(micro):
-                loss_sum = trainable.forward_loss_sum(batch)
-                trainable.backward(loss_sum / max(n_trained, 1), last=i == len(micro) - 1)
-                step_loss += loss_sum.item()
-                window_tokens += _n_tokens(batch)
-            grad_norm = trainable.clip_grad_norm(cfg.max_grad_norm)
-            trainable.optimizer_step()
-            scheduler.step()
-            step += 1
-            loss = step_loss / max(n_trained, 1)
-            result.losses.append(loss)
-            window_loss += loss
-            window_steps += 1
-            window_time += time.perf_counter() - step_start
-            tokens_seen += window_tokens - tokens_logged
-            tokens_logged = window_tokens
-            progress.update(1)
+        with stops:
+            while step < total_steps and stops.requested is None:
+                step_start = time.perf_counter()
+                micro = []
+                for _ in range(cfg.gradient_accumulation_steps):
+                    position, rows = next(batches)
+                    micro.append(collate([train_data[i] for i in rows]))
+                n_trained = sum(count_trained_tokens(b["labels"]) for b in micro)
+                step_loss = 0.0
+                for i, batch in enumerate(micro):
+                    loss_sum = trainable.forward_loss_sum(batch)
+                    last = i == len(micro) - 1
+                    if last:  # read before its backward, which may begin the update
+                        step_loss += loss_sum.item()
+                    trainable.backward(
+                        loss_sum / max(n_trained, 1), last=last, may_step=math.isfinite(step_loss)
+                    )
+                    if not last:
+                        step_loss += loss_sum.item()
+                    window_tokens += _n_tokens(batch)
+                grad_norm = trainable.clip_grad_norm(cfg.max_grad_norm)
+                loss = step_loss / max(n_trained, 1)
+                checked_norm = None if trainable.skips_overflow else grad_norm
+                if guard.allows(step + 1, loss, checked_norm, _saved_note(last_saved)):
+                    trainable.optimizer_step()
+                else:
+                    trainable.skip_step()
+                scheduler.step()
+                step += 1
+                result.losses.append(loss)
+                window_loss += loss
+                window_steps += 1
+                window_time += time.perf_counter() - step_start
+                tokens_seen += window_tokens - tokens_logged
+                tokens_logged = window_tokens
+                progress.update(1)
 
-            # A planned placement compares its prediction with the first steps once; a
-            # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
-            plan_record = trainable.check_plan(step, total_steps)
-            if plan_record is not None:
-                metrics.write(step, plan_record)
-                scheduler.optimizer = trainable.optimizer
+                # A planned placement compares its prediction with the first steps once; a
+                # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
+                plan_record = trainable.check_plan(step, total_steps)
+                if plan_record is not None:
+                    metrics.write(step, plan_record)
+                    scheduler.optimizer = trainable.optimizer
 
-            if step % cfg.logging_steps == 0 or step == total_steps:
-                record = {
-                    "epoch": round(stream.fractional_epoch(position), 4),
-                    "loss": window_loss / window_steps,
-                    "lr": scheduler.get_last_lr()[0],
-                    "grad_norm": grad_norm,
-                    "tokens_per_s": window_tokens / max(window_time, 1e-9),
-                    "tokens_seen": tokens_seen,
-                }
-                if device.type == "cuda":
-                    record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                metrics.write(step, record)
-                postfix = {
-                    "loss": f"{record['loss']:.4f}",
-                    "lr": f"{record['lr']:.2e}",
-                    "tok_s": f"{record['tokens_per_s']:.0f}",
-                }
-                if "gpu_peak_gib" in record:
-                    postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
-                progress.set_postfix(postfix)
-                progress.write(_format_log(step, total_steps, record))
-                window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-                tokens_logged = 0
-
-            if (
-                eval_data is not None
-                and cfg.eval.steps
-                and (step % cfg.eval.steps == 0 or step == total_steps)
-            ):
-                eval_loss = evaluate(trainable, eval_data, collate, cfg)
-                metrics.write(step, {"eval_loss": eval_loss})
-                progress.write(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
-
-            if cfg.save_steps and (step % cfg.save_steps == 0 or step == total_steps):
-                path = ckpt.save_checkpoint(
-                    output_dir,
-                    step,
-                    # views, not copies: a save must not double the host's model states
-                    model_state=trainable.model_state(copy=False),
-                    optimizer_state=trainable.optimizer_state(copy=False),
-                    scheduler_state=scheduler.state_dict(),
-                    trainer_state={
-                        "position": vars(position),
+                if step % cfg.logging_steps == 0 or step == total_steps:
+                    record = {
+                        "epoch": round(stream.fractional_epoch(position), 4),
+                        "loss": window_loss / window_steps,
+                        "lr": scheduler.get_last_lr()[0],
+                        "grad_norm": grad_norm,
+                        "tokens_per_s": window_tokens / max(window_time, 1e-9),
                         "tokens_seen": tokens_seen,
-                        "data_order": data_order,
-                        "extra": trainable.extra_state(),
-                    },
-                    save_total_limit=cfg.save_total_limit,
+                    }
+                    if device.type == "cuda":
+                        record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                    metrics.write(step, record)
+                    postfix = {
+                        "loss": f"{record['loss']:.4f}",
+                        "lr": f"{record['lr']:.2e}",
+                        "tok_s": f"{record['tokens_per_s']:.0f}",
+                    }
+                    if "gpu_peak_gib" in record:
+                        postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
+                    progress.set_postfix(postfix)
+                    progress.write(_format_log(step, total_steps, record))
+                    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+                    tokens_logged = 0
+
+                if (
+                    eval_data is not None
+                    and stops.requested is None
+                    and cfg.eval.steps
+                    and (step % cfg.eval.steps == 0 or step == total_steps)
+                ):
+                    eval_loss = evaluate(trainable, eval_data, collate, cfg)
+                    metrics.write(step, {"eval_loss": eval_loss})
+                    progress.write(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
+
+                if _save_due(cfg, step, total_steps, last_save_s) or stops.requested is not None:
+                    last_saved = save(step)
+                    last_save_s = time.monotonic()
+                    logger.info("saved %s", last_saved)
+            if stops.requested is not None:
+                if last_saved != output_dir / f"checkpoint-{step}":
+                    last_saved = save(step)
+                name = signal_name(stops.requested)
+                logger.warning(
+                    "stopped by %s at step %d/%d, saved in %s; resume with: %s",
+                    name,
+                    step,
+                    total_steps,
+                    last_saved,
+                    resume_command(),
                 )
-                logger.info("saved %s", path)
+                raise TrainingStopped(stops.requested)
+    except BaseException:
+        trainable.close()  # the engine's threads and buffers
+        raise
     finally:
         progress.close()
         metrics.close()
 
     # -- 6. export
     result.steps = step
+    assert_finite(trainable.model_state(copy=False), "the final model")
     export(trainable, built, cfg, result.final_dir)
     trainable.close()
     logger.info("exported the trained model to %s", result.final_dir)
@@ -279,23 +329,75 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> No
 
 
 def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
-    """Refuse to overwrite earlier work; with `resume`, return the checkpoint to load."""
+    """Refuse to overwrite earlier work; with `resume`, return the newest intact checkpoint
+    (what a killed run left is cleaned up first, damaged checkpoints moved aside)."""
     if resume:
-        removed = ckpt.remove_partial_saves(output_dir)
-        for p in removed:
-            logger.warning("removed %s, an unfinished checkpoint save", p)
-        latest = ckpt.latest_checkpoint(output_dir)
-        if latest is None:
-            raise OutputDirError(
-                f"--resume: no checkpoint-* directory in output_dir {str(output_dir)!r} to resume from"
-            )
-        return latest
+        return ckpt.find_resume_checkpoint(output_dir)
     if ckpt.list_checkpoints(output_dir) or (output_dir / "final").exists():
         raise OutputDirError(
             f"output_dir {str(output_dir)!r} already holds a training run; pass --resume to "
             "continue it, or choose another output_dir"
         )
+    for note in ckpt.clean_leftovers(output_dir):
+        logger.warning(note)
     return None
+
+
+def _estimate_checkpoint_bytes(cfg: TrainConfig, resume_from: Path | None) -> int:
+    """A checkpoint's size before anything is loaded: the last one's on resume; for full
+    fine-tuning, 12 bytes a parameter (weight and two AdamW moments in fp32) of the model
+    config, where it is on this machine; else 0 (each save checks the exact size)."""
+    if resume_from is not None:
+        return ckpt.checkpoint_bytes(resume_from)
+    if cfg.adapter.enabled:
+        return 0
+    from protrain.train.modeling import TINY, TINY_MODEL_CONFIG
+
+    source = cfg.model.name_or_path
+    if source == TINY:
+        spec = json.loads(TINY_MODEL_CONFIG.read_text())
+    elif (Path(source) / "config.json").is_file():
+        spec = json.loads((Path(source) / "config.json").read_text())
+    else:
+        return 0
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(**spec)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # an estimate only: the save checks the exact size
+        return 0
+    return 12 * sum(p.numel() for p in model.parameters())
+
+
+def _describe_saving(cfg: TrainConfig) -> str:
+    limit = f"keeping the last {cfg.save_total_limit}" if cfg.save_total_limit else "keeping all"
+    if cfg.save_steps:
+        return f"every {cfg.save_steps} steps and at the end, {limit}"
+    if cfg.save_minutes:
+        return f"every {cfg.save_minutes:g} minutes (save_minutes; save_steps unset), {limit}"
+    return "none (save_steps and save_minutes unset): a stopped run resumes from nothing"
+
+
+def _save_due(cfg: TrainConfig, step: int, total_steps: int, last_save_s: float) -> bool:
+    if cfg.save_steps:
+        return step % cfg.save_steps == 0 or step == total_steps
+    if cfg.save_minutes and step < total_steps:  # the last step is exported anyway
+        return time.monotonic() - last_save_s >= cfg.save_minutes * 60
+    return False
+
+
+def _saved_note(last_saved: Path | None) -> str:
+    if last_saved is None:
+        return "no checkpoint was saved yet"
+    return f"{last_saved.name} is the last checkpoint, untouched"
+
+
+def signal_name(signum: int) -> str:
+    import signal
+
+    return signal.Signals(signum).name
 
 
 def _total_steps(cfg: TrainConfig, stream: MicroBatchStream) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -134,9 +135,19 @@ class Trainable(abc.ABC):
             self.activations.remove()
             self.activations = None
 
-    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
-        """Backpropagate one micro-batch; ``last``: the last of the optimizer step."""
+    def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
+        """Backpropagate one micro-batch; ``last``: the last of the optimizer step;
+        ``may_step`` False: the step's loss is not finite, no update may begin in backward."""
         loss.backward()
+
+    @property
+    def skips_overflow(self) -> bool:
+        """True where fp16 loss scaling skips a step with inf/nan gradients by itself."""
+        return False
+
+    def skip_step(self) -> None:
+        """Drop the step's gradients without updating anything (a non-finite step)."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
         """After optimizer step `step`: a metrics record when the placement's plan was
@@ -145,7 +156,8 @@ class Trainable(abc.ABC):
 
     @abc.abstractmethod
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
-        """Clip the global gradient norm to `max_norm` (None: no clipping); return the norm."""
+        """Clip the global gradient norm to `max_norm` (None: no clipping); return the norm,
+        taken either way (None only without clipping where `skips_overflow`)."""
 
     @abc.abstractmethod
     def optimizer_step(self) -> None:
@@ -214,8 +226,17 @@ class PlainTrainable(Trainable):
         )
         self.scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
 
-    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
+    def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    @property
+    def skips_overflow(self) -> bool:
+        return self.scaler is not None
+
+    def skip_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.update()  # ends the step that unscale_ began (and lowers the scale)
+        super().skip_step()
 
     def extra_state(self) -> dict[str, Any]:
         return {"grad_scaler": self.scaler.state_dict()} if self.scaler is not None else {}
@@ -234,7 +255,10 @@ class PlainTrainable(Trainable):
             self.scaler.unscale_(self.optimizer)
         params = [p for p in self.model.parameters() if p.grad is not None]
         if max_norm is None:
-            return None
+            if self.scaler is not None:
+                return None
+            grads = [p.grad for p in params]
+            return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def optimizer_step(self) -> None:
@@ -301,20 +325,61 @@ class EngineTrainable(Trainable):
     def _choose_step_mode(self, cfg: TrainConfig) -> None:
         # Without clipping or fp16 loss scaling, offloaded chunks start their AdamW inside
         # the last backward of each step (HybridAdamW.step_in_backward; same arithmetic).
-        self._step_in_backward = cfg.max_grad_norm is None and not self.optimizer.scaler.enabled
+        # Not under nonfinite.policy: skip: see [Note: non-finite steps] in nonfinite.py.
+        self._step_in_backward = (
+            cfg.max_grad_norm is None
+            and not self.optimizer.scaler.enabled
+            and cfg.nonfinite.policy == "stop"
+        )
+        self._armed = False
 
-    def backward(self, loss: torch.Tensor, last: bool = False) -> None:
-        if last and self._step_in_backward:
+    def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
+        if last and may_step and self._step_in_backward:
             self.optimizer.step_in_backward()
+            self._armed = True
         # fp16: times the engine's dynamic loss scale, which clip and step divide out again
         self.optimizer.scale_loss(loss).backward()
 
+    @property
+    def skips_overflow(self) -> bool:
+        return self.optimizer.scaler.enabled
+
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
-        if max_norm is None:
+        if max_norm is not None:
+            return float(self.optimizer.clip_grad_norm_(max_norm))
+        if self._armed:
+            return self._armed_grad_norm()
+        if self.optimizer.scaler.enabled:
             return None
-        return float(self.optimizer.clip_grad_norm_(max_norm))
+        # The norm without clipping: a coefficient of exactly 1.0, which changes no bit.
+        return float(self.optimizer.clip_grad_norm_(math.inf))
+
+    @torch.no_grad()
+    def _armed_grad_norm(self) -> float:
+        """The global gradient norm after a backward armed by `step_in_backward`, from the
+        per-tensor norms the gradient sink took (as `clip_grad_norm_` combines them, which
+        refuses once updates may have begun). Reads the optimizer's slots: HybridAdamW has
+        no public accessor for it."""
+        opt = self.optimizer
+        opt._wait_accumulations()
+        manager = opt._manager
+        if manager.is_cuda:  # offloaded norms are taken on the gradient offload stream
+            torch.cuda.current_stream(manager.device).wait_stream(manager.grad_offload_stream)
+        persistent = [s.grad_acc for s in opt._persistent_slots if s.has_grad]
+        norms = list(torch._foreach_norm(persistent)) if persistent else []
+        norms += [
+            s.grad_norm.to(manager.device)
+            for s in opt._slots
+            if s.has_grad and not manager.chunks[s.chunk].persistent and s.grad_norm is not None
+        ]
+        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+
+    def skip_step(self) -> None:
+        self.optimizer.synchronize()  # no accumulation still writes a gradient being dropped
+        self.optimizer.zero_grad()
 
     def optimizer_step(self) -> None:
+        self._armed = False
         self.optimizer.step()
         self.optimizer.zero_grad()
 
@@ -442,6 +507,10 @@ class AutoTrainable(EngineTrainable):
         self._last_step_s = step_s
         if self._steps_run == self.PEAK_STEPS:
             self._stop_peak_counter()
+
+    def skip_step(self) -> None:
+        super().skip_step()
+        self._t_step, self._micro = None, 0  # a skipped step is not timed
 
     def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
         from protrain.plan import NoPlanFits, check_plan
