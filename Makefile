@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_INDEX ?= $(if $(wildcard /etc/xdg/pip),,--index-url https://download.pytorch.org/whl/cpu)
 endif
 
-.PHONY: install run test lint format clean
+.PHONY: install run test test-quick lint format clean
 
 $(BIN)/protrain: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The unit tests of data, config, block discovery and the planner's search: no training run.
+QUICK_TESTS ?= tests/data tests/model tests/train/test_config.py tests/plan/test_search.py \
+	tests/plan/test_runtime_model.py tests/plan/test_segments.py
+test-quick: install
+	$(BIN)/python -m pytest -q -m "not slow" $(QUICK_TESTS)
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks scripts
