@@ -95,9 +95,10 @@ def checkpoint_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
 
 
-def clean_leftovers(output_dir: Path) -> list[str]:
-    """Finish what a killed process left: remove `.trash-*` and unfinished `.tmp-*` saves,
-    rename a `.tmp-*` save whose manifest verifies into place. One line each, to log."""
+def clean_leftovers(output_dir: Path, *, complete_saves: bool = True) -> list[str]:
+    """Finish what a killed process left: remove `.trash-*` and unfinished `.tmp-*` saves;
+    `complete_saves`: rename a `.tmp-*` save whose manifest verifies into place (else it is
+    removed too). One line each, to log."""
     notes = []
     if not output_dir.is_dir():
         return notes
@@ -107,7 +108,8 @@ def clean_leftovers(output_dir: Path) -> list[str]:
             notes.append(f"removed {p}, a checkpoint whose pruning was interrupted")
         elif p.name.startswith(TMP_PREFIX):
             final = output_dir / f"checkpoint-{p.name.removeprefix(TMP_PREFIX)}"
-            if CHECKPOINT_RE.match(final.name) and not final.exists() and verify(p) is None:
+            complete = complete_saves and CHECKPOINT_RE.match(final.name) and not final.exists()
+            if complete and verify(p) is None:
                 p.rename(final)
                 _fsync(output_dir)
                 notes.append(f"completed {final}, a save interrupted before its rename")
@@ -215,7 +217,7 @@ def save_checkpoint(
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OutputDirError(
                 f"no space left in output_dir {str(output_dir)!r} while saving checkpoint-{step} "
-                f"(it needs about {_gib(_tensor_bytes([model_state, opt_tensors]))}); nothing "
+                f"(it needs about {_size(_tensor_bytes([model_state, opt_tensors]))}); nothing "
                 f"of it was kept, {_newest_note(output_dir)}; free some space, then resume"
             ) from None
         raise
@@ -412,7 +414,7 @@ def _check_free_space(output_dir: Path, final: Path, groups: list[dict[str, torc
     if free < needed:
         raise OutputDirError(
             f"not enough space in output_dir {str(output_dir)!r} for {final.name}: it needs "
-            f"about {_gib(needed)}, {_gib(free)} are free; nothing was written, "
+            f"about {_size(needed)}, {_size(free)} are free; nothing was written, "
             f"{_newest_note(output_dir)}; free some space, then resume"
         )
 
@@ -422,8 +424,8 @@ def _newest_note(output_dir: Path) -> str:
     return f"{newest.name} is the newest checkpoint" if newest else "no checkpoint was saved yet"
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:

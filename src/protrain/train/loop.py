@@ -338,7 +338,7 @@ def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
             f"output_dir {str(output_dir)!r} already holds a training run; pass --resume to "
             "continue it, or choose another output_dir"
         )
-    for note in ckpt.clean_leftovers(output_dir):
+    for note in ckpt.clean_leftovers(output_dir, complete_saves=False):  # a new run
         logger.warning(note)
     return None
 

@@ -82,9 +82,13 @@ def check_free_space(output_dir: Path, needed_bytes: int, what: str) -> None:
     free = shutil.disk_usage(output_dir).free
     if free < needed_bytes:
         raise OutputDirError(
-            f"output_dir {str(output_dir)!r} has {free / 2**30:.2f} GiB free, {what} needs "
-            f"about {needed_bytes / 2**30:.2f} GiB; free some space or choose another output_dir"
+            f"output_dir {str(output_dir)!r} has {_size(free)} free, {what} needs about "
+            f"{_size(needed_bytes)}; free some space or choose another output_dir"
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def _os_problem(out: Path, exc: OSError) -> str:
