@@ -288,11 +288,12 @@ def _wait_for_line(log: Path, text: str, pid_status, timeout_s: float = 120) -> 
 def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_path, cli):
     overrides = dict(max_steps=40, save_steps=1, save_total_limit=2, **SMALL_STEPS)
     straight_path = write_config(tmp_path, tiny_config(tmp_path / "a", **overrides), "a.yaml")
+    t0 = time.monotonic()
     pid = cli.start(["train", str(straight_path)], tmp_path / "a.log")
     _wait_for_line(tmp_path / "a.log", "step 1/40", lambda: None)
     t1 = time.monotonic()
     assert cli.wait(pid) == 0
-    step_s = (time.monotonic() - t1) / 39
+    startup_s, step_s = t1 - t0, (time.monotonic() - t1) / 39
     straight = weights(tmp_path / "a" / "run" / "final")
 
     path = write_config(tmp_path, tiny_config(tmp_path / "b", **overrides), "b.yaml")
@@ -308,8 +309,10 @@ def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_pa
         "_save_tensors:4:after",
         "_trash:2:after",
     ]
-    # ... then at random moments: during start-up and resume, or once steps run again,
-    # within two steps (each step saves and prunes: a good share of them land there)
+    # ... then at random moments: during start-up and resume, or within a step once a new
+    # checkpoint shows that steps run again (each step saves and prunes: a good share of
+    # these land there). Each kill lets at most about two steps through, so that 18 of
+    # them cannot finish the 40 steps.
     n_kills, kills, resumes = 24, 0, 0
     while True:
         resume = run.exists() and bool(checkpoint_dirs(run))
@@ -318,10 +321,15 @@ def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_pa
         log = tmp_path / f"b{kills}.log"
         pid = cli.start(args, log, env)
         if len(targeted) <= kills < n_kills:
-            if kills % 2 and _wait_for_line(log, "step ", lambda: None):
-                time.sleep(rng.uniform(0, 2 * step_s))
+            if kills % 2:
+                before = set(checkpoint_dirs(run))
+                deadline = time.monotonic() + 120
+                while set(checkpoint_dirs(run)) <= before:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.005)
+                time.sleep(rng.uniform(0, step_s))
             else:
-                time.sleep(rng.uniform(0, 2.0))
+                time.sleep(rng.uniform(0, startup_s))
             os.kill(pid, signal.SIGKILL)
         status = cli.wait(pid)
         resumes += resume
