@@ -5,6 +5,11 @@ line to the results file (format: shared/BENCHMARKS.md, "Results format").
 
 `--tiny` swaps in a tiny model on the CPU with no budget: a check of the harness, not a
 measurement.
+
+Under `torchrun --nproc-per-node N` every rank runs the row on its own GPU (`LOCAL_RANK`)
+with the row's batch and budget each, on its own random batch; `tokens_per_s` is the whole
+job's (N x batch x seq per step), peaks are the largest over ranks, and rank 0 writes the
+row (`world_size` N).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="protrain: the app's chunked loss (memory.chunked_loss_tokens), N tokens of logits "
              "at a time, in training and in the planner's trace (default: the model's own loss)",
     )  # fmt: skip
+    p.add_argument(
+        "--distributed-mode", choices=["sharded", "replicated"],
+        help="protrain under torchrun: how offloaded chunks are kept across ranks",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -94,7 +103,8 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         device, model = torch.device("cpu"), "tiny"
         batch, seq, budget = args.batch or 2, args.seq or 32, None
     else:
-        device, model = torch.device("cuda", 0), workload.model
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        model = workload.model
         batch = args.batch or workload.batches[0]
         seq = args.seq or workload.seq
         budget = args.budget_gib if args.budget_gib is not None else workload.budget_gib
@@ -116,7 +126,37 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         host_threads=args.host_threads,
         auto=args.auto,
         chunked_loss_tokens=args.chunked_loss_tokens,
+        distributed_mode=args.distributed_mode,
+        world_size=_world_size(),
     )
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_ranks(spec: systems.RowSpec) -> None:
+    """Under torchrun: the default process group (NCCL for CUDA tensors, gloo for CPU ones,
+    which FSDP2's CPU offload uses), this rank bound to its GPU."""
+    if spec.world_size == 1:
+        return
+    import torch.distributed as dist
+
+    if spec.device.type == "cuda":
+        torch.cuda.set_device(spec.device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=spec.device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def _max_over_ranks(value: float) -> float:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def emulate_budget(spec: systems.RowSpec) -> None:
@@ -137,7 +177,8 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
         out.update(plan=trainer.plan, predicted_peak_gib=trainer.predicted_peak_gib)
         out["predicted_step_s"] = trainer.predicted_step_s
         vocab = MODEL_SHAPES[spec.model]["vocab_size"]
-        gen = torch.Generator(device=spec.device).manual_seed(0)
+        rank = int(os.environ.get("RANK", "0"))  # each rank its own batch
+        gen = torch.Generator(device=spec.device).manual_seed(rank)
         input_ids = torch.randint(vocab, (spec.batch, spec.seq), device=spec.device, generator=gen)
         extras_sum: dict[str, float] = {}
         for i in range(warmup + steps):
@@ -155,7 +196,9 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
                     extras_sum[k] = extras_sum.get(k, 0.0) + v
         _sync(spec.device)
         step_s = (time.perf_counter() - t0) / steps
-        out.update(step_s=round(step_s, 4), tokens_per_s=round(spec.batch * spec.seq / step_s, 1))
+        step_s = _max_over_ranks(step_s)
+        job_tokens = spec.batch * spec.seq * spec.world_size
+        out.update(step_s=round(step_s, 4), tokens_per_s=round(job_tokens / step_s, 1))
         out["loss"] = round(float(loss.detach()), 4)
         if spec.device.type == "cuda":  # cache flushes at the budget: a slow step's first suspect
             out["alloc_retries_per_step"] = (_alloc_retries(spec.device) - retries0) / steps
@@ -192,6 +235,7 @@ def _sync(device: torch.device) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     spec = row_spec(args)
+    init_ranks(spec)
     emulate_budget(spec)
     if spec.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(spec.device)
@@ -213,12 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         "status": result.pop("status"),
         "tokens_per_s": result.pop("tokens_per_s", None),
         "step_s": result.pop("step_s", None),
-        "peak_alloc_gib": round(torch.cuda.max_memory_allocated(spec.device) / _GIB, 2)
+        "peak_alloc_gib": round(
+            _max_over_ranks(torch.cuda.max_memory_allocated(spec.device)) / _GIB, 2
+        )
         if cuda
         else None,
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved(spec.device) / _GIB, 2)
+        "peak_reserved_gib": round(
+            _max_over_ranks(torch.cuda.max_memory_reserved(spec.device)) / _GIB, 2
+        )
         if cuda
         else None,
+        "world_size": spec.world_size,
+        # activation recompute: every decoder layer (HF) for the baselines and fixed knobs,
+        # the plan's policies in auto mode
+        "checkpointing": "plan" if spec.auto else "every-layer",
         "predicted_peak_gib": result.pop("predicted_peak_gib", None),
         "predicted_step_s": result.pop("predicted_step_s", None),
         "plan": result.pop("plan", None),
@@ -239,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if args.tiny:
         row["tiny"] = True
+    if int(os.environ.get("RANK", "0")) != 0:  # rank 0 writes the job's row
+        return 1 if row["status"] == "error" else 0
     out = args.out or REPO / "benchmarks" / "results" / f"{spec.workload}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("a") as f:

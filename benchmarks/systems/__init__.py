@@ -35,6 +35,8 @@ class RowSpec:
     host_threads: int | None = None  # protrain only: the host AdamW's intra-op threads
     auto: bool = False  # protrain only: the planner picks the knobs for budget_gib
     chunked_loss_tokens: int | None = None  # protrain only: the app's chunked loss
+    distributed_mode: str | None = None  # protrain only, several ranks: sharded | replicated
+    world_size: int = 1  # ranks under torchrun; batch is per rank
 
 
 @dataclass

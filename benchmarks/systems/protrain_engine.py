@@ -31,6 +31,7 @@ def setup(spec: RowSpec) -> Trainer:
             ("n_buffer", spec.n_buffer),
             ("chunk_size_bytes", spec.chunk_size_bytes),
             ("host_threads", spec.host_threads),
+            ("distributed_mode", spec.distributed_mode),
         )
         if v is not None
     }

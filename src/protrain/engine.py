@@ -38,6 +38,9 @@ from torch import nn
 from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
+from protrain.chunks.shard import shard_multiple
+from protrain.distributed import ChunkCollectives, resolve_context
+from protrain.distributed.grad_reducer import GradReducer
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.quant.four_bit import lift_quant_state
@@ -76,6 +79,7 @@ class Engine:
         self.optimizer.synchronize()
         slots = self._slot_by_id()
         wanted = None if names is None else set(names)
+        whole = self._whole_sharded(wanted)
         out = {}
         for name, t in self.model.state_dict(keep_vars=True).items():
             if wanted is not None and name not in wanted:
@@ -83,11 +87,27 @@ class Engine:
             s = slots.get(id(t))
             if s is None:
                 out[name] = t.detach().to("cpu", copy=copy)
+            elif id(s) in whole:  # put together from every rank's shard
+                value = whole[id(s)]
+                out[name] = value if s.master is not None else value.to(s.orig_dtype)
             elif s.master is not None:
                 out[name] = s.master.to("cpu", copy=copy)
             else:
                 src = s.host_view if s.host_view is not None else s.device_view
                 out[name] = src.to("cpu", s.orig_dtype, copy=copy)
+        return out
+
+    def _whole_sharded(self, wanted: set[str] | None) -> dict[int, torch.Tensor]:
+        """``id(slot) -> whole value`` of the parameters of sharded chunks holding a wanted
+        name: a collective (every rank asks for the same names)."""
+        manager = self.manager
+        if not manager.sharded:
+            return {}
+        out = {}
+        for c in manager.offloaded:
+            names = {n for s in c.slots for n in s.placement.names}
+            if wanted is None or names & wanted:
+                out.update(manager.whole_values(c))
         return out
 
     @torch.no_grad()
@@ -118,6 +138,9 @@ class Engine:
             if s is None:
                 t.data.copy_(value)
                 continue
+            if s.shard is not None:  # this rank's elements of a sharded chunk
+                lo, hi = s.shard
+                value = value.reshape(-1)[lo:hi]
             if s.master is not None:
                 s.master.copy_(value)
             (s.host_view if s.host_view is not None else s.device_view).copy_(value)
@@ -249,6 +272,9 @@ def wrap(
     host_threads: int | None = None,
     clipping: bool = True,
     discard_offloaded_grads: bool = False,
+    process_group=None,
+    distributed_mode: str | None = None,
+    grad_reduce: str = "mean",
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -273,6 +299,13 @@ def wrap(
     ``discard_offloaded_grads``: for the profiler's traced steps, which step with
     ``optimizer.step_without_host_updates()`` only; offloaded gradients land in one shared
     scratch area (see [Note: discarded gradients] in ``chunks/manager.py``).
+    Several ranks (``torch.distributed`` initialized, or ``process_group`` given; every rank
+    calls ``wrap`` on the same model with the same knobs): ``distributed_mode="sharded"``
+    (the default) splits every offloaded chunk across the ranks, each rank keeping and
+    updating its own shard (``protrain.distributed``); ``"replicated"`` keeps whole chunks
+    on every rank. Either way gradients are reduced chunk by chunk during backward:
+    averaged over ranks with ``grad_reduce="mean"`` (as DDP), summed with ``"sum"`` (for a
+    loss already divided by the tokens of the whole global batch).
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
     if getattr(model, "_protrain_engine", None) is not None:
@@ -285,6 +318,20 @@ def wrap(
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    ctx = resolve_context(process_group)
+    if distributed_mode not in (None, "sharded", "replicated"):
+        raise ValueError(
+            f"distributed_mode={distributed_mode!r} is not allowed: use 'sharded' or 'replicated'"
+        )
+    if grad_reduce not in ("mean", "sum"):
+        raise ValueError(f"grad_reduce={grad_reduce!r} is not allowed: use 'mean' or 'sum'")
+    collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
+    sharded = collectives is not None and distributed_mode != "replicated"
+    if collectives is not None and gpu_budget is not None:
+        raise ValueError(
+            "protrain.wrap: gpu_budget (a planned wrap) with several ranks is not built yet; "
+            "give n_persist, n_buffer and the activation knobs"
+        )
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plan = None
@@ -348,6 +395,7 @@ def wrap(
         n_persist=n_persist,
         n_buffer=n_buffer,
         chunk_size_bytes=chunk_size_bytes,
+        size_multiple=shard_multiple(ctx.world_size) if sharded else 1,
     )
     need = _buffers_needed(model, layout)
     if need > layout.n_buffer:
@@ -360,7 +408,13 @@ def wrap(
 
     trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
     manager = ChunkManager(
-        layout, params, device, trainable_index, discard_offloaded_grads=discard_offloaded_grads
+        layout,
+        params,
+        device,
+        trainable_index,
+        discard_offloaded_grads=discard_offloaded_grads,
+        collectives=collectives,
+        sharded=sharded,
     )
     worker = hooks = None
     try:
@@ -368,6 +422,10 @@ def wrap(
         # The worker's CPU kernels run with host_threads intra-op threads.
         worker = HostWorker(host_threads or default_host_threads())
         sink = GradSink(manager, worker)
+        if collectives is not None:
+            sink.reducer = GradReducer(
+                manager, collectives, sink.deliver, mean=grad_reduce == "mean"
+            )
         hooks = RuntimeHooks(model, manager, sink)
         optimizer = HybridAdamW(
             groups,

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from protrain.chunks.layout import ChunkSpec, ParamPlacement
+from protrain.chunks.shard import ShardRange
 
 
 class ChunkState(enum.Enum):
@@ -74,6 +75,9 @@ class ParamSlot:
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
     grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
     update_piece: int = 0  # which piece of its chunk's host update writes this master
+    # Sharded chunks (protrain.distributed.sharding): the elements [lo, hi) of the flattened
+    # parameter this rank owns; host_view, master and grad_acc hold those elements only.
+    shard: tuple[int, int] | None = None
 
     @property
     def name(self) -> str:
@@ -152,6 +156,9 @@ class Chunk:
         self.host_stale = False
         self.host_written_event = None  # device-to-host write-back of the host copy done
         self._byte_runs: dict[bool, list[tuple[int, int]]] = {}  # slots are fixed once made
+        # Set by the manager for an offloaded chunk of the sharded mode: the bytes this rank
+        # owns (its host copy holds those bytes alone).
+        self.shard: ShardRange | None = None
 
     def drop_build_storage(self) -> None:
         """After the parameter views are made: an offloaded chunk starts with no device bytes."""

@@ -168,11 +168,14 @@ def plan_layout(
     n_buffer: int | None,
     chunk_size_bytes: int | None,
     min_buffers: int = 1,
+    size_multiple: int = 1,
 ) -> ChunkLayout:
     """Pack parameters (in execution order, each once, with all its names) into chunks.
 
     ``min_buffers`` is the number of offloaded chunks some single module needs at once; the
-    knobs are checked against it here, before anything is moved.
+    knobs are checked against it here, before anything is moved. ``size_multiple``: the chunk
+    size is rounded up to a multiple of it (the sharded mode splits every chunk into equal,
+    aligned shards: ``protrain.distributed.sharding``).
     """
     if not named_params:
         raise ValueError("protrain.wrap: the model has no parameters to place in chunks")
@@ -185,6 +188,7 @@ def plan_layout(
             f"chunk_size_bytes={chunk_size_bytes!r} is too small: it must be an int of at least "
             f"{largest} bytes, the largest parameter in the compute dtype"
         )
+    chunk_size_bytes = -(-chunk_size_bytes // size_multiple) * size_multiple
     packed = _pack(sizes, chunk_size_bytes)
     n_chunks = packed[-1][0] + 1
     if n_persist is None:

@@ -51,6 +51,18 @@ arena loses 4 bytes a trainable offloaded parameter (of 10 in bf16 full fine-tun
 of the trace's plan time that goes to touching and pinning fresh host memory. Anything that
 would read those values (a host update, an accumulation over micro-batches, a norm other
 than the 2-norm) is refused.
+
+[Note: sharded chunks]
+With several ranks in the sharded mode (``collectives`` given, ``sharded=True``), every
+offloaded chunk is split into equal shards (``chunks/shard.py``): a rank's host copy, fp32
+masters, gradient accumulators and Adam state hold the bytes and elements of its own shard
+only. A gather copies the own shard into its place in the device buffer (or, after an
+update, the own masters, cast there) and all-gathers the rest from the other ranks into the
+same buffer; the write-back after an update writes the own shard only. Persistent chunks
+stay whole on every rank (replicated), their gradients all-reduced. Collectives must be
+issued in the same order on every rank, so a prefetch of a sharded chunk never depends on
+timing: where a single rank would skip a prefetch whose host update is still running, a
+sharded one waits for the update.
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ChunkState, ParamSlot
 from protrain.chunks.layout import ChunkLayout
+from protrain.chunks.shard import ShardRange, shard_range
 
 _PIECE_NUMEL = 1 << 26  # fp32 elements per master copy-in piece (256 MiB of staging)
 _registered_host_bytes = 0  # host memory this process pinned with cudaHostRegister, live
@@ -88,8 +101,14 @@ class ChunkManager:
         trainable_index: dict[torch.nn.Parameter, int],
         *,
         discard_offloaded_grads: bool = False,
+        collectives=None,
+        sharded: bool = False,
     ):
         self.layout = layout
+        # protrain.distributed.ChunkCollectives of the ranks training together (None: one);
+        # with ``sharded``, offloaded chunks are split across them ([Note: sharded chunks]).
+        self.collectives = collectives
+        self.sharded = bool(sharded and collectives is not None)
         # See [Note: discarded gradients]: offloaded gradients all land in one scratch area.
         self.discard_offloaded_grads = discard_offloaded_grads
         self.device = device
@@ -111,10 +130,13 @@ class ChunkManager:
         # Seconds of the build's parts (host arena allocated, pinned; parameters copied in):
         # where a large model's wrap time goes.
         self.build_s: dict[str, float] = {}
+        # A sharded chunk keeps only this rank's shard: a failed build gives the parameters
+        # their own storage back, since the rest of their values is on other ranks.
+        originals = {id(p): p.data for _, p in params} if self.sharded else None
         try:
             self._build_storage(params, trainable_index)
         except BaseException:  # no parameter stays in a half-built chunk
-            self.restore_params()
+            self.restore_params(originals)
             self.close()
             raise
         self.offloaded = [c for c in self.chunks if not c.persistent]
@@ -126,13 +148,31 @@ class ChunkManager:
         by_name = {names[0]: p for names, p in params}
         t0 = time.perf_counter()
         host_bytes = 0
+        size = self.layout.chunk_size_bytes
+        shards: dict[int, ShardRange] = {}
+        if self.sharded:
+            coll = self.collectives
+            shards = {
+                spec.index: shard_range(size, coll.rank, coll.world_size)
+                for spec in self.layout.chunks
+                if not spec.persistent
+            }
+
+        def owned_numel(spec, pl) -> int:
+            sh = shards.get(spec.index)
+            if sh is None:
+                return pl.numel
+            lo, hi = sh.owned_elements(pl)
+            return hi - lo
+
         for spec in self.layout.chunks:
             if not spec.persistent:
                 # aligned, so that the views after it start on a 64-byte boundary whatever
                 # the chunk size (a view as fp32 needs an offset divisible by 4)
-                host_bytes += _align64(self.layout.chunk_size_bytes)
+                sh = shards.get(spec.index)
+                host_bytes += _align64(size if sh is None else sh.nbytes)
                 host_bytes += sum(
-                    _host_extra_nbytes(pl, self.discard_offloaded_grads)
+                    _host_extra_nbytes(owned_numel(spec, pl), self.discard_offloaded_grads)
                     for pl in spec.placements
                     if pl.trainable
                 )
@@ -140,7 +180,7 @@ class ChunkManager:
         if self.discard_offloaded_grads:
             scratch_bytes = max(
                 (
-                    _align64(pl.numel * 4)
+                    _align64(owned_numel(spec, pl) * 4)
                     for spec in self.layout.chunks
                     if not spec.persistent
                     for pl in spec.placements
@@ -174,9 +214,11 @@ class ChunkManager:
         for spec in self.layout.chunks:
             c = Chunk(spec, self.layout.chunk_size_bytes, self.device)
             self.chunks.append(c)
+            c.shard = shards.get(c.index)
             if not c.persistent:
-                c.host_buffer = self._host_arena[arena_off : arena_off + c.nbytes]
-                arena_off += _align64(c.nbytes)
+                host_nbytes = c.nbytes if c.shard is None else c.shard.nbytes
+                c.host_buffer = self._host_arena[arena_off : arena_off + host_nbytes]
+                arena_off += _align64(host_nbytes)
             for pl in c.spec.placements:
                 p = by_name[pl.names[0]]
                 src = p.detach()
@@ -198,6 +240,8 @@ class ChunkManager:
                         slot.device_view.copy_(slot.master)
                     else:
                         slot.device_view.copy_(src)
+                elif c.shard is not None:
+                    self._build_shard_slot(c, slot, src, take, scratch)
                 else:
                     slot.host_view = c.view(c.host_buffer, pl)
                     slot.host_view.copy_(src)
@@ -221,6 +265,25 @@ class ChunkManager:
             "host_pin": round(t1 - t_touched, 3),
             "copy_in": round(time.perf_counter() - t1, 3),
         }
+
+    def _build_shard_slot(self, c: Chunk, slot: ParamSlot, src: torch.Tensor, take, scratch):
+        """A parameter of a sharded chunk: host copy, master and accumulator of the elements
+        this rank owns, flat (see [Note: sharded chunks])."""
+        pl = slot.placement
+        lo, hi = c.shard.owned_elements(pl)
+        slot.shard = (lo, hi)
+        a = pl.offset_bytes + lo * pl.dtype.itemsize - c.shard.start
+        slot.host_view = c.host_buffer[a : a + (hi - lo) * pl.dtype.itemsize].view(pl.dtype)
+        own = src.reshape(-1)[lo:hi]
+        slot.host_view.copy_(own)
+        if pl.trainable:
+            fp32_bytes = (hi - lo) * 4
+            slot.master = take(fp32_bytes, torch.float32, (hi - lo,))
+            slot.master.copy_(own)
+            if scratch is not None:
+                slot.grad_acc, _ = _carve(scratch, 0, fp32_bytes, torch.float32, (hi - lo,))
+            else:
+                slot.grad_acc = take(fp32_bytes, torch.float32, (hi - lo,))
 
     # ---- moving chunks ------------------------------------------------------------------
 
@@ -292,6 +355,8 @@ class ChunkManager:
         # An update started in backward (step_in_backward) leaves the host copy as it was
         # until step() marks it stale: gathers before then read the old weights, as they must.
         updating = c.update_future is not None and c.host_stale
+        if c.shard is not None:  # collectives never depend on timing: [Note: sharded chunks]
+            blocking_update = True
         if updating and not blocking_update and not c.update_future.done():
             return False
         if len(self.resident) >= self.n_buffer and not self._evict_one(keep | {c.index}):
@@ -312,21 +377,29 @@ class ChunkManager:
                 d2h = self.grad_offload_stream
                 d2h.wait_event(c.gathered_event)
                 with torch.cuda.stream(d2h):
-                    for a, b in c.byte_runs(trainable=True):
-                        c.host_buffer[a:b].copy_(c.device_buffer[a:b], non_blocking=True)
+                    for a, b, h in self._write_back_runs(c):
+                        c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b], non_blocking=True)
                     c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
             self._copy_in_or_release(c)
             if c.host_stale:
-                for a, b in c.byte_runs(trainable=True):
-                    c.host_buffer[a:b].copy_(c.device_buffer[a:b])
+                for a, b, h in self._write_back_runs(c):
+                    c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
             self._wait_update(c)
         c.host_stale = False
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
+
+    @staticmethod
+    def _write_back_runs(c: Chunk) -> list[tuple[int, int, int]]:
+        """``(start, end, host offset)`` of the trainable bytes the host copy keeps."""
+        runs = c.byte_runs(trainable=True)
+        if c.shard is None:
+            return [(a, b, a) for a, b in runs]
+        return [(a, b, a - c.shard.start) for a, b in c.shard.clip_runs(runs)]
 
     def _wait_update(self, c: Chunk, pieces: int | None = None) -> None:
         """Wait for ``c``'s host update: all of it, or its first ``pieces`` pieces."""
@@ -348,6 +421,9 @@ class ChunkManager:
 
     def _copy_in(self, c: Chunk) -> None:
         """Enqueue the copy of ``c`` into its device storage (on the current stream)."""
+        if c.shard is not None:
+            self._copy_in_shard(c)
+            return
         if not c.host_stale:
             c.device_buffer[: c.used_bytes].copy_(
                 c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
@@ -367,6 +443,34 @@ class ChunkManager:
                 for a in range(0, master.numel(), _PIECE_NUMEL):
                     piece = master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
                     dev[a : a + _PIECE_NUMEL].copy_(piece)
+
+    def _copy_in_shard(self, c: Chunk) -> None:
+        """The own shard into its place in the device buffer, then the all-gather of every
+        rank's shard (see [Note: sharded chunks])."""
+        sh = c.shard
+        own = c.device_buffer[sh.start : sh.end]
+        if not c.host_stale:
+            own.copy_(c.host_buffer, non_blocking=self.is_cuda)
+        else:
+            updating = c.update_future is not None and c.update_progress is not None
+            for a, b in sh.clip_runs(c.byte_runs(trainable=False)):
+                c.device_buffer[a:b].copy_(
+                    c.host_buffer[a - sh.start : b - sh.start], non_blocking=self.is_cuda
+                )
+            for s in c.trainable_slots:
+                if updating and c.update_future is not None:
+                    self._wait_update(c, s.update_piece + 1)
+                lo, hi = s.shard
+                if hi == lo:
+                    continue
+                dev = s.device_view.view(-1)[lo:hi]
+                if not self.is_cuda:
+                    dev.copy_(s.master)
+                    continue
+                for a in range(0, hi - lo, _PIECE_NUMEL):
+                    piece = s.master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
+                    dev[a : a + _PIECE_NUMEL].copy_(piece)
+        self.collectives.all_gather_chunk(c.device_buffer, own)
 
     def _wait_gathered(self, c: Chunk) -> None:
         if c.state is ChunkState.IN_FLIGHT:
@@ -446,15 +550,19 @@ class ChunkManager:
                 "see [Note: discarded gradients]); it cannot accumulate them over micro-batches"
             )
         slots = [s for c in self.offloaded for s in c.trainable_slots]
-        nbytes = sum(_align64(s.placement.nbytes) for s in slots)
+        # a sharded chunk's gradients land as the rank's own elements, flat
+        shapes = [s.placement.shape if s.shard is None else (s.shard[1] - s.shard[0],)
+                  for s in slots]  # fmt: skip
+        sizes = [int(torch.Size(sh).numel()) * s.placement.dtype.itemsize
+                 for s, sh in zip(slots, shapes)]  # fmt: skip
+        nbytes = sum(_align64(n) for n in sizes)
         arena = torch.empty(0, dtype=torch.uint8)  # parameters of no elements alone
         if nbytes:
             arena = host_arena(nbytes)
             self._pin(arena)
         off = 0
-        for s in slots:
-            pl = s.placement
-            s.grad_staging, off = _carve(arena, off, pl.nbytes, pl.dtype, pl.shape)
+        for s, shape, n in zip(slots, shapes, sizes):
+            s.grad_staging, off = _carve(arena, off, n, s.placement.dtype, shape)
         self._staging_ready = True
 
     def restore_params(self, kept: dict[int, torch.Tensor] | None = None) -> None:
@@ -463,15 +571,45 @@ class ChunkManager:
         -> a storage to give back as is instead (the caller vouches for its value)."""
         kept = kept or {}
         with torch.no_grad():
+            whole = self._gather_sharded_values(kept)
             for s in self.slots():
                 s.param.grad = None
                 if id(s.param) in kept:
                     s.param.data = kept[id(s.param)]
                     continue
+                if id(s) in whole:
+                    s.param.data = whole[id(s)].to(s.orig_device, s.orig_dtype, copy=True)
+                    continue
                 src = s.master
                 if src is None:
                     src = s.host_view if s.host_view is not None else s.device_view
                 s.param.data = src.to(s.orig_device, s.orig_dtype, copy=True)
+
+    def _gather_sharded_values(self, kept: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``id(slot) -> whole value`` (the fp32 master of a trainable parameter, else its
+        bytes) of every parameter of a sharded chunk not in ``kept``: a collective."""
+        out: dict[int, torch.Tensor] = {}
+        for c in self.chunks:
+            if c.shard is None or c.host_buffer is None:
+                continue
+            slots = [s for s in c.slots if id(s.param) not in kept]
+            if not slots:
+                continue
+            out.update(self.whole_values(c))
+        return out
+
+    def whole_values(self, c: Chunk, masters: bool = True) -> dict[int, torch.Tensor]:
+        """Every parameter of sharded chunk ``c`` put back together, on the CPU:
+        ``id(slot) -> tensor`` (trainable ones as their fp32 masters with ``masters``, else
+        in the storage dtype). A collective: every rank calls it for the same chunks."""
+        full = self.collectives.gather_bytes(c)
+        out = {id(s): full[s.placement.offset_bytes : s.placement.offset_bytes + s.placement.nbytes]
+               .view(s.placement.dtype).view(s.placement.shape) for s in c.slots}  # fmt: skip
+        if masters:
+            out.update(
+                self.collectives.gather_fp32(c, {id(s): s.master for s in c.trainable_slots})
+            )
+        return out
 
     def close(self) -> None:
         """Free device storage and unpin host memory. Parameters must be restored first."""
@@ -537,12 +675,13 @@ def _align64(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
-def _host_extra_nbytes(pl, discard_grads: bool = False) -> int:
-    """Pinned host bytes of a trainable offloaded parameter beyond its host copy, in the
-    arena wrap makes: the fp32 master and the fp32 gradient accumulator (the low-precision
-    landing place comes with the first accumulation: ``ensure_grad_staging``; with
-    discarded gradients the accumulator is a view of the shared scratch area)."""
-    return (1 if discard_grads else 2) * _align64(pl.numel * 4)
+def _host_extra_nbytes(numel: int, discard_grads: bool = False) -> int:
+    """Pinned host bytes of a trainable offloaded parameter (``numel`` elements of it on
+    this rank) beyond its host copy, in the arena wrap makes: the fp32 master and the fp32
+    gradient accumulator (the low-precision landing place comes with the first
+    accumulation: ``ensure_grad_staging``; with discarded gradients the accumulator is a
+    view of the shared scratch area)."""
+    return (1 if discard_grads else 2) * _align64(numel * 4)
 
 
 def _count_registered(n: int) -> None:

@@ -181,6 +181,11 @@ class HybridAdamW(torch.optim.Optimizer):
 
     # ---- gradients ----------------------------------------------------------------------
 
+    def _wait_reductions(self) -> None:
+        """With several ranks: the compute stream waits for the gradient reductions."""
+        if self._sink is not None and self._sink.reducer is not None:
+            self._sink.reducer.wait()
+
     def _wait_accumulations(self) -> None:
         for s in self._slots:
             if s.accumulate_future is not None:
@@ -199,6 +204,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if not self.scaler.enabled or self._found_inf is not None:
             return
         self._wait_accumulations()
+        self._wait_reductions()
         manager = self._manager
         if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
             torch.cuda.current_stream(manager.device).wait_stream(manager.grad_offload_stream)
@@ -215,6 +221,8 @@ class HybridAdamW(torch.optim.Optimizer):
         if offloaded_norms:
             bad = ~torch.isfinite(torch.stack(offloaded_norms)).all()
             found_inf.add_(bad.to(torch.float32))
+        if manager.sharded:  # each rank has checked its own shards: skip on any rank's inf
+            manager.collectives.all_reduce_sum(found_inf)
         self._found_inf, self._inv_scale = found_inf, inv_scale
 
     @torch.no_grad()
@@ -230,18 +238,30 @@ class HybridAdamW(torch.optim.Optimizer):
             )
         self._wait_accumulations()
         self.unscale_()
+        self._wait_reductions()
         inv_scale = None if self._inv_scale is None else self._inv_scale.squeeze()
         manager = self._manager
         device = manager.device
+        if manager.sharded and float(norm_type) != 2.0:
+            raise ValueError(
+                f"protrain: clip_grad_norm_(norm_type={norm_type}) with sharded chunks: only "
+                "the 2-norm is combined across ranks"
+            )
         if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
             torch.cuda.current_stream(device).wait_stream(manager.grad_offload_stream)
         persistent_grads = [s.grad_acc for s in self._persistent_slots if s.has_grad]
         norms = list(torch._foreach_norm(persistent_grads, norm_type)) if persistent_grads else []
+        # Sharded slots hold the norm of this rank's elements: the parameter's norm is the
+        # root of the sum of their squares over ranks (one all-reduce for all of them).
+        # A parameter wholly on one rank keeps its own norm bit for bit (sqrt(n * n) == n).
+        shard_at: list[int] = []
         for s in self._slots:
             if not s.has_grad or manager.chunks[s.chunk].persistent:
                 continue
             if float(norm_type) == 2.0 and s.grad_norm is not None:
                 norm = s.grad_norm.to(device)
+                if s.shard is not None:
+                    shard_at.append(len(norms))
                 norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
                 _refuse_if_discarded(manager, f"clip_grad_norm_(norm_type={norm_type})")
@@ -249,6 +269,10 @@ class HybridAdamW(torch.optim.Optimizer):
                     s.grad_event.synchronize()
                 grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
                 norms.append(torch.linalg.vector_norm(grad, norm_type).to(device))
+        if shard_at:  # the same slots have gradients on every rank
+            sq = manager.collectives.all_reduce_sum(torch.stack([norms[i] for i in shard_at]) ** 2)
+            for i, n in zip(shard_at, sq.sqrt().unbind()):
+                norms[i] = n
         if not norms:
             return torch.tensor(0.0, device=device)
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
@@ -412,6 +436,7 @@ class HybridAdamW(torch.optim.Optimizer):
         self._clip_coef = None
 
         if self._device_opt is not None:
+            self._wait_reductions()
             opt, group_map = self._device_opt
             stepped = _attach_grads(self._persistent_slots)
             if stepped:
@@ -520,12 +545,17 @@ class HybridAdamW(torch.optim.Optimizer):
         the tensors themselves (see :func:`protrain.state_dict`), for writing out at once."""
         self.check_between_steps("optimizer.state_dict()")
         self.synchronize()
+        whole = self._gather_sharded_state()
         state = {}
         for i, s in enumerate(self._slots):
             st = self._opt_of(s).state.get(s.master)
             if st:
                 state[i] = {
-                    k: v.detach().to("cpu", copy=copy) if torch.is_tensor(v) else v
+                    k: whole[(id(s), k)]
+                    if (id(s), k) in whole
+                    else v.detach().to("cpu", copy=copy)
+                    if torch.is_tensor(v)
+                    else v
                     for k, v in st.items()
                 }
         groups, start = [], 0
@@ -537,6 +567,22 @@ class HybridAdamW(torch.optim.Optimizer):
         out = {"state": state, "param_groups": groups}
         if self.scaler.enabled:
             out["loss_scaler"] = self.scaler.state_dict()
+        return out
+
+    def _gather_sharded_state(self) -> dict[tuple[int, str], torch.Tensor]:
+        """``(id(slot), key) -> whole tensor`` of the Adam state of sharded chunks (a
+        collective: every rank calls it, chunk by chunk, in the same order)."""
+        manager = self._manager
+        if not manager.sharded:
+            return {}
+        out = {}
+        for c in manager.offloaded:
+            slots = [s for s in c.trainable_slots if self._opt_of(s).state.get(s.master)]
+            for key in ("exp_avg", "exp_avg_sq"):
+                frags = {id(s): self._opt_of(s).state[s.master][key] for s in slots}
+                for sid, t in manager.collectives.gather_fp32(c, frags).items():
+                    if sid in frags:
+                        out[(sid, key)] = t.clone()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -563,9 +609,10 @@ class HybridAdamW(torch.optim.Optimizer):
                 opt.state.pop(s.master, None)
                 continue
             opt.state[s.master] = {
-                k: (v.to(s.master.device, torch.float32, copy=True) if torch.is_tensor(v) else v)
+                k: (_own(k, v, s).to(s.master.device, torch.float32, copy=True)
+                    if torch.is_tensor(v) else v)
                 for k, v in st.items()
-            }
+            }  # fmt: skip
 
     def close(self) -> None:
         """Close the whole engine (see :func:`protrain.close`)."""
@@ -579,6 +626,15 @@ class HybridAdamW(torch.optim.Optimizer):
     def _check_open(self) -> None:
         if getattr(self, "_closed", False):
             raise RuntimeError("protrain: this optimizer's engine is closed")
+
+
+def _own(key: str, value: torch.Tensor, s: ParamSlot) -> torch.Tensor:
+    """Of a whole state tensor, the part a slot holds: all of it, or a sharded chunk's own
+    elements of a moment (Adam's step count stays whole)."""
+    if s.shard is None or key == "step":
+        return value
+    lo, hi = s.shard
+    return value.reshape(-1)[lo:hi]
 
 
 def _refuse_if_discarded(manager: ChunkManager, what: str) -> None:

@@ -58,6 +58,9 @@ class GradSink:
     def __init__(self, manager: ChunkManager, worker: HostWorker):
         self.manager = manager
         self.worker = worker
+        # With several ranks: the protrain.distributed.GradReducer that reduces gradients
+        # chunk by chunk and hands them to ``deliver`` (see [Note: gradient buckets]).
+        self.reducer = None
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._watched: dict[object, set[int]] | None = None  # key -> id(slot) still missing
         self._key_of: dict[int, object] = {}  # id(slot) -> its group's key
@@ -83,10 +86,20 @@ class GradSink:
             return
         self.manager.phase = Phase.BACKWARD
         slot = self._slot_of[param]
+        try:
+            if self.reducer is not None:
+                self.reducer.add(slot, grad)
+            else:
+                self.deliver(slot, grad)
+        finally:
+            param.grad = None  # also when refused: nothing stale stays
+
+    def deliver(self, slot: ParamSlot, grad: torch.Tensor) -> None:
+        """Fold ``grad`` (the parameter's gradient, or with a sharded chunk the elements
+        this rank owns, reduced over ranks) into the slot's accumulator."""
         first = not slot.has_grad
         chunk = self.manager.chunks[slot.chunk]
         if not first and not chunk.persistent and self.manager.discard_offloaded_grads:
-            param.grad = None  # refused before anything is added: nothing stale stays
             self.manager.ensure_grad_staging()  # raises: see [Note: discarded gradients]
         slot.has_grad = True
         with torch.no_grad():
@@ -95,14 +108,13 @@ class GradSink:
                     slot.grad_acc = grad.to(torch.float32, copy=True)
                 else:
                     slot.grad_acc.add_(grad)
-                param.grad = None
                 return
             key = self._key_of.get(id(slot))
             watched = self._watched is not None and key in self._watched
             if self._watched is not None:
                 if id(slot) in self._landed:
                     raise RuntimeError(
-                        f"protrain: parameter {tuple(param.shape)} of chunk {slot.chunk} got a "
+                        f"protrain: parameter {slot.name} of chunk {slot.chunk} got a "
                         "second gradient in a backward armed by step_in_backward(); arm only "
                         "the last backward of an accumulation window, and not with reentrant "
                         "checkpointing of a parameter used in two segments"
@@ -116,7 +128,6 @@ class GradSink:
                 self._offload_first(slot, grad)
             else:
                 self._offload_later(slot, grad)
-            param.grad = None
             if watched:
                 missing = self._watched[key]
                 missing.discard(id(slot))

@@ -1,0 +1,99 @@
+"""The ranks that train together.
+
+``resolve_context`` is what ``protrain.wrap`` uses: a process group given by the caller, else
+the default group when ``torch.distributed`` is initialized, else a single rank.
+``init_from_env`` is what the application uses under ``torchrun``: it initializes the default
+group from the launcher's environment (NCCL with CUDA, gloo on the CPU) and binds the rank
+to its local GPU.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# A collective that waits longer than this ends the process with an error instead of
+# hanging: a rank that died mid-step must not leave the others blocked forever.
+DEFAULT_TIMEOUT_S = 600
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Rank and size of the group that trains one model together (one rank: no group)."""
+
+    group: object | None  # torch.distributed.ProcessGroup, None for a single rank
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    backend: str = "none"
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def check_device(self, device: torch.device) -> None:
+        """Collectives run on the compute device: NCCL needs CUDA tensors, gloo CPU ones
+        (a group of both, ``cpu:gloo,cuda:nccl``, serves either)."""
+        if not self.is_distributed:
+            return
+        needs = "nccl" if device.type == "cuda" else "gloo"
+        if needs not in self.backend:
+            raise ValueError(
+                f"protrain: the process group's backend is {self.backend!r} and the compute "
+                f"device is {device}: use NCCL with CUDA devices and gloo with the CPU"
+            )
+
+
+SINGLE = DistContext(group=None)
+
+
+def resolve_context(process_group=None) -> DistContext:
+    """The context of ``process_group``, of the default group, or of a single rank."""
+    if process_group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return SINGLE
+        process_group = dist.group.WORLD
+    world = dist.get_world_size(process_group)
+    if world == 1:
+        return SINGLE
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return DistContext(
+        group=process_group,
+        rank=dist.get_rank(process_group),
+        world_size=world,
+        local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank(process_group))),
+        local_world_size=local_world,
+        backend=str(dist.get_backend(process_group)),
+    )
+
+
+def launched_distributed() -> bool:
+    """True under a launcher (``torchrun``) that asked for more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def init_from_env(
+    device_type: str | None = None, timeout_s: int = DEFAULT_TIMEOUT_S
+) -> DistContext:
+    """Initialize the default process group from ``torchrun``'s environment (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ...) when more than one process was launched; bind
+    this rank to GPU ``LOCAL_RANK``. One process: nothing is initialized."""
+    if not launched_distributed():
+        return SINGLE
+    if device_type is None:
+        device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return resolve_context()

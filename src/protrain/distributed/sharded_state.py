@@ -1,0 +1,66 @@
+"""Whole tensors of a sharded chunk, put back together from every rank's shard.
+
+For ``state_dict``, ``close`` and the optimizer's state: each is a collective over the
+chunk (every rank calls it for the same chunks in the same order). The parameter bytes come
+back with one all-gather of the host shards; fp32 values of the trainable elements (masters,
+Adam moments) with one all-gather over the chunk's element space in the compute dtype's
+units, where rank ``r``'s shard holds the fp32 values of the elements it owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from protrain.chunks.chunk import Chunk, ParamSlot
+
+
+@torch.no_grad()
+def gather_bytes(coll, chunk: Chunk) -> torch.Tensor:
+    """The chunk's whole host copy (uint8, on the CPU) from every rank's host shard
+    (``coll``: the group's ``ChunkCollectives``)."""
+    comm = coll.comm_device
+    shard = chunk.host_buffer.to(comm)
+    full = torch.empty(chunk.nbytes, dtype=torch.uint8, device=comm)
+    coll.all_gather_chunk(full, shard)
+    return full.cpu()
+
+
+@torch.no_grad()
+def gather_fp32(coll, chunk: Chunk, fragments: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``id(slot) -> whole fp32 tensor`` (the parameter's shape, on the CPU) from each rank's
+    ``fragments`` (``id(slot) -> its owned elements``) of the chunk's trainable slots.
+    A slot missing from ``fragments`` on this rank contributes zeros."""
+    slots = [s for s in chunk.trainable_slots]
+    if not slots:
+        return {}
+    size = slots[0].placement.dtype.itemsize  # trainable parameters: the compute dtype
+    sh = chunk.shard
+    comm = coll.comm_device
+    local = torch.zeros(sh.nbytes // size, dtype=torch.float32)
+    for s in slots:
+        lo, hi = s.shard
+        frag = fragments.get(id(s))
+        if hi > lo and frag is not None:
+            at = (s.placement.offset_bytes - sh.start) // size + lo
+            local[at : at + hi - lo].copy_(frag.reshape(-1))
+    full = torch.empty(chunk.nbytes // size, dtype=torch.float32, device=comm)
+    coll.all_gather_chunk(full, local.to(comm))
+    full = full.cpu()
+    out = {}
+    for s in slots:
+        at = s.placement.offset_bytes // size
+        out[id(s)] = full[at : at + s.placement.numel].view(s.placement.shape)
+    return out
+
+
+def frozen_value(full_bytes: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """A parameter's tensor, in its storage dtype, from the chunk's whole bytes."""
+    pl = slot.placement
+    raw = full_bytes[pl.offset_bytes : pl.offset_bytes + pl.nbytes]
+    return raw.view(pl.dtype).view(pl.shape)
+
+
+def own_part(value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
+    """The elements of a whole ``value`` (the parameter's shape) this rank owns, flat."""
+    lo, hi = slot.shard
+    return value.reshape(-1)[lo:hi]

@@ -1,0 +1,29 @@
+"""Run a function on several CPU processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        fn(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world: int, fn, *args, backend: str = "gloo") -> None:
+    """``fn(rank, world, *args)`` on ``world`` spawned processes (``backend="nccl"``: rank r
+    on GPU r); raises if any failed."""
+    with tempfile.TemporaryDirectory() as d:
+        init = os.path.join(d, "pg")
+        mp.spawn(_entry, args=(world, init, backend, fn, args), nprocs=world, join=True)
