@@ -72,8 +72,8 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     setup_logging()
     output_dir = Path(cfg.output_dir)
     with (
-        RunLock(output_dir),
         sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device)),
+        RunLock(output_dir),
     ):
         return _train(cfg, output_dir, resume=resume)
 

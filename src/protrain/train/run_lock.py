@@ -30,14 +30,14 @@ class RunLock:
         self.output_dir = output_dir
         self.path = output_dir / LOCK_NAME
         self._fd: int | None = None
-        self._created_dir = False
+        self._created: list[Path] = []  # directories this run created, deepest first
 
     def acquire(self) -> RunLock:
         out = self.output_dir
         if out.exists() and not out.is_dir():
             raise OutputDirError(f"output_dir {str(out)!r} is a file, not a directory")
         try:
-            self._created_dir = not out.exists()
+            self._created = [p for p in (out, *out.parents) if not p.exists()]
             out.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
@@ -60,12 +60,15 @@ class RunLock:
         return self
 
     def release(self) -> None:
-        """Unlock; a directory this run created and left empty (but for the lock) goes too."""
+        """Unlock; directories this run created and left empty (but for the lock) go too."""
         if self._fd is None:
             return
-        if self._created_dir and [p.name for p in self.output_dir.iterdir()] == [LOCK_NAME]:
+        if self._created and [p.name for p in self.output_dir.iterdir()] == [LOCK_NAME]:
             self.path.unlink()
-            self.output_dir.rmdir()
+            for directory in self._created:
+                if any(directory.iterdir()):
+                    break
+                directory.rmdir()
         fcntl.flock(self._fd, fcntl.LOCK_UN)
         os.close(self._fd)
         self._fd = None
