@@ -12,10 +12,10 @@ import os
 
 import pytest
 import torch
+from tests.engine.models import batches, build
 
 import protrain
 
-from ..engine.models import batches, build
 from .ranks import run_ranks
 
 pytestmark = pytest.mark.multigpu

@@ -24,10 +24,10 @@ import os
 
 import pytest
 import torch
+from tests.engine.models import batches, build, lora
 
 import protrain
 
-from ..engine.models import batches, build, lora
 from .ranks import run_ranks
 
 STEPS, ACCUM, MAX_NORM, LR, WD = 3, 2, 0.5, 1e-2, 0.01
