@@ -1,4 +1,4 @@
-"""Run a function on several CPU processes joined by a gloo process group."""
+"""Run a function on several processes joined by a process group (gloo on the CPU, NCCL)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world: int, init_file: str, fn, args) -> None:
+def _entry(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
     finally:
