@@ -142,6 +142,11 @@ def init_ranks(spec: systems.RowSpec) -> None:
         return
     import torch.distributed as dist
 
+    # torchrun sets OMP_NUM_THREADS=1 in every rank: each system's CPU work (FSDP2's and
+    # DeepSpeed's host optimizers too) gets the rank's share of the node's cores instead.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", spec.world_size))
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+
     if spec.device.type == "cuda":
         torch.cuda.set_device(spec.device)
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=spec.device)
