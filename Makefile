@@ -14,11 +14,11 @@ endif
 
 .PHONY: install run test test-quick lint format clean
 
-$(BIN)/protrain: pyproject.toml
+$(BIN)/protrain: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(BIN)/protrain
 
 install: $(BIN)/protrain
