@@ -205,7 +205,8 @@ def _run(args: argparse.Namespace) -> int:
             _check_recorded_config(cfg)
 
         result = train(cfg, resume=args.resume)
-        print(f"done: {result.steps} steps; model written to {result.final_dir}")
+        if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the job
+            print(f"done: {result.steps} steps; model written to {result.final_dir}")
         return 0
 
     if args.command == "plan":

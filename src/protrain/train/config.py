@@ -152,6 +152,11 @@ class MemoryConfig(StrictModel):
     chunked_loss_tokens: int | None = Field(
         None, gt=0, description="Compute logits and loss over chunks of this many tokens."
     )
+    mode: Literal["sharded", "replicated"] | None = Field(
+        None,
+        description="Several GPUs (torchrun): offloaded chunks split across the ranks "
+        "(sharded, the default) or whole on every rank (replicated).",
+    )
 
     @model_validator(mode="after")
     def _check_auto(self) -> MemoryConfig:

@@ -11,11 +11,16 @@
    check, optimizer and scheduler steps, metrics, evaluation and checkpoints; SIGINT and
    SIGTERM stop it at a step boundary, saved;
 6. export: Hugging Face format for full fine-tuning, a PEFT adapter directory otherwise.
+
+Under `torchrun` every rank runs this story on its own GPU and its share of each step's
+micro-batches; rank 0 alone writes (see `train/ranks.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import random
 import shutil
@@ -51,6 +56,7 @@ from protrain.train.modeling import (
 )
 from protrain.train.nonfinite import NonFiniteGuard, assert_finite
 from protrain.train.planning import sample_batch
+from protrain.train.ranks import Ranks, launched_with_ranks, start_ranks, stop_ranks
 from protrain.train.run_lock import RunLock, check_free_space
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 from protrain.train.stop_signals import StopSignals, TrainingStopped, resume_command
@@ -71,22 +77,55 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     saves and raises `TrainingStopped` (a SystemExit of status 130 or 143)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
-    with (
-        sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device)),
-        RunLock(output_dir),
-    ):
-        return _train(cfg, output_dir, resume=resume)
+    _check_ranks_config(cfg)  # before any process group work
+    ranks, device = start_ranks(resolve_device(cfg.device))
+    if not ranks.is_main:  # rank 0 logs for the job
+        logger.setLevel(logging.WARNING)
+    try:
+        with (
+            sdpa_backend(cfg.model.sdpa_backend, device),
+            RunLock(output_dir) if ranks.is_main else contextlib.nullcontext(),
+        ):
+            return _train(cfg, output_dir, resume=resume, ranks=ranks, device=device)
+    finally:
+        stop_ranks()
 
 
-def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
-    resume_from = _check_output_dir(output_dir, resume)
-    check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, resume_from), "a checkpoint")
+def _check_ranks_config(cfg: TrainConfig) -> None:
+    """What several ranks cannot run, refused before the process group starts."""
+    if not launched_with_ranks():
+        return
+    if cfg.memory.auto:
+        raise ConfigError(
+            "memory.auto = true is not allowed with several ranks yet (the planner plans one "
+            "GPU): set memory.n_persist and memory.n_buffer, or run one process"
+        )
+
+
+def _train(
+    cfg: TrainConfig, output_dir: Path, *, resume: bool, ranks: Ranks, device: torch.device
+) -> TrainResult:
+    resume_from = None
+    if ranks.is_main:
+        resume_from = _check_output_dir(output_dir, resume)
+        check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, resume_from), "a checkpoint")
+    resume_from = ranks.from_main(resume_from)
     logger.info("resolved config:\n%s", _yaml(cfg))
+    if ranks.several:
+        logger.info(
+            "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
+            ranks.world_size,
+            cfg.memory.mode or "sharded",
+            cfg.gradient_accumulation_steps,
+            ranks.world_size,
+            cfg.micro_batch_size,
+        )
     seed_everything(cfg.seed)
-    device = resolve_device(cfg.device)
     autocast_dtype = resolve_autocast_dtype(
-        cfg.mixed_precision, device, engine=cfg.memory.engine_enabled
+        cfg.mixed_precision, device, engine=cfg.memory.engine_enabled or ranks.several
     )
+    # micro-batches of the stream per optimizer step, all ranks together
+    window = cfg.gradient_accumulation_steps * ranks.world_size
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
@@ -96,7 +135,7 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
     eval_data = build_eval_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
     collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
     stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
-    total_steps = _total_steps(cfg, stream)
+    total_steps = _total_steps(cfg, stream, window)
     logger.info(
         "data: %d training rows%s; %d optimizer steps of %d x %d micro-batches",
         len(train_data),
@@ -109,7 +148,12 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
     # -- 3. model, optimizer (plain or chunked engine), scheduler
     built = build_model(cfg, tokenizer)
     trainable = make_trainable(
-        built.model, cfg, device, autocast_dtype, lambda: sample_batch(cfg, train_data, collate)
+        built.model,
+        cfg,
+        device,
+        autocast_dtype,
+        lambda: sample_batch(cfg, train_data, collate),
+        several_ranks=ranks.several,
     )
     scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
 
@@ -119,6 +163,7 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
         "micro_batch_size": cfg.micro_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
         "seed": cfg.seed,
+        "world_size": ranks.world_size,
     }
     position, step, tokens_seen = StreamPosition(), 0, 0
     last_saved = resume_from
@@ -133,17 +178,18 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
         step = state.step
         position = StreamPosition(**state.trainer_state["position"])
         tokens_seen = state.trainer_state["tokens_seen"]
-        moved = set_aside_metrics(output_dir, after_step=step)
         logger.info("resumed from %s at step %d", resume_from, step)
-        if moved:
-            logger.info(
-                "%d metrics records after step %d moved to %s",
-                moved,
-                step,
-                output_dir / "metrics.superseded.jsonl",
-            )
-        _note_config_changes(output_dir / "config.yaml", cfg)
-    else:
+        if ranks.is_main:  # rank 0 writes
+            moved = set_aside_metrics(output_dir, after_step=step)
+            if moved:
+                logger.info(
+                    "%d metrics records after step %d moved to %s",
+                    moved,
+                    step,
+                    output_dir / "metrics.superseded.jsonl",
+                )
+            _note_config_changes(output_dir / "config.yaml", cfg)
+    elif ranks.is_main:
         if set_aside_metrics(output_dir):
             logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
         (output_dir / "config.yaml").write_text(_yaml(cfg))
@@ -153,12 +199,22 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
     logger.info("checkpoints: %s", _describe_saving(cfg))
 
     def save(step: int) -> Path:
+        # every rank: in the sharded mode the states are put together across ranks
+        model_state = trainable.model_state(copy=False)
+        optimizer_state = trainable.optimizer_state(copy=False)
+        path = output_dir / f"checkpoint-{step}"
+        if ranks.is_main:
+            path = _save(step, model_state, optimizer_state)
+        ranks.barrier()  # a checkpoint counts once written, for every rank
+        return path
+
+    def _save(step: int, model_state, optimizer_state) -> Path:
         return ckpt.save_checkpoint(
             output_dir,
             step,
             # views, not copies: a save must not double the host's model states
-            model_state=trainable.model_state(copy=False),
-            optimizer_state=trainable.optimizer_state(copy=False),
+            model_state=model_state,
+            optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict(),
             trainer_state={
                 "position": vars(position),
@@ -170,30 +226,42 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
         )
 
     # -- 5. the loop
-    metrics = MetricsWriter(output_dir)
+    metrics = MetricsWriter(output_dir) if ranks.is_main else _NoMetrics()
     result = TrainResult(output_dir=output_dir, final_dir=output_dir / "final", steps=step)
     batches = stream.iterate(position)
-    progress = tqdm(total=total_steps, initial=step, desc="train", unit="step", disable=None)
+    progress = tqdm(
+        total=total_steps,
+        initial=step,
+        desc="train",
+        unit="step",
+        disable=None if ranks.is_main else True,
+    )
     # Throughput counts training time only, not evaluation or checkpoint saves.
     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
     tokens_logged = 0  # tokens of the current window already added to tokens_seen
     last_save_s = time.monotonic()
     stops = StopSignals()
+    say = progress.write if ranks.is_main else (lambda line: None)
     try:
         with stops:
-            while step < total_steps and stops.requested is None:
+            # A stop, a save and an evaluation are decided alike on every rank: each is a
+            # collective of the engine in the sharded mode.
+            stopping = False
+            while step < total_steps and not stopping:
                 step_start = time.perf_counter()
-                micro = []
-                for _ in range(cfg.gradient_accumulation_steps):
+                micro, n_trained = [], 0
+                for k in range(window):  # every rank counts the whole step's tokens
                     position, rows = next(batches)
-                    micro.append(collate([train_data[i] for i in rows]))
-                n_trained = sum(count_trained_tokens(b["labels"]) for b in micro)
+                    batch = collate([train_data[i] for i in rows])
+                    n_trained += count_trained_tokens(batch["labels"])
+                    if k % ranks.world_size == ranks.rank:  # this rank's share
+                        micro.append(batch)
                 step_loss = 0.0
                 for i, batch in enumerate(micro):
                     loss_sum = trainable.forward_loss_sum(batch)
                     last = i == len(micro) - 1
                     if last:  # read before its backward, which may begin the update
-                        step_loss += loss_sum.item()
+                        step_loss = ranks.sum(step_loss + loss_sum.item())[0]
                     trainable.backward(
                         loss_sum / max(n_trained, 1), last=last, may_step=math.isfinite(step_loss)
                     )
@@ -225,6 +293,9 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
                     scheduler.optimizer = trainable.optimizer
 
                 if step % cfg.logging_steps == 0 or step == total_steps:
+                    if ranks.several:  # the whole job's throughput
+                        window_time = ranks.max(window_time)[0]
+                        window_tokens = int(ranks.sum(window_tokens)[0])
                     record = {
                         "epoch": round(stream.fractional_epoch(position), 4),
                         "loss": window_loss / window_steps,
@@ -244,24 +315,28 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
                     if "gpu_peak_gib" in record:
                         postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
                     progress.set_postfix(postfix)
-                    progress.write(_format_log(step, total_steps, record))
+                    say(_format_log(step, total_steps, record))
                     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
                     tokens_logged = 0
 
+                stopping = ranks.any(stops.requested is not None)
                 if (
                     eval_data is not None
-                    and stops.requested is None
+                    and not stopping
                     and cfg.eval.steps
                     and (step % cfg.eval.steps == 0 or step == total_steps)
                 ):
                     eval_loss = evaluate(trainable, eval_data, collate, cfg)
                     metrics.write(step, {"eval_loss": eval_loss})
-                    progress.write(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
+                    say(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
 
-                if _save_due(cfg, step, total_steps, last_save_s) or stops.requested is not None:
+                if ranks.any(_save_due(cfg, step, total_steps, last_save_s)) or stopping:
                     last_saved = save(step)
                     last_save_s = time.monotonic()
                     logger.info("saved %s", last_saved)
+            if ranks.several:  # a signal to any rank stops them all, saved alike
+                signum = int(ranks.max(stops.requested or 0)[0])
+                stops.requested = signum or None
             if stops.requested is not None:
                 if last_saved != output_dir / f"checkpoint-{step}":
                     last_saved = save(step)
@@ -285,7 +360,11 @@ def _train(cfg: TrainConfig, output_dir: Path, *, resume: bool) -> TrainResult:
     # -- 6. export
     result.steps = step
     assert_finite(trainable.model_state(copy=False), "the final model")
-    export(trainable, built, cfg, result.final_dir)
+    if ranks.is_main:
+        export(trainable, built, cfg, result.final_dir)
+    else:
+        trainable.export_model()  # closing the engine is a collective in the sharded mode
+    ranks.barrier()
     trainable.close()
     logger.info("exported the trained model to %s", result.final_dir)
     return result
@@ -400,29 +479,45 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
-def _total_steps(cfg: TrainConfig, stream: MicroBatchStream) -> int:
-    """`max_steps`, or the optimizer steps that fit in `num_epochs` (the micro-batch stream
-    runs across epochs, so a window may span an epoch boundary; a last partial window is
-    not run)."""
+def _total_steps(cfg: TrainConfig, stream: MicroBatchStream, window: int) -> int:
+    """`max_steps`, or the optimizer steps of `window` micro-batches (accumulation times
+    ranks) that fit in `num_epochs` (the micro-batch stream runs across epochs, so a window
+    may span an epoch boundary; a last partial window is not run)."""
     if cfg.max_steps is not None:
         return cfg.max_steps
     micro_batches = stream.micro_batches_per_epoch * cfg.num_epochs
-    steps = micro_batches // cfg.gradient_accumulation_steps
+    steps = micro_batches // window
     if steps == 0:
+        ranks = window // cfg.gradient_accumulation_steps
         raise ConfigError(
             f"gradient_accumulation_steps = {cfg.gradient_accumulation_steps} is not allowed: "
             f"{cfg.num_epochs} epoch(s) hold only {micro_batches} micro-batches of "
-            f"{cfg.micro_batch_size} rows; lower it, or set max_steps"
+            f"{cfg.micro_batch_size} rows"
+            + (f", fewer than one step of {window} on {ranks} ranks" if ranks > 1 else "")
+            + "; lower it, or set max_steps"
         )
-    left = micro_batches - steps * cfg.gradient_accumulation_steps
+    left = micro_batches - steps * window
     if left:
         logger.info("the last %d micro-batches do not fill an accumulation window: not run", left)
     return steps
 
 
+class _NoMetrics:
+    """The metrics writer of ranks other than 0, which write nothing."""
+
+    def write(self, step: int, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
     """A checkpoint's data position means something only under the same data order."""
-    if saved is None or saved == now:
+    if saved is None:
+        return
+    saved = {"world_size": 1, **saved}  # checkpoints from before several ranks
+    if saved == now:
         return
     diffs = ", ".join(f"{k}: {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
     raise OutputDirError(

@@ -294,6 +294,7 @@ class EngineTrainable(Trainable):
         cfg: TrainConfig,
         device: torch.device,
         autocast_dtype: torch.dtype | None,
+        several_ranks: bool = False,
     ):
         import protrain
 
@@ -301,6 +302,10 @@ class EngineTrainable(Trainable):
         # The engine computes in `compute_dtype` itself: no autocast.
         super().__init__(model, device, None, cfg.memory.chunked_loss_tokens)
         mem = cfg.memory
+        # Several ranks (torchrun): each rank's loss is already divided by the tokens of the
+        # whole global batch, so the engine sums gradients over ranks (train/ranks.py).
+        ranks = {"distributed_mode": mem.mode, "grad_reduce": "sum"} if several_ranks else {}
+        self._several_ranks = several_ranks
         try:
             self.model, self.optimizer, self.layout = protrain.wrap(
                 model,
@@ -314,6 +319,7 @@ class EngineTrainable(Trainable):
                 param_groups=optimizer_param_groups(model, cfg.weight_decay),
                 compute_dtype=autocast_dtype or torch.float32,
                 chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
+                **ranks,
             )
         except ValueError as exc:  # a knob that cannot work for this model
             raise ConfigError(f"memory: {exc}") from None
@@ -330,6 +336,8 @@ class EngineTrainable(Trainable):
             cfg.max_grad_norm is None
             and not self.optimizer.scaler.enabled
             and cfg.nonfinite.policy == "stop"
+            # the norm the non-finite check reads after an armed backward is this rank's
+            and not self._several_ranks
         )
         self._armed = False
 
@@ -638,9 +646,15 @@ def make_trainable(
     device: torch.device,
     autocast_dtype: torch.dtype | None,
     sample_batch: Callable[[], dict[str, torch.Tensor]],
+    several_ranks: bool = False,
 ) -> Trainable:
     """The trainable the `memory:` section asks for; `sample_batch()` (the first micro-batch)
-    is called only when a plan is made."""
+    is called only when a plan is made. Several ranks run the engine (with no knob set, every
+    chunk on the GPU: gradients all-reduced chunk by chunk, as DDP would)."""
+    if several_ranks:
+        if not cfg.memory.engine_enabled:
+            logger.info("several ranks without memory knobs: every chunk stays on the GPU")
+        return EngineTrainable(model, cfg, device, autocast_dtype, several_ranks=True)
     if cfg.memory.auto:
         return AutoTrainable(model, cfg, device, autocast_dtype, sample_batch())
     if cfg.memory.engine_enabled:

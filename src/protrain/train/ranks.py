@@ -1,0 +1,102 @@
+"""The ranks of this run, as the application sees them (one, or several under `torchrun`).
+
+`protrain train` under `torchrun --nproc-per-node N` runs one process per GPU. Every rank
+reads the whole dataset in the same seeded order; each optimizer step takes
+`gradient_accumulation_steps x N` micro-batches of the stream, and rank r trains on those at
+positions r, r + N, ... of the step, so the global batch is the same micro-batches a single
+process with N times the accumulation would train on. Each rank counts the trained tokens
+of the whole step itself (it has every row), divides its loss by that count, and the engine
+sums the gradients over ranks (`grad_reduce="sum"`): the gradient of the mean token loss
+of the global batch, as on one process.
+
+Rank 0 alone writes: the lock, checkpoints, metrics, logs, the progress bar and the export.
+Every rank takes part in what is a collective in the engine (state dicts and close in the
+sharded mode), and decisions that must be the same everywhere (skip a non-finite step, stop
+on a signal) are made from values reduced over ranks.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from protrain.distributed.process_group import (
+    SINGLE,
+    DistContext,
+    init_from_env,
+    launched_distributed,
+)
+
+
+@dataclass(frozen=True)
+class Ranks:
+    ctx: DistContext = SINGLE
+    device: torch.device = torch.device("cpu")  # where reductions run (NCCL: the GPU)
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    @property
+    def rank(self) -> int:
+        return self.ctx.rank
+
+    @property
+    def is_main(self) -> bool:
+        return self.ctx.is_main
+
+    @property
+    def several(self) -> bool:
+        return self.ctx.is_distributed
+
+    def _reduce(self, values: list[float], op) -> list[float]:
+        if not self.several:
+            return values
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=op, group=self.ctx.group)
+        return t.tolist()
+
+    def sum(self, *values: float) -> list[float]:
+        return self._reduce(list(values), dist.ReduceOp.SUM)
+
+    def max(self, *values: float) -> list[float]:
+        return self._reduce(list(values), dist.ReduceOp.MAX)
+
+    def any(self, flag: bool) -> bool:
+        return self.max(1.0 if flag else 0.0)[0] > 0
+
+    def barrier(self) -> None:
+        if self.several:
+            dist.barrier(group=self.ctx.group)
+
+    def from_main(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if not self.several:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.group)
+        return box[0]
+
+
+def launched_with_ranks() -> bool:
+    """More than one process under a launcher (`torchrun`)."""
+    return launched_distributed()
+
+
+def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
+    """The process group of a `torchrun` launch (NCCL for CUDA, gloo on the CPU) and this
+    rank's device (GPU `LOCAL_RANK`); one process: nothing to start."""
+    if not launched_distributed():
+        return Ranks(), device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    ctx = init_from_env(device.type)
+    return Ranks(ctx, device), device
+
+
+def stop_ranks() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""`protrain train` under torchrun on CPU processes (gloo): the same training as one process,
+and a rank that dies ends the job.
+
+Two ranks with accumulation A train on the same global batch as one process with
+accumulation 2A (train/ranks.py): rank r takes micro-batches r, r + 2, ... of each step,
+and the engine sums the gradients over ranks. One process runs plain PyTorch (no memory
+knobs); the ranks run the engine, in both modes, with offloaded chunks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tests.train.helpers import tiny_config, write_config
+
+STEPS = 4
+
+
+def _torchrun(n: int, config: Path, *extra: str, **kw) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
+    cmd += ["--master-port", str(_free_port()), "-m", "protrain", "train", str(config), *extra]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, env=env, text=True, **kw)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def _config(tmp_path: Path, name: str, accum: int, **memory) -> Path:
+    cfg = tiny_config(
+        tmp_path,
+        gradient_accumulation_steps=accum,
+        max_steps=STEPS,
+        max_grad_norm=1.0,
+        save_steps=2,
+        output_dir=str(tmp_path / name),
+    )
+    if memory:
+        cfg["memory"] = memory
+    return write_config(tmp_path, cfg, f"{name}.yaml")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    config = _config(tmp, "one", 4)
+    done = subprocess.run(
+        [sys.executable, "-m", "protrain", "train", str(config)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp / "one"
+
+
+@pytest.mark.parametrize("mode", ["sharded", "replicated"])
+def test_two_ranks_train_as_one_process(tmp_path, one_process, mode):
+    config = _config(tmp_path, mode, 2, n_persist=1, n_buffer=2, mode=mode)
+    proc = _torchrun(2, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert out.count("done: 4 steps") == 1, "rank 0 alone reports"
+    run = tmp_path / mode
+    assert _losses(run) == pytest.approx(_losses(one_process), rel=1e-5)
+    want = load_file(one_process / "final" / "model.safetensors")
+    got = load_file(run / "final" / "model.safetensors")
+    assert set(got) == set(want)
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-5, msg=name)
+    # the checkpoints are whole (rank 0 wrote every parameter), and the last one equals the
+    # exported model
+    last = load_file(run / "checkpoint-4" / "model.safetensors")
+    for name, w in got.items():
+        torch.testing.assert_close(last[name], w, rtol=0, atol=0, msg=name)
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    config = _config(tmp_path, "killed", 1, n_persist=1, n_buffer=2)
+    cfg_text = config.read_text().replace("max_steps: 4", "max_steps: 100000")
+    config.write_text(cfg_text)
+    log = tmp_path / "torchrun.log"
+    with log.open("w") as f:
+        proc = _torchrun(2, config, stdout=f, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and "step 3/" not in log.read_text():
+            time.sleep(0.5)
+        assert "step 3/" in log.read_text(), log.read_text()[-3000:]
+        workers = _children(proc.pid)
+        assert len(workers) == 2, workers
+        os.kill(workers[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        ended_s = time.monotonic() - t0
+    text = log.read_text()
+    assert proc.returncode != 0
+    assert ended_s < 60, ended_s
+    assert all(not _alive(pid) for pid in workers)
+    assert "Signal 9 (SIGKILL)" in text or "exitcode  : -9" in text, text[-3000:]
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return sorted(int(p) for p in out.split())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return (
+        Path(f"/proc/{pid}").exists()
+        and "Z" not in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    )
