@@ -92,7 +92,9 @@ def init_from_env(
     if device_type is None:
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
     if not dist.is_initialized():
-        backend = "nccl" if device_type == "cuda" else "gloo"
+        # CUDA: NCCL for the engine's tensors, gloo beside it for the application's small
+        # CPU reductions (a decision per step), which then never wait for the GPU
+        backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
         if device_type == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -34,7 +34,6 @@ from protrain.distributed.process_group import (
 @dataclass(frozen=True)
 class Ranks:
     ctx: DistContext = SINGLE
-    device: torch.device = torch.device("cpu")  # where reductions run (NCCL: the GPU)
 
     @property
     def world_size(self) -> int:
@@ -55,7 +54,8 @@ class Ranks:
     def _reduce(self, values: list[float], op) -> list[float]:
         if not self.several:
             return values
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        # on the CPU (gloo): a decision per step must not wait for the GPU's queue
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t, op=op, group=self.ctx.group)
         return t.tolist()
 
@@ -94,7 +94,7 @@ def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     ctx = init_from_env(device.type)
-    return Ranks(ctx, device), device
+    return Ranks(ctx), device
 
 
 def stop_ranks() -> None:
