@@ -272,10 +272,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         if cuda
         else None,
-        "world_size": spec.world_size,
-        # activation recompute: every decoder layer (HF) for the baselines and fixed knobs,
-        # the plan's policies in auto mode
-        "checkpointing": "plan" if spec.auto else "every-layer",
         "predicted_peak_gib": result.pop("predicted_peak_gib", None),
         "predicted_step_s": result.pop("predicted_step_s", None),
         "plan": result.pop("plan", None),
@@ -283,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         "run_id": run_id,
         "commit": commit,
         "time_to_first_step_s": result.pop("time_to_first_step_s", None),
+        "world_size": spec.world_size,
+        # activation recompute: every decoder layer (HF) for the baselines and fixed knobs,
+        # the plan's policies in auto mode
+        "checkpointing": "plan" if spec.auto else "every-layer",
         **result,  # extras: loss, error, and what the system reports per step
         "max_grad_norm": spec.max_grad_norm,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
