@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import os
 import tempfile
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT_S = 120
 
 
 def _entry(rank: int, world: int, init_file: str, backend: str, fn, args) -> None:
@@ -16,7 +19,11 @@ def _entry(rank: int, world: int, init_file: str, backend: str, fn, args) -> Non
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # ranks that disagree on the collectives they issue fail here instead of hanging the run
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(
+        backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout
+    )
     try:
         fn(rank, world, *args)
     finally:

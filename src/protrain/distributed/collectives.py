@@ -51,6 +51,10 @@ class ChunkCollectives:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.group)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctx.group)
+        return t
+
     def gather_bytes(self, chunk) -> torch.Tensor:
         from protrain.distributed.sharded_state import gather_bytes
 

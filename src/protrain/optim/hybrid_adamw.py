@@ -78,6 +78,7 @@ updates in forward order. Without fp16 (scaler disabled) none of this runs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from concurrent import futures
 
@@ -236,46 +237,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 "protrain: clip_grad_norm_ after step_in_backward(): clipping needs every "
                 "gradient before any update starts; do not arm the step when clipping"
             )
-        self._wait_accumulations()
-        self.unscale_()
-        self._wait_reductions()
-        inv_scale = None if self._inv_scale is None else self._inv_scale.squeeze()
-        manager = self._manager
-        device = manager.device
-        if manager.sharded and float(norm_type) != 2.0:
-            raise ValueError(
-                f"protrain: clip_grad_norm_(norm_type={norm_type}) with sharded chunks: only "
-                "the 2-norm is combined across ranks"
-            )
-        if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
-            torch.cuda.current_stream(device).wait_stream(manager.grad_offload_stream)
-        persistent_grads = [s.grad_acc for s in self._persistent_slots if s.has_grad]
-        norms = list(torch._foreach_norm(persistent_grads, norm_type)) if persistent_grads else []
-        # Sharded slots hold the norm of this rank's elements: the parameter's norm is the
-        # root of the sum of their squares over ranks (one all-reduce for all of them).
-        # A parameter wholly on one rank keeps its own norm bit for bit (sqrt(n * n) == n).
-        shard_at: list[int] = []
-        for s in self._slots:
-            if not s.has_grad or manager.chunks[s.chunk].persistent:
-                continue
-            if float(norm_type) == 2.0 and s.grad_norm is not None:
-                norm = s.grad_norm.to(device)
-                if s.shard is not None:
-                    shard_at.append(len(norms))
-                norms.append(norm if inv_scale is None else norm * inv_scale)
-            else:
-                _refuse_if_discarded(manager, f"clip_grad_norm_(norm_type={norm_type})")
-                if s.grad_event is not None:
-                    s.grad_event.synchronize()
-                grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
-                norms.append(torch.linalg.vector_norm(grad, norm_type).to(device))
-        if shard_at:  # the same slots have gradients on every rank
-            sq = manager.collectives.all_reduce_sum(torch.stack([norms[i] for i in shard_at]) ** 2)
-            for i, n in zip(shard_at, sq.sqrt().unbind()):
-                norms[i] = n
-        if not norms:
-            return torch.tensor(0.0, device=device)
-        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        total, persistent_grads = self._total_norm(norm_type)
         if error_if_nonfinite and (total.isnan() or total.isinf()):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}")
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -283,6 +245,70 @@ class HybridAdamW(torch.optim.Optimizer):
             torch._foreach_mul_(persistent_grads, clip_coef)
         self._clip_coef = clip_coef
         return total
+
+    @torch.no_grad()
+    def grad_norm(self, norm_type: float = 2.0) -> torch.Tensor:
+        """The global norm of the gradients accumulated since ``zero_grad`` (unscaled, over
+        every rank), as ``clip_grad_norm_`` computes it, changing nothing: also after a
+        backward armed by ``step_in_backward()``, whose updates may have begun (the 2-norm
+        comes from the per-tensor norms the gradient sink took). With several ranks it is a
+        collective: every rank calls it."""
+        self._check_open()
+        return self._total_norm(norm_type)[0]
+
+    def _total_norm(self, norm_type: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The global norm (see :meth:`grad_norm`) and the persistent gradients it read.
+
+        Sharded slots hold this rank's elements: a parameter's 2-norm is the root of the
+        sum over ranks of the squares of its shards' norms (one all-reduce for all of them;
+        a parameter wholly on one rank keeps its own norm bit for bit, sqrt(n * n) == n),
+        its inf-norm the largest over ranks (exact). Other norms are refused there."""
+        norm_type = float(norm_type)
+        self._wait_accumulations()
+        self.unscale_()
+        self._wait_reductions()
+        inv_scale = None if self._inv_scale is None else self._inv_scale.squeeze()
+        manager = self._manager
+        device = manager.device
+        if manager.sharded and norm_type not in (2.0, math.inf):
+            raise ValueError(
+                f"protrain: a gradient norm of order {norm_type} with sharded chunks: only the "
+                "2-norm and the inf-norm are combined across ranks"
+            )
+        if manager.is_cuda:  # offloaded norms taken on the gradient offload stream
+            torch.cuda.current_stream(device).wait_stream(manager.grad_offload_stream)
+        persistent_grads = [s.grad_acc for s in self._persistent_slots if s.has_grad]
+        norms = list(torch._foreach_norm(persistent_grads, norm_type)) if persistent_grads else []
+        shard_at: list[int] = []
+        for s in self._slots:
+            if not s.has_grad or manager.chunks[s.chunk].persistent:
+                continue
+            if s.shard is not None:
+                shard_at.append(len(norms))
+            if norm_type == 2.0 and s.grad_norm is not None:
+                norm = s.grad_norm.to(device)
+                norms.append(norm if inv_scale is None else norm * inv_scale)
+            else:
+                _refuse_if_discarded(manager, f"a gradient norm of order {norm_type}")
+                if s.grad_event is not None:
+                    s.grad_event.synchronize()
+                grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
+                if grad.numel() == 0:  # a shard of no elements (the max of nothing fails)
+                    norms.append(torch.zeros((), device=device))
+                else:
+                    norms.append(torch.linalg.vector_norm(grad, norm_type).to(device))
+        if shard_at:  # the same slots have gradients on every rank (the reducer's mask)
+            coll = manager.collectives
+            own = torch.stack([norms[i] for i in shard_at])
+            if norm_type == 2.0:
+                whole = coll.all_reduce_sum(own**2).sqrt()
+            else:
+                whole = coll.all_reduce_max(own)
+            for i, n in zip(shard_at, whole.unbind()):
+                norms[i] = n
+        if not norms:
+            return torch.tensor(0.0, device=device), persistent_grads
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type), persistent_grads
 
     # ---- step ---------------------------------------------------------------------------
 
