@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from protrain.train.data import DataSettings
 from protrain.train.data.errors import not_utf8_place
@@ -196,6 +204,88 @@ class MemoryConfig(StrictModel):
         return bool(self.n_swap or self.n_checkpoint or self.tiled_mlp_tokens)
 
 
+class FSDPConfig(StrictModel):
+    """The FSDP2 engine (`fsdp_version: 2`), in axolotl's `fsdp_config` vocabulary.
+
+    Keys may carry axolotl's older `fsdp_` prefix (`fsdp_offload_params`). Units of
+    `fully_shard` are chosen by `auto_wrap_policy`; see `protrain.distributed.fsdp2`.
+    """
+
+    auto_wrap_policy: Literal["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP"] = Field(
+        "TRANSFORMER_BASED_WRAP",
+        description="TRANSFORMER_BASED_WRAP: one unit per layer class listed; SIZE_BASED_WRAP: "
+        "units of at least min_num_params parameters, as FSDP1's size_based_auto_wrap_policy.",
+    )
+    transformer_layer_cls_to_wrap: list[str] | None = Field(
+        None, description="Layer class names; default: the blocks ProTrain discovers."
+    )
+    min_num_params: int | None = Field(
+        None, gt=0, description="SIZE_BASED_WRAP: parameters per unit; default 1e8 (accelerate's)."
+    )
+    offload_params: bool = Field(
+        False, description="Sharded parameters, gradients and AdamW on the host (CPUOffloadPolicy)."
+    )
+    reshard_after_forward: bool = Field(
+        True, description="Free the gathered parameters after each unit's forward."
+    )
+    cpu_ram_efficient_loading: bool = Field(
+        False,
+        description="Accepted for axolotl configs: every rank builds the model on its host and "
+        "fully_shard moves only its own shard to the device, with or without this key.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute every discovered block in backward (any wrap policy)."
+    )
+    state_dict_type: str = Field(
+        "FULL_STATE_DICT", description="Checkpoints hold whole tensors: FULL_STATE_DICT only."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _without_prefix(cls, value: Any) -> Any:
+        # axolotl's older spelling: fsdp_offload_params, fsdp_auto_wrap_policy, ...
+        if not isinstance(value, dict):
+            return value
+        out = {}
+        for key, item in value.items():
+            name = key.removeprefix("fsdp_") if isinstance(key, str) else key
+            if name in out:
+                raise ValueError(f"fsdp_config.{name} is set twice (as {name} and fsdp_{name})")
+            out[name] = item
+        return out
+
+    @field_validator("transformer_layer_cls_to_wrap", mode="before")
+    @classmethod
+    def _one_or_more(cls, value: Any) -> Any:
+        if isinstance(value, str):  # axolotl takes one class name or a comma-separated list
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("state_dict_type")
+    @classmethod
+    def _full_only(cls, value: str) -> str:
+        if value != "FULL_STATE_DICT":
+            raise ValueError(
+                "checkpoints of protrain train hold whole tensors, written by rank 0; the "
+                "allowed value is FULL_STATE_DICT"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _check_policy_keys(self) -> FSDPConfig:
+        if self.auto_wrap_policy == "SIZE_BASED_WRAP" and self.transformer_layer_cls_to_wrap:
+            raise ValueError(
+                "fsdp_config.transformer_layer_cls_to_wrap is read only by "
+                "auto_wrap_policy = TRANSFORMER_BASED_WRAP: remove one of them"
+            )
+        if self.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and self.min_num_params is not None:
+            raise ValueError(
+                "fsdp_config.min_num_params is read only by auto_wrap_policy = "
+                "SIZE_BASED_WRAP: remove one of them"
+            )
+        return self
+
+
 class TrainConfig(DataSettings):
     """The whole YAML file. Data keys are inherited from `DataSettings`."""
 
@@ -240,9 +330,30 @@ class TrainConfig(DataSettings):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     nonfinite: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    fsdp_version: int | None = Field(
+        None, description="2: the FSDP2 engine (fully_shard) instead of the chunked engine."
+    )
+    fsdp_config: FSDPConfig | None = Field(
+        None, description="The FSDP2 engine's settings (fsdp_version: 2)."
+    )
+
+    @field_validator("fsdp_version")
+    @classmethod
+    def _fsdp2_only(cls, value: int | None) -> int | None:
+        if value is not None and value != 2:
+            raise ValueError("only FSDP2 (torch.distributed.fsdp.fully_shard) is built: use 2")
+        return value
+
+    @property
+    def fsdp(self) -> FSDPConfig | None:
+        """The FSDP2 engine's settings when `fsdp_version: 2` is set, else None."""
+        if self.fsdp_version is None:
+            return None
+        return self.fsdp_config or FSDPConfig()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
+        self._check_fsdp()
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if self.gradient_checkpointing and self.memory.auto:
@@ -265,6 +376,42 @@ class TrainConfig(DataSettings):
                 "remove the memory knobs"
             )
         return self
+
+    def _check_fsdp(self) -> None:
+        if self.fsdp_config is not None and self.fsdp_version is None:
+            raise ValueError("fsdp_config needs fsdp_version = 2 (the FSDP2 engine)")
+        if self.fsdp_version is None:
+            return
+        # The chunk engine's knobs (and the activation knobs built on its hooks) contradict
+        # the FSDP2 engine: one error naming every key set.
+        defaults = MemoryConfig()
+        memory_keys = [
+            f"memory.{key} = {getattr(self.memory, key)!r}"
+            for key in MemoryConfig.model_fields
+            if getattr(self.memory, key) != getattr(defaults, key)
+        ]
+        if memory_keys:
+            raise ValueError(
+                f"fsdp_version = 2 with {', '.join(memory_keys)} is not allowed: the memory: "
+                "section configures the chunked engine; remove it (fsdp_config."
+                "activation_checkpointing recomputes blocks under FSDP2), or remove fsdp_version"
+            )
+        fsdp = self.fsdp
+        if self.gradient_checkpointing and fsdp.activation_checkpointing:
+            raise ValueError(
+                "gradient_checkpointing = true and fsdp_config.activation_checkpointing = true "
+                "both set: use one (they recompute the same blocks)"
+            )
+        if self.adapter.type == "qlora":
+            raise ValueError(
+                "adapter.type = 'qlora' with fsdp_version = 2 is not supported yet (4-bit "
+                "weights are not sharded by FSDP2 here): use lora, or the chunked engine"
+            )
+        if self.mixed_precision == "fp16":
+            raise ValueError(
+                "mixed_precision = 'fp16' with fsdp_version = 2 is not allowed: FSDP2 runs "
+                "without loss scaling here; use bf16, auto or no"
+            )
 
 
 # --------------------------------------------------------------------------------------

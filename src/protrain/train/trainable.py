@@ -651,6 +651,10 @@ def make_trainable(
     """The trainable the `memory:` section asks for; `sample_batch()` (the first micro-batch)
     is called only when a plan is made. Several ranks run the engine (with no knob set, every
     chunk on the GPU: gradients all-reduced chunk by chunk, as DDP would)."""
+    if cfg.fsdp_version:  # the FSDP2 engine, on one rank or several
+        from protrain.train.fsdp2_trainable import FSDP2Trainable
+
+        return FSDP2Trainable(model, cfg, device, autocast_dtype)
     if several_ranks:
         if not cfg.memory.engine_enabled:
             logger.info("several ranks without memory knobs: every chunk stays on the GPU")

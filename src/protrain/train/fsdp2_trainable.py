@@ -1,0 +1,284 @@
+"""The FSDP2 engine as the loop's `Trainable`: `fully_shard` units, fused AdamW on DTensors.
+
+`fsdp_version: 2` picks it (`make_trainable`). The wrap policy (`fsdp_config`) chooses the
+units (`protrain.distributed.fsdp2`); parameters compute in bf16 where the run's mixed
+precision is bf16 (fp32 otherwise) and gradients are reduced in fp32, SUMMED over ranks
+(each rank's loss is already divided by the tokens of the whole global batch). Every
+micro-batch's backward reduce-scatters its gradients, which accumulate in fp32 shards.
+
+Checkpoints are whole, in the same format as `PlainTrainable`'s (parameters by name, the
+optimizer's state keyed by parameter index): `model_state` and `optimizer_state` gather
+full tensors to rank 0's host (collectives: every rank calls them), and loading takes a
+whole state on every rank and keeps each rank's own shard, so a checkpoint moves between
+this engine, plain PyTorch and any world size.
+
+On one process (no `torchrun`) the engine starts a single-rank process group itself and
+ends it in `close`.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from protrain.distributed.fsdp2 import (
+    DEFAULT_MIN_NUM_PARAMS,
+    SIZE_BASED_WRAP,
+    TRANSFORMER_BASED_WRAP,
+    FSDP2Settings,
+    apply_fsdp2,
+)
+from protrain.train.config import TrainConfig
+from protrain.train.errors import ConfigError
+from protrain.train.log import logger
+from protrain.train.trainable import Trainable, _fused_supported, optimizer_param_groups
+
+FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class FullStateAdamW(torch.optim.AdamW):
+    """AdamW over sharded (DTensor) parameters that loads a whole state dict: each state
+    tensor of a parameter's full shape is cut to this rank's shard (every rank holds the
+    checkpoint, so no collective)."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        params = [p for group in self.param_groups for p in group["params"]]
+        state = {}
+        for index, values in state_dict["state"].items():
+            param = params[int(index)]
+            state[index] = {k: _own_shard(v, param) for k, v in values.items()}
+        super().load_state_dict({**state_dict, "state": state})
+
+
+def _own_shard(value: Any, param: torch.Tensor) -> Any:
+    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor)):
+        return value
+    if isinstance(value, DTensor) or value.shape != param.shape:
+        return value  # already a shard, or a scalar such as `step`
+    local = param.to_local()
+    shard = distribute_tensor(
+        value, param.device_mesh, param.placements, src_data_rank=None
+    ).to_local()
+    return DTensor.from_local(
+        shard.to(local.device, local.dtype),
+        param.device_mesh,
+        param.placements,
+        run_check=False,
+        shape=param.shape,
+        stride=param.stride(),
+    )
+
+
+class FSDP2Trainable(Trainable):
+    """`torch.distributed.fsdp.fully_shard` over the ranks (or one), as `fsdp_config` says."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        device: torch.device,
+        autocast_dtype: torch.dtype | None,
+    ):
+        fsdp = cfg.fsdp
+        assert fsdp is not None
+        self._own_group = _start_single_rank_group(device)
+        model.train()
+        # FSDP2 casts the parameters itself (MixedPrecisionPolicy): no autocast.
+        super().__init__(model, device, None, None)
+        settings = FSDP2Settings(
+            auto_wrap_policy=fsdp.auto_wrap_policy,
+            layer_classes=tuple(_layer_classes(model, fsdp.transformer_layer_cls_to_wrap))
+            if fsdp.auto_wrap_policy == TRANSFORMER_BASED_WRAP
+            else (),
+            min_num_params=fsdp.min_num_params or DEFAULT_MIN_NUM_PARAMS,
+            reshard_after_forward=fsdp.reshard_after_forward,
+            offload_params=fsdp.offload_params,
+            param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None,
+        )
+        if fsdp.auto_wrap_policy == SIZE_BASED_WRAP and fsdp.min_num_params is None:
+            logger.info(
+                "fsdp_config.min_num_params not set: %d (accelerate's default)",
+                DEFAULT_MIN_NUM_PARAMS,
+            )
+        if fsdp.cpu_ram_efficient_loading:
+            logger.info(
+                "fsdp_config.cpu_ram_efficient_loading: every rank builds the model on its "
+                "host; fully_shard moves only the rank's own shard to %s",
+                device,
+            )
+        # rank 0 exports: a copy of the model without its parameters, filled at the end
+        self._skeleton = _without_parameters(model) if dist.get_rank() == 0 else None
+        if fsdp.activation_checkpointing:
+            self._checkpoint_blocks()
+        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        units = apply_fsdp2(model, settings, mesh)
+        logger.info(
+            "fsdp2: %d ranks, %s, %d units + root%s; param dtype %s, reduce fp32, "
+            "offload_params=%s, reshard_after_forward=%s, activation_checkpointing=%s",
+            dist.get_world_size(),
+            settings.auto_wrap_policy,
+            len(units),
+            f" (classes {', '.join(settings.layer_classes)})"
+            if settings.layer_classes
+            else f" (min_num_params {settings.min_num_params})",
+            settings.param_dtype or "of the weights",
+            settings.offload_params,
+            settings.reshard_after_forward,
+            fsdp.activation_checkpointing,
+        )
+        # fused AdamW over the DTensor shards (on the host when parameters are offloaded)
+        self.optimizer = FullStateAdamW(
+            optimizer_param_groups(model, cfg.weight_decay),
+            lr=cfg.learning_rate,
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            fused=_fused_supported(model),
+        )
+        self._closed = False
+
+    def _checkpoint_blocks(self) -> None:
+        """Recompute each discovered block in backward, whatever the wrap policy; the
+        module's names stay as they are (its forward is wrapped, not the module)."""
+        from protrain.activations.apply import wrap_forward
+        from protrain.activations.checkpoint import checkpointed_forward
+        from protrain.model import BlockDiscoveryError, discover_blocks
+
+        try:
+            layout = discover_blocks(self.model)
+        except BlockDiscoveryError as exc:
+            raise ConfigError(f"fsdp_config.activation_checkpointing: {exc}") from None
+        self.activations = _Undo(
+            [wrap_forward(block.module, checkpointed_forward) for block in layout.blocks]
+        )
+
+    def clip_grad_norm(self, max_norm: float | None) -> float | None:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if not params:
+            return 0.0
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if isinstance(norm, DTensor):  # a partial sum of squares on each rank
+            norm = norm.full_tensor()
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        return float(norm)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
+        """Whole trainable parameters on rank 0's host (a collective; other ranks get {})."""
+        state = get_model_state_dict(self.model, options=FULL_ON_RANK0)
+        return {name: state[name] for name in self.names if name in state}
+
+    def optimizer_state(self, copy: bool = True) -> dict:
+        """Whole optimizer state on rank 0's host, keyed by parameter index as
+        `torch.optim.Optimizer.state_dict` keys it (a collective; other ranks get none)."""
+        full = get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_RANK0)
+        index: dict[str, int] = {}
+        groups = []
+        for group in full.get("param_groups", []):
+            ids = []
+            for fqn in group["params"]:
+                index[fqn] = len(index)
+                ids.append(index[fqn])
+            groups.append({**group, "params": ids})
+        state = {index[fqn]: values for fqn, values in full.get("state", {}).items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a whole state that every rank holds; each keeps its own shard."""
+        self._check_state_names(state)
+        set_model_state_dict(
+            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
+    def export_model(self) -> nn.Module:
+        """Rank 0: a plain module with the trained weights (every rank must call this: the
+        weights are gathered); other ranks get the sharded model back."""
+        state = get_model_state_dict(self.model, options=FULL_ON_RANK0)
+        self.remove_activation_policies()
+        if self._skeleton is None:
+            return self.model
+        model, self._skeleton = self._skeleton, None
+        model.load_state_dict(state, strict=False, assign=True)
+        left = [n for n, p in model.named_parameters() if p.is_meta]
+        if left:
+            raise RuntimeError(f"fsdp2 export: no weights gathered for {left[:5]}")
+        return model
+
+    def close(self) -> None:
+        self.remove_activation_policies()
+        if not self._closed:
+            self._closed = True
+            if self._own_group and dist.is_initialized():
+                dist.destroy_process_group()
+
+
+class _Undo:
+    """What `remove_activation_policies` takes off: the blocks' checkpointed forwards."""
+
+    def __init__(self, undo: list):
+        self.undo = undo
+
+    def remove(self) -> None:
+        for undo in self.undo:
+            undo()
+        self.undo = []
+
+
+def _layer_classes(model: nn.Module, listed: list[str] | None) -> list[str]:
+    """The class names of TRANSFORMER_BASED_WRAP: as listed, or the discovered blocks'."""
+    present = {type(m).__name__ for m in model.modules()}
+    if listed:
+        missing = [name for name in listed if name not in present]
+        if missing:
+            raise ConfigError(
+                f"fsdp_config.transformer_layer_cls_to_wrap = {listed!r} is not allowed: "
+                f"no module of class {', '.join(missing)} in {type(model).__name__}"
+            )
+        return list(listed)
+    from protrain.model import BlockDiscoveryError, discover_blocks
+
+    try:
+        layout = discover_blocks(model)
+    except BlockDiscoveryError as exc:
+        raise ConfigError(
+            f"fsdp_config.transformer_layer_cls_to_wrap is not set and {exc}: name the layer "
+            "classes, or use auto_wrap_policy = SIZE_BASED_WRAP"
+        ) from None
+    return sorted({type(b.module).__name__ for b in layout.blocks})
+
+
+def _without_parameters(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters are on the meta device (ties kept);
+    buffers are copied."""
+    memo = {
+        id(p): nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        for p in model.parameters()
+    }
+    return copy.deepcopy(model, memo)
+
+
+def _start_single_rank_group(device: torch.device) -> bool:
+    """One process: a process group of one rank for FSDP2 (True where started here)."""
+    if dist.is_initialized():
+        return False
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    logger.info("fsdp2 on one process: a process group of one rank (%s)", backend)
+    return True
