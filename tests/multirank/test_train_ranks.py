@@ -45,12 +45,12 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
-def _config(tmp_path: Path, name: str, accum: int, **memory) -> Path:
+def _config(tmp_path: Path, name: str, accum: int, clip: bool = True, **memory) -> Path:
     cfg = tiny_config(
         tmp_path,
         gradient_accumulation_steps=accum,
         max_steps=STEPS,
-        max_grad_norm=1.0,
+        max_grad_norm=1.0 if clip else None,
         save_steps=2,
         output_dir=str(tmp_path / name),
     )
@@ -60,19 +60,29 @@ def _config(tmp_path: Path, name: str, accum: int, **memory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> Path:
-    tmp = tmp_path_factory.mktemp("one")
-    config = _config(tmp, "one", 4)
-    done = subprocess.run(
-        [sys.executable, "-m", "protrain", "train", str(config)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return tmp / "one"
+def one_process(tmp_path_factory):
+    """The one-process plain PyTorch run, with and without clipping."""
+    runs = {}
+
+    def run(clip: bool) -> Path:
+        if clip not in runs:
+            tmp = tmp_path_factory.mktemp("one")
+            config = _config(tmp, "one", 4, clip=clip)
+            cmd = [sys.executable, "-m", "protrain", "train", str(config)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            assert done.returncode == 0, done.stderr[-3000:]
+            runs[clip] = tmp / "one"
+        return runs[clip]
+
+    return run
 
 
-@pytest.mark.parametrize("mode", ["sharded", "replicated"])
-def test_two_ranks_train_as_one_process(tmp_path, one_process, mode):
-    config = _config(tmp_path, mode, 2, n_persist=1, n_buffer=2, mode=mode)
+@pytest.mark.parametrize("mode,clip", [("sharded", True), ("replicated", True), ("sharded", False)])
+def test_two_ranks_train_as_one_process(tmp_path, one_process, mode, clip):
+    """Without clipping the engine starts host updates inside the last backward
+    (step_in_backward), and the non-finite check reads the norm over both ranks."""
+    one_process = one_process(clip)
+    config = _config(tmp_path, mode, 2, clip=clip, n_persist=1, n_buffer=2, mode=mode)
     proc = _torchrun(2, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -336,8 +335,6 @@ class EngineTrainable(Trainable):
             cfg.max_grad_norm is None
             and not self.optimizer.scaler.enabled
             and cfg.nonfinite.policy == "stop"
-            # the norm the non-finite check reads after an armed backward is this rank's
-            and not self._several_ranks
         )
         self._armed = False
 
@@ -359,28 +356,12 @@ class EngineTrainable(Trainable):
             return self._armed_grad_norm()
         if self.optimizer.scaler.enabled:
             return None
-        # The norm without clipping: a coefficient of exactly 1.0, which changes no bit.
-        return float(self.optimizer.clip_grad_norm_(math.inf))
+        return float(self.optimizer.grad_norm())  # the norm without clipping
 
-    @torch.no_grad()
     def _armed_grad_norm(self) -> float:
-        """The global gradient norm after a backward armed by `step_in_backward`, from the
-        per-tensor norms the gradient sink took (as `clip_grad_norm_` combines them, which
-        refuses once updates may have begun). Reads the optimizer's slots: HybridAdamW has
-        no public accessor for it."""
-        opt = self.optimizer
-        opt._wait_accumulations()
-        manager = opt._manager
-        if manager.is_cuda:  # offloaded norms are taken on the gradient offload stream
-            torch.cuda.current_stream(manager.device).wait_stream(manager.grad_offload_stream)
-        persistent = [s.grad_acc for s in opt._persistent_slots if s.has_grad]
-        norms = list(torch._foreach_norm(persistent)) if persistent else []
-        norms += [
-            s.grad_norm.to(manager.device)
-            for s in opt._slots
-            if s.has_grad and not manager.chunks[s.chunk].persistent and s.grad_norm is not None
-        ]
-        return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+        """The global gradient norm after a backward armed by `step_in_backward` (over every
+        rank: a collective), from the per-tensor norms the gradient sink took."""
+        return float(self.optimizer.grad_norm())
 
     def skip_step(self) -> None:
         self.optimizer.synchronize()  # no accumulation still writes a gradient being dropped
