@@ -428,3 +428,59 @@ def test_adapters_subset_state_dict_and_close(tmp_path, kind):
         assert set(res["adapters"]) == trainable, r
         _check_state(res["adapters"], {n: state[n] for n in trainable}, f"rank {r} adapters")
         _check_state(res["closed"], state, f"rank {r} closed")
+
+
+# ---- a module only some ranks' batches use (replicated mode) ------------------------------
+
+
+def _used_on_rank0_only(model, use: list[bool]) -> None:
+    """The unused Linear joins the forward while ``use[0]``: rank 0's batches, not rank 1's
+    (as a batch without images skips a vision tower)."""
+
+    def hook(mod, args, out):
+        return out + 0.1 * model.model.unused(out) if use[0] else out
+
+    model.model.norm.register_forward_hook(hook)
+
+
+def _rank_partial(rank, world, out_dir):
+    model = _model("unused")
+    _used_on_rank0_only(model, [rank == 0])
+    model, opt, _ = _wrap(model, "replicated")
+    losses, norms = _train(model, opt, rank, STEPS, clip=MAX_NORM)
+    out = {"losses": losses, "norms": norms, "state": protrain.state_dict(model)}
+    protrain.close(model)
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_module_used_by_one_rank_replicated(tmp_path):
+    """Buckets are reduced in one order on every rank, the incomplete ones at the end of
+    backward: the same collectives on both ranks, and the gradients of the Linear summed
+    from rank 0's alone."""
+    run_ranks(WORLD, _rank_partial, str(tmp_path))
+    ref = _model("unused")
+    use = [False]
+    _used_on_rank0_only(ref, use)
+    data = batches("llama", STEPS * ACCUM * WORLD)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    norms = []
+    for step in range(STEPS):
+        total = None
+        for mb in range(ACCUM):
+            summed = None
+            for rank in range(WORLD):
+                use[0] = rank == 0
+                (ref(**data[_index(step, mb, rank)]).loss / (ACCUM * WORLD)).backward()
+                grads = [p.grad for p in params]
+                summed = grads if summed is None else [_add(a, b) for a, b in zip(summed, grads)]
+                opt.zero_grad()
+            total = summed if total is None else [_add(a, b) for a, b in zip(total, summed)]
+        for p, g in zip(params, total):
+            p.grad = g
+        norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+    for r, res in enumerate(_results(tmp_path)):
+        assert res["norms"] == pytest.approx(norms, rel=1e-6), r
+        _check_state(res["state"], ref.state_dict(), f"rank {r}")
