@@ -115,7 +115,7 @@ def _train(
         logger.info(
             "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
             ranks.world_size,
-            cfg.memory.mode or "sharded",
+            "FSDP2" if cfg.fsdp_version else cfg.memory.mode or "sharded",
             cfg.gradient_accumulation_steps,
             ranks.world_size,
             cfg.micro_batch_size,
