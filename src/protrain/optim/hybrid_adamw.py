@@ -289,7 +289,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 norm = s.grad_norm.to(device)
                 norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
-                _refuse_if_discarded(manager, f"a gradient norm of order {norm_type}")
+                _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
                 grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
