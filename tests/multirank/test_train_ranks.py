@@ -25,9 +25,11 @@ from tests.train.helpers import tiny_config, write_config
 STEPS = 4
 
 
-def _torchrun(n: int, config: Path, *extra: str, **kw) -> subprocess.Popen:
+def _torchrun(n: int, config: Path, *extra: str, script: str | None = None, **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
-    cmd += ["--master-port", str(_free_port()), "-m", "protrain", "train", str(config), *extra]
+    cmd += ["--master-port", str(_free_port())]
+    cmd += [script] if script else ["-m", "protrain"]
+    cmd += ["train", str(config), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.Popen(cmd, env=env, text=True, **kw)
 
@@ -64,26 +66,30 @@ def one_process(tmp_path_factory):
     """The one-process plain PyTorch run, with and without clipping."""
     runs = {}
 
-    def run(clip: bool) -> Path:
-        if clip not in runs:
+    def run(clip: bool, accum: int = 4) -> Path:
+        if (clip, accum) not in runs:
             tmp = tmp_path_factory.mktemp("one")
-            config = _config(tmp, "one", 4, clip=clip)
+            config = _config(tmp, "one", accum, clip=clip)
             cmd = [sys.executable, "-m", "protrain", "train", str(config)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             assert done.returncode == 0, done.stderr[-3000:]
-            runs[clip] = tmp / "one"
-        return runs[clip]
+            runs[(clip, accum)] = tmp / "one"
+        return runs[(clip, accum)]
 
     return run
 
 
-@pytest.mark.parametrize("mode,clip", [("sharded", True), ("replicated", True), ("sharded", False)])
-def test_two_ranks_train_as_one_process(tmp_path, one_process, mode, clip):
+@pytest.mark.parametrize(
+    "world,mode,clip",
+    [(2, "sharded", True), (2, "replicated", True), (2, "sharded", False), (3, "sharded", True)],
+)
+def test_ranks_train_as_one_process(tmp_path, one_process, world, mode, clip):
     """Without clipping the engine starts host updates inside the last backward
-    (step_in_backward), and the non-finite check reads the norm over both ranks."""
-    one_process = one_process(clip)
+    (step_in_backward), and the non-finite check reads the norm over every rank. Three
+    ranks split each chunk into shards that cut parameters unevenly."""
+    one_process = one_process(clip, 2 * world)
     config = _config(tmp_path, mode, 2, clip=clip, n_persist=1, n_buffer=2, mode=mode)
-    proc = _torchrun(2, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _torchrun(world, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-3000:]
     assert out.count("done: 4 steps") == 1, "rank 0 alone reports"
@@ -127,6 +133,23 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert ended_s < 60, ended_s
     assert all(not _alive(pid) for pid in workers)
     assert "Signal 9 (SIGKILL)" in text or "exitcode  : -9" in text, text[-3000:]
+
+
+def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path):
+    config = _config(tmp_path, "raises", 1, n_persist=1, n_buffer=2)
+    config.write_text(config.read_text().replace("max_steps: 4", "max_steps: 100000"))
+    script = str(Path(__file__).with_name("raise_on_rank.py"))
+    t0 = time.monotonic()
+    proc = _torchrun(2, config, script=script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert "rank 1 failed on purpose at step 3" in out, out[-3000:]
+    assert "step 3/" not in out  # rank 0 did not go on without it
+    assert time.monotonic() - t0 < 240
 
 
 def _children(pid: int) -> list[int]:

@@ -81,14 +81,15 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     ranks, device = start_ranks(resolve_device(cfg.device))
     if not ranks.is_main:  # rank 0 logs for the job
         logger.setLevel(logging.WARNING)
-    try:
-        with (
-            sdpa_backend(cfg.model.sdpa_backend, device),
-            RunLock(output_dir) if ranks.is_main else contextlib.nullcontext(),
-        ):
-            return _train(cfg, output_dir, resume=resume, ranks=ranks, device=device)
-    finally:
-        stop_ranks()
+    with (
+        sdpa_backend(cfg.model.sdpa_backend, device),
+        RunLock(output_dir) if ranks.is_main else contextlib.nullcontext(),
+    ):
+        result = _train(cfg, output_dir, resume=resume, ranks=ranks, device=device)
+    # Only after a run every rank finished: a failed rank leaves the group as it is (its
+    # exit ends the job through torchrun), since tearing it down waits for the others.
+    stop_ranks()
+    return result
 
 
 def _check_ranks_config(cfg: TrainConfig) -> None:
@@ -351,7 +352,12 @@ def _train(
                 )
                 raise TrainingStopped(stops.requested)
     except BaseException:
-        trainable.close()  # the engine's threads and buffers
+        if not ranks.several:
+            trainable.close()  # the engine's threads and buffers
+        # Several ranks: closing the engine is a collective (it gathers sharded chunks),
+        # which the other ranks, stopped elsewhere, never join: this rank would wait for
+        # them until the group's timeout instead of ending the job with its message. The
+        # process is about to exit and the OS takes its memory and daemon threads back.
         raise
     finally:
         progress.close()
