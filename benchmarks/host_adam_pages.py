@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from protrain.chunks.manager import host_arena
-from protrain.engine import default_host_threads
+from protrain.runtime.host_worker import default_host_threads
 
 
 def _tensors(numel: int, huge: bool) -> list[torch.Tensor]:

@@ -30,7 +30,6 @@ update the scale as ``torch.amp.GradScaler`` does (``optim/loss_scaler.py``).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterable
 
 import torch
@@ -40,14 +39,14 @@ from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
-from protrain.distributed import ChunkCollectives, resolve_context
+from protrain.distributed import NO_GROUP, ChunkCollectives, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.quant.four_bit import lift_quant_state
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
-from protrain.runtime.host_worker import HostWorker
+from protrain.runtime.host_worker import HostWorker, default_host_threads
 
 __all__ = ["wrap", "close", "state_dict", "load_state_dict", "plan_of", "Engine"]
 
@@ -191,24 +190,6 @@ def _give_back(model: nn.Module, manager, worker, hooks, originals=None) -> None
     manager.close()
 
 
-def default_host_threads(local_world_size: int = 1) -> int:
-    """Intra-op threads of the host AdamW worker when ``host_threads`` is not given: all
-    of this process's threads but two, which stay free for the threads that feed the GPU
-    (the Python thread and autograd's device thread) while the host optimizer overlaps
-    backward. On the 16-core H200 host, full-3b without clipping ran at 6,141 / 6,505 /
-    6,360 / 5,302 tokens/s with 16 / 14 / 12 / 8 threads
-    (benchmarks/results/2026-11-22-engine-step-in-backward.jsonl).
-    With several ranks on one node, each takes its share of the node's cores: torchrun sets
-    ``OMP_NUM_THREADS=1`` in every rank, which left the host AdamW one thread (full-3b on
-    two H100s: 2.46 s a step for half the model, against 1.16 s for all of it on one)."""
-    if local_world_size > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
-        n = max(1, (cores or os.cpu_count() or 1) // local_world_size)
-    else:
-        n = torch.get_num_threads()
-    return n - 2 if n >= 6 else n
-
-
 def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -333,13 +314,6 @@ def wrap(
         )
     if grad_reduce not in ("mean", "sum"):
         raise ValueError(f"grad_reduce={grad_reduce!r} is not allowed: use 'mean' or 'sum'")
-    collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
-    sharded = collectives is not None and distributed_mode != "replicated"
-    if collectives is not None and gpu_budget is not None:
-        raise ValueError(
-            "protrain.wrap: gpu_budget (a planned wrap) with several ranks is not built yet; "
-            "give n_persist, n_buffer and the activation knobs"
-        )
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     plan = None
@@ -348,6 +322,7 @@ def wrap(
             raise ValueError("protrain.wrap: gpu_budget needs a sample_batch of the real shape")
         from protrain.plan import profile_and_plan
 
+        # several ranks: planned on the first, the same plan (and its mode) on every rank
         plan, _ = profile_and_plan(
             model,
             sample_batch,
@@ -364,12 +339,17 @@ def wrap(
             },
             tiled_mlp_tokens=tiled_mlp_tokens,
             clipping=clipping or compute_dtype == torch.float16,
+            process_group=ctx.group if ctx.is_distributed else NO_GROUP,
+            distributed_mode=distributed_mode if ctx.is_distributed else None,
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         n_persist, n_swap, n_checkpoint = plan.n_persist, plan.n_swap, plan.n_checkpoint
         n_buffer = plan.n_buffer if plan.n_persist < plan.n_chunks else None
         chunk_size_bytes = plan.chunk_size_bytes
+        distributed_mode = plan.distributed_mode
         log.info("protrain.wrap: plan\n%s", plan)
+    collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
+    sharded = collectives is not None and distributed_mode != "replicated"
     with_activations = n_swap is not None or n_checkpoint is not None or tiled_mlp_tokens
     if with_activations:
         _check_activation_knobs(model, n_swap or 0, n_checkpoint or 0, offload_checkpoint)

@@ -55,7 +55,7 @@ def test_busy_host_adam_is_timed_only_while_copies_run(monkeypatch):
     monkeypatch.setattr(hardware, "_copy_until", copier)
     monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
     threads = threading.active_count()
-    assert hardware._host_adam_rate(busy_device=torch.device("cpu")) == 1.0
+    assert hardware._host_adam_rate(busy_device=torch.device("cpu"), threads=1) == 1.0
     assert seen == {"copying": True, "stopped": True}
     assert threading.active_count() == threads
 
@@ -69,5 +69,5 @@ def test_busy_host_adam_with_failed_copies_is_an_error(monkeypatch):
     monkeypatch.setattr(hardware, "_copy_until", copier)
     monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
     with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
-        hardware._host_adam_rate(busy_device=torch.device("cpu"))
+        hardware._host_adam_rate(busy_device=torch.device("cpu"), threads=1)
     assert seen == {}  # nothing timed without the copies

@@ -21,6 +21,16 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def all_gather_into(out: torch.Tensor, shard: torch.Tensor, group) -> None:
+    """``out``: every rank's ``shard``, in rank order."""
+    _all_gather(out, shard, group=group)
+
+
+def reduce_scatter_into(out: torch.Tensor, full: torch.Tensor, group) -> None:
+    """``out``: this rank's shard of the sum of every rank's ``full``."""
+    _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=group)
+
+
 class ChunkCollectives:
     """The group's collectives on the compute device (NCCL: CUDA tensors; gloo: CPU)."""
 
@@ -41,11 +51,11 @@ class ChunkCollectives:
     def all_gather_chunk(self, out: torch.Tensor, shard: torch.Tensor) -> None:
         """``out`` (the whole chunk) from every rank's ``shard``, which may be this rank's
         own slice of ``out`` (in place)."""
-        _all_gather(out, shard, group=self.ctx.group)
+        all_gather_into(out, shard, self.ctx.group)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> None:
         """``out``: this rank's shard of the sum of every rank's ``full``."""
-        _reduce_scatter(out, full, op=dist.ReduceOp.SUM, group=self.ctx.group)
+        reduce_scatter_into(out, full, self.ctx.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.group)

@@ -12,11 +12,14 @@ import numpy as np
 import torch
 from torch import nn
 
+from protrain.distributed.agree import on_main
+from protrain.distributed.process_group import NO_GROUP, resolve_context
 from protrain.plan.chunk_size import search_chunk_sizes
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.search import NoPlanFits, PlanProblem
+from protrain.plan.world import MODES, SINGLE, World
 from protrain.profile.chunk_table import ChunkTable, chunk_table
 from protrain.profile.hardware import HardwareProfile, measure_hardware
 from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
@@ -165,16 +168,82 @@ def profile_and_plan(
     profile: ModelProfile | None = None,
     tiled_mlp_tokens: int | None = None,
     clipping: bool = True,
-) -> tuple[Plan, PlanProblem]:
+    process_group=None,
+    distributed_mode: str | None = None,
+) -> tuple[Plan, PlanProblem | None]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
     runs; see :mod:`protrain.plan.runtime`). ``cpu_budget_bytes`` None: the default of
-    :mod:`protrain.plan.host_budget`, read after the trace."""
-    t0 = time.perf_counter()
+    :mod:`protrain.plan.host_budget`, read after the trace.
+
+    Several ranks (``process_group``, else the default group when initialized): every rank
+    calls this at once. They measure the hardware together; the first rank traces its
+    model and searches, for each rank's share (``plan/world.py``: ``gpu_budget_bytes`` is
+    each GPU's, ``cpu_budget_bytes`` the host's, shared by its ranks), over both modes
+    unless ``distributed_mode`` fixes one; every rank returns that plan (or raises its
+    error), the problem on the first rank only (None elsewhere)."""
     device = _device(device)
+    ctx = resolve_context(process_group)
+    if distributed_mode is not None and distributed_mode not in MODES:
+        raise ValueError(
+            f"distributed_mode={distributed_mode!r} is not allowed: use one of {MODES}"
+        )
+    hardware = hardware or measure_hardware(
+        device, process_group=ctx.group if ctx.is_distributed else NO_GROUP
+    )
+    kwargs = dict(
+        model=model,
+        sample_batch=sample_batch,
+        gpu_budget_bytes=gpu_budget_bytes,
+        device=device,
+        fixed_knobs=fixed_knobs,
+        cpu_budget_bytes=cpu_budget_bytes,
+        compute_dtype=compute_dtype,
+        chunk_size_bytes=chunk_size_bytes,
+        loss_fn=loss_fn,
+        hardware=hardware,
+        profile=profile,
+        tiled_mlp_tokens=tiled_mlp_tokens,
+        clipping=clipping,
+    )
+    if not ctx.is_distributed:
+        return _plan_here(**kwargs)
+    world = World(ctx.world_size, ctx.local_world_size, distributed_mode or "sharded")
+    problems: list[PlanProblem] = []
+
+    def on_first_rank() -> Plan:
+        plan, problem = _plan_here(**kwargs, world=world, mode_fixed=distributed_mode is not None)
+        problems.append(problem)
+        return plan
+
+    plan = on_main(ctx, on_first_rank)
+    return plan, (problems[0] if problems else None)
+
+
+def _plan_here(
+    model: nn.Module,
+    sample_batch: dict,
+    *,
+    gpu_budget_bytes: int | str,
+    device: torch.device,
+    fixed_knobs: dict[str, int | None] | None,
+    cpu_budget_bytes: int | str | None,
+    compute_dtype: torch.dtype | None,
+    chunk_size_bytes: int | None,
+    loss_fn: LossFn,
+    hardware: HardwareProfile,
+    profile: ModelProfile | None,
+    tiled_mlp_tokens: int | None,
+    clipping: bool,
+    world: World = SINGLE,
+    mode_fixed: bool = True,
+) -> tuple[Plan, PlanProblem]:
+    """:func:`profile_and_plan` on this process: trace (unless given), then search."""
+    t0 = time.perf_counter()
     budget = parse_bytes(gpu_budget_bytes)
     cpu_budget = parse_bytes(cpu_budget_bytes) if cpu_budget_bytes is not None else None
-    hardware = hardware or measure_hardware(device)
+    if cpu_budget is not None:
+        cpu_budget //= world.local_size  # the host's, shared by its ranks
     if profile is None:
         profile = profile_model(
             model,
@@ -189,15 +258,18 @@ def profile_and_plan(
     host_defaulted = cpu_budget is None
     if host_defaulted:  # after the trace: its arena is given back
         cpu_budget = default_cpu_budget()
+        if cpu_budget is not None:
+            cpu_budget //= world.local_size
         if cpu_budget is None:
             log.info("protrain plan: no cpu_budget given and the host's memory is unknown: "
                      "host memory is not limited")  # fmt: skip
         else:
             log.info(
                 "protrain plan: no cpu_budget given: planning with %.1f GiB of host memory "
-                "(%.0f%% of what this host has available; set cpu_budget to change it)",
+                "(%.0f%% of what this host has available%s; set cpu_budget to change it)",
                 cpu_budget / 2**30,
                 SHARE * 100,
+                f", shared by {world.local_size} ranks" if world.local_size > 1 else "",
             )
     fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
     log.info(
@@ -216,6 +288,8 @@ def profile_and_plan(
             fixed_knobs=fixed,
             clipping=clipping,
             chunk_size_fixed=chunk_size_bytes is not None,
+            world=world,
+            mode_fixed=mode_fixed,
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":
@@ -253,7 +327,8 @@ def apply_plan(
     tiled_mlp_tokens: int | None = None,
     **wrap_kwargs,
 ):
-    """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs.
+    """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs
+    (with several ranks, in the plan's mode; ``process_group`` may be among ``wrap_kwargs``).
 
     Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
     undoes both (``activation_handle.remove()`` alone takes the policies off). ``wrap_kwargs`` are the
@@ -274,6 +349,7 @@ def apply_plan(
         n_swap=plan.n_swap,
         n_checkpoint=plan.n_checkpoint,
         tiled_mlp_tokens=tiled_mlp_tokens,
+        distributed_mode=plan.distributed_mode,
         **wrap_kwargs,
     )
     engine = _engine(model)

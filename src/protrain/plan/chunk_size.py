@@ -30,8 +30,10 @@ import numpy as np
 from torch import nn
 
 from protrain.chunks.layout import _align, choose_chunk_size
+from protrain.chunks.shard import shard_multiple
 from protrain.plan.memory import MemoryModel
 from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, search
+from protrain.plan.world import MODES, SINGLE, World
 from protrain.profile.chunk_table import chunk_table_and_index
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.param_index import ParamIndex, param_index
@@ -49,14 +51,17 @@ _FULL_SEARCH_CELLS = 150_000
 
 
 def chunk_size_candidates(
-    model: nn.Module, profile: ModelProfile, index: ParamIndex | None = None
+    model: nn.Module, profile: ModelProfile, index: ParamIndex | None = None, multiple: int = 1
 ) -> list[int]:
-    """Chunk sizes worth planning for ``model``, the traced one included, ascending."""
+    """Chunk sizes worth planning for ``model``, the traced one included, ascending; each a
+    multiple of ``multiple`` (the sharded mode's ``shard_multiple``: the engine rounds a
+    chunk size up to it, so the plan does first)."""
     sizes = (index or param_index(model)).arrays(_dtype(profile))[1].tolist()
     largest = _align(max(sizes))
-    out = {profile.chunks.chunk_size_bytes, choose_chunk_size(sizes)}
+    out = {choose_chunk_size(sizes)}
     out.update(_align(int(largest * m)) for m in _MULTIPLES)
-    return sorted(out)
+    out = {-(-size // multiple) * multiple for size in out}
+    return sorted(out | {profile.chunks.chunk_size_bytes})
 
 
 def rechunk(
@@ -133,6 +138,53 @@ def search_chunk_sizes(
     fixed_knobs: dict[str, int] | None = None,
     clipping: bool = True,
     chunk_size_fixed: bool = False,
+    world: World = SINGLE,
+    mode_fixed: bool = True,
+) -> tuple[SearchResult, PlanProblem]:
+    """The fastest plan over the candidate chunk sizes and, with several ranks and
+    ``mode_fixed`` false, over both modes (``plan/world.py``), with the problem it solved;
+    see :func:`_search_sizes`."""
+    if not world.distributed or mode_fixed:
+        return _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
+                             cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
+                             clipping=clipping, chunk_size_fixed=chunk_size_fixed,
+                             world=world)  # fmt: skip
+    found, errors = {}, []
+    for mode in MODES:
+        try:
+            found[mode] = _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
+                                        cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
+                                        clipping=clipping, chunk_size_fixed=chunk_size_fixed,
+                                        world=world.with_mode(mode))  # fmt: skip
+        except NoPlanFits as exc:
+            errors.append(exc)
+    if not found:
+        raise errors[0]  # sharded's: it needs the least memory of the two
+    best = min(found, key=lambda m: found[m][0].plan.predicted_step_s)
+    result, problem = found[best]
+    others = [
+        f"{m} {found[m][0].plan.predicted_step_s:.3f} s" if m in found else f"{m} does not fit"
+        for m in MODES
+        if m != best
+    ]
+    result.plan.reasons.append(
+        f"mode {best} over {world.size} ranks: predicted {result.plan.predicted_step_s:.3f} s "
+        f"a step ({'; '.join(others)})"
+    )
+    return result, problem
+
+
+def _search_sizes(
+    model: nn.Module,
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    *,
+    gpu_budget_bytes: int,
+    cpu_budget_bytes: int | None,
+    fixed_knobs: dict[str, int] | None,
+    clipping: bool,
+    chunk_size_fixed: bool,
+    world: World,
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
@@ -161,7 +213,8 @@ def search_chunk_sizes(
         and len(profile.grad_names) == len(profile.grad_order)
     ):
         index = param_index(model)  # one walk of the modules for every size
-        sizes = chunk_size_candidates(model, profile, index)
+        multiple = shard_multiple(world.size) if world.distributed else 1
+        sizes = chunk_size_candidates(model, profile, index, multiple)
         traced = MemoryModel(profile)
         profiles = {size: rechunk(profile, model, size, index, traced) for size in sizes}
     else:
@@ -177,6 +230,7 @@ def search_chunk_sizes(
             cpu_budget_bytes=cpu_budget_bytes,
             fixed_knobs=fixed,
             clipping=clipping,
+            world=world,
         )
         for size, p in profiles.items()
     }

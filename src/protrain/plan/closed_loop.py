@@ -83,6 +83,7 @@ def check_plan(
         fixed_knobs=problem.fixed,
         extra_bytes=problem.extra_bytes + missing,
         clipping=problem.clipping,
+        world=problem.world,
     )
     fits = corrected_problem.evaluate(*plan.knobs.values())["peak_bytes"]
     if fits <= problem.gpu_budget_bytes:

@@ -94,6 +94,9 @@ def explain(plan: Plan, *, with_candidates: bool = True) -> str:
         f"host memory {_gib(plan.predicted_host_bytes)}",
         "  memory terms: " + ", ".join(f"{k} {_gib(v)}" for k, v in plan.memory_terms.items()),
     ]
+    if plan.world_size > 1:  # the figures above are each rank's
+        lines.insert(1, f"  per rank, {plan.world_size} ranks, {plan.distributed_mode} mode: every "
+                        "rank runs these knobs; tokens/s of one rank")  # fmt: skip
     lines += [f"  - {r}" for r in plan.reasons]
     if with_candidates and plan.candidates:
         lines.append("best candidates:")

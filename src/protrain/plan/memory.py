@@ -28,6 +28,10 @@
   did not (otherwise the trace measured it).
 - **other resident bytes** (CUDA): allocated at the traced step's start beyond the trace's
   model states (module buffers, library workspaces).
+- **gradient reduce buckets** (several ranks): backward copies each chunk's gradients into a
+  bucket of the chunk's size and reduces it on its own stream
+  (``distributed/grad_reducer.py``): the bucket being filled, the one being reduced, and a
+  reduce-scatter's output shard (sharded mode) are live at once.
 - **allocator overhead** (CUDA): the traced step's reserved peak minus its allocated peak,
   both raw (buffer pool included), in a step that ran on the cache of one step like it (the
   trace empties the cache after its first step).
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protrain.plan.world import SINGLE, World
 from protrain.profile.trace import ModelProfile
 
 KEEP, CHECKPOINT, SWAP = 0, 1, 2
@@ -69,8 +74,9 @@ def policy_matrix(n_blocks: int, n_swap: np.ndarray, n_checkpoint: np.ndarray) -
 class MemoryModel:
     """The terms above, precomputed from a profile for fast evaluation of many knobs."""
 
-    def __init__(self, profile: ModelProfile):
+    def __init__(self, profile: ModelProfile, world: World = SINGLE):
         self.profile = profile
+        self.world = world
         t = profile.chunks
         self.chunk_bytes = t.chunk_size_bytes
         self.n_chunks = t.n_chunks
@@ -88,6 +94,8 @@ class MemoryModel:
         itemsize = np.asarray(t.trainable_bytes, dtype=np.int64) // np.maximum(trn, 1)
         host_chunk = self.chunk_bytes + _align(4 * trn) * 2 + _align(itemsize * trn) + 8 * trn
         host_chunk += ADAM_STEP_BYTES_PER_TENSOR * tensors
+        # sharded: a rank holds its shard of each offloaded chunk's host state (World)
+        host_chunk = -(-host_chunk // world.shards)
         self.host_suffix = np.concatenate([np.cumsum(host_chunk[::-1])[::-1], [0]])
         # the largest offloaded gradient piece when chunks k.. are offloaded
         piece = np.minimum(np.asarray(t.max_trainable_numel, dtype=np.int64), GRAD_PIECE_NUMEL)
@@ -99,6 +107,9 @@ class MemoryModel:
             else 4 * suffix_max
         )
         self.allocator_overhead = int(profile.allocator_overhead_bytes)
+        self.reduce_buckets = 0
+        if world.distributed and trn.sum() > 0:
+            self.reduce_buckets = 2 * self.chunk_bytes + self.chunk_bytes // world.shards
         # CUDA: what was resident at the traced step's start beyond the trace's model states
         # (module buffers, library workspaces): measured, and the same for every plan.
         self.other_resident = 0
@@ -208,6 +219,7 @@ class MemoryModel:
                 self.activation_peak(n_swap, n_checkpoint, n_persist)[0]
             ),
             "offload_grad_transient": int(self.grad_piece[n_persist]),
+            "reduce_buckets": self.reduce_buckets,
             "other_resident": self.other_resident,
             "allocator_overhead": self.allocator_overhead,
         }

@@ -28,6 +28,9 @@ class Plan:
     fixed_knobs: dict[str, int] = field(default_factory=dict)  # what the user set
     reasons: list[str] = field(default_factory=list)
     candidates: list[dict] = field(default_factory=list)  # the best few, knobs and predictions
+    # the ranks it is for (plan.world): every rank runs these knobs, each predicted alone
+    world_size: int = 1
+    distributed_mode: str | None = None  # "sharded" | "replicated"; None: one rank
 
     @property
     def knobs(self) -> dict[str, int]:

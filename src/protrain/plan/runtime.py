@@ -41,6 +41,20 @@ blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and ni
 and the planner chose swap where checkpointing was faster; with it, the planner chose no
 swap on those configurations, so its accuracy on plans that do swap is not yet measured.
 
+[Note: several ranks]
+A plan is per rank (``plan/world.py``); each rank computes its own micro-batch, so compute is
+the trace's. In the sharded mode a rank copies only its shard of each offloaded chunk (and of
+its gradients and updated masters) over its link, steps only its shard on the host (at the
+host rate measured with every rank of the host measuring at once), and the collectives move
+the rest: an all-gather per offloaded-chunk gather, a reduce-scatter per offloaded trainable
+chunk in backward, an all-reduce per persistent trainable chunk; in the replicated mode
+copies and host steps are whole and every trainable chunk is all-reduced. Collective
+seconds are bus bytes (``(N-1)/N`` of the chunk; twice that for an all-reduce) at the
+measured bus bandwidth (the all-gather's measured beside copies both ways). A chunk's
+gather is its shard's copy and then its all-gather, so a phase's collectives are added to
+its copies, and the sum overlaps compute as copies alone do; a sharded chunk's gather after
+its host update adds its all-gather to the host optimizer's critical path.
+
 On a CPU device nothing overlaps: the "device" is the host, its copies and its optimizer
 run on the same cores as compute, so every term adds.
 
@@ -81,6 +95,7 @@ import numpy as np
 
 from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
 from protrain.plan.memory import CHECKPOINT, SWAP
+from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
 
@@ -109,9 +124,17 @@ def _compute_parts(profile: ModelProfile):
 
 
 class RuntimeModel:
-    def __init__(self, profile: ModelProfile, hardware: HardwareProfile, *, clipping: bool = True):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        hardware: HardwareProfile,
+        *,
+        clipping: bool = True,
+        world: World = SINGLE,
+    ):
         self.hw = hardware
         self.clipping = clipping
+        self.world = world
         t = profile.chunks
         base, block_fwd, block_bwd, recompute, pre = _compute_parts(profile)
         self.base_compute_s = float(base)
@@ -139,12 +162,16 @@ class RuntimeModel:
         def prefix(x):
             return np.concatenate([[0], np.cumsum(x)])
 
-        self.fwd_in = prefix(frozen + 4 * trn)  # forward gather bytes (masters in fp32)
-        self.used = prefix(used)
+        # Copies per rank; only offloaded chunks' differences are read ([Note: several ranks])
+        sh = world.shards
+        self.fwd_in = prefix(frozen + 4 * trn) / sh  # forward gather bytes (masters in fp32)
+        self.used = prefix(used) / sh
         # forward, after host updates: the updated parameters' bytes (frozen ones never change)
-        self.write_back = prefix(np.asarray(t.trainable_bytes, dtype=np.int64))
-        self.grads_out = prefix(4 * trn)  # backward, fp32
+        self.write_back = prefix(np.asarray(t.trainable_bytes, dtype=np.int64)) / sh
+        self.grads_out = prefix(4 * trn) / sh  # backward, fp32
         self.trainable = prefix(trn)
+        self.trainable_chunks = prefix(trn > 0)
+        self._collective_s(t.chunk_size_bytes)
 
         # Per chunk: when the next forward needs it, and how much backward follows its grads.
         n_blocks = len(profile.blocks)
@@ -178,20 +205,65 @@ class RuntimeModel:
             trn, frozen, np.asarray(t.max_trainable_numel, dtype=np.int64), needed_at
         )
 
+    def _collective_s(self, chunk_bytes: int) -> None:
+        """Seconds of one chunk's all-gather, reduce-scatter and all-reduce ([Note: several
+        ranks]); 0 for one rank."""
+        w, hw = self.world, self.hw
+        self.gather_coll_s = self.reduce_scatter_s = self.all_reduce_s = 0.0
+        if not w.distributed:
+            return
+        bus = chunk_bytes * (w.size - 1) / w.size
+
+        def seconds(nbytes: float, *rates: float | None) -> float:
+            rate = next((r for r in rates if r), None)
+            if rate is None:
+                raise ValueError(
+                    "the hardware profile has no collective bandwidths: measure it with the "
+                    "process group initialized (protrain.profile.measure_hardware)"
+                )
+            return nbytes / rate
+
+        self.all_reduce_s = seconds(2 * bus, hw.collective_bytes_per_s)
+        if w.mode == "sharded":
+            self.gather_coll_s = seconds(
+                bus, hw.all_gather_busy_bytes_per_s, hw.all_gather_bytes_per_s
+            )
+            self.reduce_scatter_s = seconds(bus, hw.reduce_scatter_bytes_per_s)
+
+    def collective_seconds(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) collective seconds per rank; arrays broadcast."""
+        n = self.n_chunks
+        n_persist = np.asarray(n_persist)
+        n_off = n - n_persist
+        gathers_b = n_off - np.minimum(np.asarray(n_buffer), n_off)
+        trn_off = self.trainable_chunks[n] - self.trainable_chunks[n_persist]
+        trn_persist = self.trainable_chunks[n_persist]
+        fwd = n_off * self.gather_coll_s
+        if self.world.mode == "sharded":
+            bwd = (
+                gathers_b * self.gather_coll_s
+                + trn_off * self.reduce_scatter_s
+                + trn_persist * self.all_reduce_s
+            )
+        else:
+            bwd = (trn_off + trn_persist) * self.all_reduce_s
+        return fwd, bwd
+
     def _host_stall(self, trn, frozen, last_numel, needed_at) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
-        host_s = trn * self.host_s_per_param
-        gather_s = (frozen + 4 * trn) / hw.h2d_bytes_per_s
+        sh = self.world.shards
+        host_s = trn * self.host_s_per_param / sh
+        gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         # the copy after the last piece of an update (the pieces before hide under it), and
         # the chunk's frozen bytes, which the gather copies once the forward asks for it
         last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
-        tail_s = (frozen + 4 * last_piece) / hw.h2d_bytes_per_s
+        tail_s = (frozen + 4 * last_piece) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
         dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
         stall = np.zeros(n + 1)
         if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
-            return (self.trainable[n] - self.trainable) * self.host_s_per_param
+            return (self.trainable[n] - self.trainable) * self.host_s_per_param / sh
         gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         stepped = trn > 0
         # Without clipping each piece is released when its own gradients are on the host,
@@ -253,7 +325,9 @@ class RuntimeModel:
                 (h2d + d2h) / hw.duplex_bytes_per_s,
             )
 
-        copy_f, copy_b = copy_seconds(h2d_f, d2h_f), copy_seconds(h2d_b, d2h_b)
+        coll_f, coll_b = self.collective_seconds(n_persist, n_buffer)
+        copy_f = copy_seconds(h2d_f, d2h_f) + coll_f
+        copy_b = copy_seconds(h2d_b, d2h_b) + coll_b
         compute_f = np.minimum(self.fwd_compute_s + fwd_wait_s, compute_s)
         compute_b = compute_s - compute_f
         concurrent = hw.device != "cpu"
@@ -273,12 +347,15 @@ class RuntimeModel:
         return total, {
             "compute": float(compute_s),
             "copy": float(copy_s),
+            "collective": float(coll_f + coll_b),
             "copy_exposed": float(overlapped - compute_s),
             "h2d_bytes": float(h2d),
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
             "host_optimizer": float(
-                (self.trainable[n] - self.trainable[n_persist]) * self.host_s_per_param
+                (self.trainable[n] - self.trainable[n_persist])
+                * self.host_s_per_param
+                / self.world.shards
             ),
             "host_optimizer_exposed": float(stall_s),
         }

@@ -37,6 +37,7 @@ import numpy as np
 from protrain.plan.memory import MemoryModel, policy_matrix
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.runtime import RuntimeModel
+from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
 
@@ -55,6 +56,9 @@ class NoPlanFits(ValueError):
         self.smallest_budget_bytes = smallest_budget_bytes
         self.kind = kind
         self.least_host_bytes: int | None = None  # kind "host": what the GPU-fitting plans need
+
+    def __reduce__(self):  # pickled whole: the first rank's planning error reaches every rank
+        return (type(self), (str(self), self.smallest_budget_bytes, self.kind), self.__dict__)
 
 
 @dataclass
@@ -85,8 +89,10 @@ class PlanProblem:
         fixed_knobs: dict[str, int] | None = None,
         extra_bytes: int = 0,
         clipping: bool = True,
+        world: World = SINGLE,
     ):
         fixed = _known_knobs(fixed_knobs)
+        self.world = world
         self.profile = profile
         self.hardware = hardware
         self.gpu_budget_bytes = int(gpu_budget_bytes)
@@ -94,10 +100,10 @@ class PlanProblem:
         self.fixed = fixed
         # Bytes the closed loop measured beyond the prediction (0 before any real step).
         self.extra_bytes = int(extra_bytes)
-        self.memory = MemoryModel(profile)
+        self.memory = MemoryModel(profile, world)
         # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
         self.clipping = bool(clipping)
-        self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping)
+        self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)
         self._check_fixed()
 
     def with_fixed(self, fixed_knobs: dict[str, int]) -> PlanProblem:
@@ -203,7 +209,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     host_swap = mem.swap_host_bytes(pol)
     n_p = problem.persist_values()
     constant = mem.model_states[n_p] + mem.grad_piece[n_p] + mem.allocator_overhead
-    constant = constant + mem.other_resident
+    constant = constant + mem.other_resident + mem.reduce_buckets
     constant = constant + problem.extra_bytes
     host_ok = np.ones((len(s), len(n_p)), dtype=bool)
     if problem.cpu_budget_bytes is not None:
@@ -392,6 +398,8 @@ def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
         time_terms=ev["time_terms"],
         fixed_knobs=dict(problem.fixed),
         candidates=candidates,
+        world_size=problem.world.size,
+        distributed_mode=problem.world.distributed_mode,
     )
     plan.reasons = reasons_for(plan, problem)
     return plan

@@ -4,17 +4,26 @@ Measured: host-to-device and device-to-host copy bandwidth from pinned memory, b
 directions at once (two streams), the fused AdamW rate on the host (the engine's optimizer
 for offloaded chunks, on a worker thread at the engine's host thread count), alone and
 while copies run both ways (in training the host AdamW overlaps the gradient and parameter
-copies, which share the host's memory bandwidth with it), and on the device, and the
-all-reduce bus bandwidth when ``torch.distributed`` is initialized. A CPU device has no
-copies to measure: the "device" is the host, so its copy rates are host memory-copy rates
-and its device AdamW rate is the host one.
+copies, which share the host's memory bandwidth with it), and on the device. A CPU device
+has no copies to measure: the "device" is the host, so its copy rates are host memory-copy
+rates and its device AdamW rate is the host one.
+
+With several ranks (a process group given, or the default one initialized) every rank
+measures at once, as they will train: the ranks of a host share its cores and memory
+bandwidth, each with its share of the threads (``default_host_threads``), so the host rates
+are per rank. The group's all-gather, reduce-scatter and all-reduce bus bandwidths are
+measured at a chunk's size (alone, and the all-gather while copies run both ways, as it
+runs in training beside parameter and gradient copies). The ranks run in lockstep, so the
+profile keeps the slowest rank's rate of each kind; the first rank decides whether the
+cache is used and writes it.
 
 Cached as JSON under ``~/.cache/protrain/`` (``PROTRAIN_CACHE_DIR`` overrides), one file per
-machine and software versions; a few seconds to measure.
+machine, world and software versions; a few seconds to measure.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -29,6 +38,11 @@ from pathlib import Path
 
 import torch
 
+from protrain.distributed.agree import from_main, max_over_ranks
+from protrain.distributed.collectives import all_gather_into, reduce_scatter_into
+from protrain.distributed.process_group import SINGLE, DistContext, resolve_context
+from protrain.runtime.host_worker import default_host_threads
+
 log = logging.getLogger(__name__)
 
 _COPY_BYTES = 256 << 20  # per copy; large enough to reach the link's bandwidth
@@ -36,7 +50,10 @@ _COPY_BYTES = 256 << 20  # per copy; large enough to reach the link's bandwidth
 # working set beyond any last-level cache, as the engine's chunks are (a cache-resident
 # timing overstates the host rate).
 _ADAM_NUMEL = 1 << 26
-_PROFILE_VERSION = 4  # part of the cache key: a change of method re-measures
+# Bytes of one gathered chunk in the collectives' timing: a typical chunk on a GPU; on the
+# CPU (gloo, as CI runs several ranks) smaller, to stay a fraction of a second.
+_COLLECTIVE_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
+_PROFILE_VERSION = 5  # part of the cache key: a change of method re-measures
 
 
 @dataclass
@@ -48,7 +65,7 @@ class HardwareProfile:
     duplex_bytes_per_s: float  # both directions at once, total
     cpu_adam_params_per_s: float
     device_adam_params_per_s: float
-    collective_bytes_per_s: float | None  # all-reduce bus bandwidth; None when not distributed
+    collective_bytes_per_s: float | None  # all-reduce bus bandwidth; None: one rank
     cpu_threads: int
     # host AdamW while pinned copies run both ways (CUDA); the CPU rate on a CPU device.
     # None: not measured (the runtime model then uses cpu_adam_params_per_s).
@@ -56,6 +73,12 @@ class HardwareProfile:
     # the host's multiplication of fp32 gradients by the clip coefficient (one pass over
     # them before AdamW; busy as above on CUDA). None: not measured (the model omits it).
     cpu_clip_params_per_s: float | None = None
+    # bus bandwidths (nccl-tests convention) at a chunk's size; None: one rank
+    all_gather_bytes_per_s: float | None = None
+    reduce_scatter_bytes_per_s: float | None = None
+    all_gather_busy_bytes_per_s: float | None = None  # while copies run both ways (CUDA)
+    world_size: int = 1
+    local_world_size: int = 1  # ranks on this host, each measured beside the others
     key: str = ""
 
     def to_dict(self) -> dict:
@@ -70,8 +93,9 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PROTRAIN_CACHE_DIR", Path.home() / ".cache" / "protrain"))
 
 
-def machine_key(device: torch.device) -> str:
-    """Machine and software versions: a cached profile is reused only when all match."""
+def machine_key(device: torch.device, ctx: DistContext = SINGLE) -> str:
+    """Machine, world and software versions: a cached profile is reused only when all
+    match."""
     parts = [
         f"v{_PROFILE_VERSION}",
         socket.gethostname(),
@@ -84,32 +108,39 @@ def machine_key(device: torch.device) -> str:
     ]
     if device.type == "cuda":
         parts.append(torch.cuda.get_device_name(device))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        parts.append(f"world={torch.distributed.get_world_size()}")
+    if ctx.is_distributed:
+        parts.append(f"world={ctx.world_size}/{ctx.local_world_size}/{ctx.backend}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
 def measure_hardware(
-    device: torch.device | str | None = None, *, use_cache: bool = True
+    device: torch.device | str | None = None, *, use_cache: bool = True, process_group=None
 ) -> HardwareProfile:
-    """The rates of this machine for ``device`` (cached; ``use_cache=False`` re-measures)."""
+    """The rates of this machine for ``device`` (cached; ``use_cache=False`` re-measures).
+    With several ranks (``process_group``, else the default group when initialized) every
+    rank must call this at once; each gets the same profile."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = machine_key(device)
+    ctx = resolve_context(process_group)
+    key = machine_key(device, ctx)
     path = cache_dir() / f"hardware-{key}.json"
-    if use_cache and path.exists():
+    cached = None
+    if use_cache and ctx.is_main and path.exists():
         try:
-            return HardwareProfile.from_dict(json.loads(path.read_text()))
+            cached = HardwareProfile.from_dict(json.loads(path.read_text())).to_dict()
         except (ValueError, TypeError) as exc:
             log.warning("ignoring unreadable hardware cache %s: %s", path, exc)
+    cached = from_main(ctx, cached)  # every rank measures, or none: the timings are collective
+    if cached is not None:
+        return HardwareProfile.from_dict(cached)
     t0 = time.perf_counter()
-    profile = _measure(device)
+    profile = _measure(device, ctx)
     profile.key = key
     log.info("hardware profile measured in %.1f s: %s", time.perf_counter() - t0, profile)
-    if use_cache:
+    if use_cache and ctx.is_main:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(profile.to_dict(), indent=1))
@@ -117,10 +148,31 @@ def measure_hardware(
     return profile
 
 
-def _measure(device: torch.device) -> HardwareProfile:
-    cpu_adam = _host_adam_rate()
+def _measure(device: torch.device, ctx: DistContext = SINGLE) -> HardwareProfile:
+    profile = _measure_rank(device, ctx)
+    if not ctx.is_distributed:
+        return profile
+    # the slowest rank's rate of each kind: ranks run in lockstep
+    fields = [k for k, v in profile.to_dict().items() if isinstance(v, float)]
+    slowest = max_over_ranks(ctx, [-getattr(profile, k) for k in fields], device)
+    for k, v in zip(fields, slowest):
+        setattr(profile, k, -v)
+    return profile
+
+
+def _measure_rank(device: torch.device, ctx: DistContext) -> HardwareProfile:
+    threads = default_host_threads(ctx.local_world_size)
+    _together(ctx)
+    cpu_adam = _host_adam_rate(threads=threads)
+    coll = {
+        "collective_bytes_per_s": None,
+        "world_size": ctx.world_size,
+        "local_world_size": ctx.local_world_size,
+        **_collective_rates(device, ctx),
+    }
     if device.type != "cuda":
         copy = _host_copy_rate()
+        _together(ctx)
         return HardwareProfile(
             device="cpu",
             device_name=platform.processor() or platform.machine(),
@@ -130,11 +182,19 @@ def _measure(device: torch.device) -> HardwareProfile:
             cpu_adam_params_per_s=cpu_adam,
             device_adam_params_per_s=cpu_adam,
             cpu_adam_busy_params_per_s=cpu_adam,
-            cpu_clip_params_per_s=_host_rate(_clip_rate),
-            collective_bytes_per_s=None,
-            cpu_threads=torch.get_num_threads(),
+            cpu_clip_params_per_s=_host_rate(_clip_rate, threads=threads),
+            cpu_threads=threads,
+            **coll,
         )
     h2d, d2h, duplex = _pcie_rates(device)
+    _together(ctx)
+    busy_adam = _host_adam_rate(busy_device=device, threads=threads)
+    _together(ctx)
+    busy_clip = _host_rate(_clip_rate, busy_device=device, threads=threads)
+    if ctx.is_distributed:
+        coll["all_gather_busy_bytes_per_s"] = _collective_rates(device, ctx, busy=True)[
+            "all_gather_bytes_per_s"
+        ]
     return HardwareProfile(
         device="cuda",
         device_name=torch.cuda.get_device_name(device),
@@ -143,11 +203,17 @@ def _measure(device: torch.device) -> HardwareProfile:
         duplex_bytes_per_s=duplex,
         cpu_adam_params_per_s=cpu_adam,
         device_adam_params_per_s=_adam_rate(device),
-        cpu_adam_busy_params_per_s=_host_adam_rate(busy_device=device),
-        cpu_clip_params_per_s=_host_rate(_clip_rate, busy_device=device),
-        collective_bytes_per_s=_collective_rate(device),
-        cpu_threads=torch.get_num_threads(),
+        cpu_adam_busy_params_per_s=busy_adam,
+        cpu_clip_params_per_s=busy_clip,
+        cpu_threads=threads,
+        **coll,
     )
+
+
+def _together(ctx: DistContext) -> None:
+    """Ranks start a host timing at once: a host's ranks share its memory bandwidth."""
+    if ctx.is_distributed:
+        torch.distributed.barrier(group=ctx.group)
 
 
 def _best_of(fn, repeats: int = 3) -> float:
@@ -226,48 +292,52 @@ def _clip_rate() -> float:
     return _ADAM_NUMEL / _best_of(lambda: torch._foreach_mul_([g], coef))
 
 
-def _host_adam_rate(busy_device: torch.device | None = None) -> float:
+def _host_adam_rate(busy_device: torch.device | None = None, *, threads: int) -> float:
     """The host AdamW rate as the engine runs it (see :func:`_host_rate`)."""
-    return _host_rate(lambda: _adam_rate(torch.device("cpu")), busy_device)
+    return _host_rate(lambda: _adam_rate(torch.device("cpu")), busy_device, threads=threads)
 
 
-def _host_rate(measure, busy_device: torch.device | None = None) -> float:
+def _host_rate(measure, busy_device: torch.device | None = None, *, threads: int) -> float:
     """``measure()`` as the engine's host work runs: on a worker thread with the engine's
     host thread count; with ``busy_device``, while pinned copies to and from that device
     keep both directions of the link busy."""
-    from protrain.engine import default_host_threads
-
-    with ThreadPoolExecutor(1, initializer=torch.set_num_threads,
-                            initargs=(default_host_threads(),)) as pool:  # fmt: skip
+    with ThreadPoolExecutor(1, initializer=torch.set_num_threads, initargs=(threads,)) as pool:
         if busy_device is None:
             return pool.submit(measure).result()
-        # Timed only once copies run (the best of the timings would otherwise be an idle
-        # one), and only if they ran throughout: a copier that failed is an error.
-        copying, stop = threading.Event(), threading.Event()
-        failed: list[BaseException] = []
+        with _link_busy(busy_device):
+            return pool.submit(measure).result()
 
-        def copy_until_stopped() -> None:
-            try:
-                _copy_until(busy_device, stop, copying)
-            except BaseException as exc:
-                failed.append(exc)
-            finally:
-                copying.set()
 
-        copier = threading.Thread(target=copy_until_stopped, daemon=True)
-        copier.start()
+@contextlib.contextmanager
+def _link_busy(device: torch.device):
+    """Pinned copies to and from ``device`` keep both directions of the link busy inside.
+    The body runs only once copies run (the best of its timings would otherwise be an
+    idle one), and only counts if they ran throughout: a copier that failed is an error."""
+    copying, stop = threading.Event(), threading.Event()
+    failed: list[BaseException] = []
+
+    def copy_until_stopped() -> None:
         try:
-            copying.wait()
-            rate = None if failed else pool.submit(measure).result()
+            _copy_until(device, stop, copying)
+        except BaseException as exc:
+            failed.append(exc)
         finally:
-            stop.set()
-            copier.join()
-        if failed:
-            raise RuntimeError(
-                "protrain: the copies that keep the link busy while the host AdamW is timed "
-                f"failed: {failed[0]}"
-            ) from failed[0]
-        return rate
+            copying.set()
+
+    copier = threading.Thread(target=copy_until_stopped, daemon=True)
+    copier.start()
+    try:
+        copying.wait()
+        if not failed:  # nothing is timed without the copies
+            yield
+    finally:
+        stop.set()
+        copier.join()
+    if failed:
+        raise RuntimeError(
+            "protrain: the copies that keep the link busy while a rate is timed failed: "
+            f"{failed[0]}"
+        ) from failed[0]
 
 
 def _copy_until(device: torch.device, stop: threading.Event, copying: threading.Event) -> None:
@@ -279,16 +349,35 @@ def _copy_until(device: torch.device, stop: threading.Event, copying: threading.
         copying.set()
 
 
-def _collective_rate(device: torch.device) -> float | None:
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    n = dist.get_world_size()
-    x = torch.empty(_COPY_BYTES // 2, dtype=torch.uint8, device=device)
+def _collective_rates(device: torch.device, ctx: DistContext, busy: bool = False) -> dict:
+    """Bus bandwidths of the chunk collectives at a chunk's size (``busy``: the all-gather
+    while copies run both ways); {} for one rank. Every rank runs the same collectives."""
+    if not ctx.is_distributed:
+        return {}
+    n = ctx.world_size
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    numel = _COLLECTIVE_BYTES[device.type] // dtype.itemsize // n * n
+    full = torch.zeros(numel, dtype=dtype, device=device)
+    shard = torch.zeros(numel // n, dtype=dtype, device=device)
+    group = ctx.group
 
-    def reduce():
-        dist.all_reduce(x)
-        torch.cuda.synchronize(device)
+    def timed(op):
+        def run():
+            op()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
-    seconds = _best_of(reduce)
-    return x.numel() * 2 * (n - 1) / n / seconds  # bus bandwidth (nccl-tests convention)
+        return _best_of(run)
+
+    bus = full.numel() * dtype.itemsize * (n - 1) / n  # bytes each rank sends
+    gather = lambda: all_gather_into(full, shard, group)  # noqa: E731
+    if busy:
+        with _link_busy(device):
+            return {"all_gather_bytes_per_s": bus / timed(gather)}
+    return {
+        "all_gather_bytes_per_s": bus / timed(gather),
+        "reduce_scatter_bytes_per_s": bus / timed(lambda: reduce_scatter_into(shard, full, group)),
+        "collective_bytes_per_s": 2
+        * bus
+        / timed(lambda: torch.distributed.all_reduce(full, group=group)),
+    }

@@ -65,6 +65,7 @@ import torch
 from torch import nn
 
 from protrain.activations.swap import is_parameter_like
+from protrain.distributed.process_group import NO_GROUP
 from protrain.model.blocks import discover_blocks
 from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
 from protrain.profile.memory_clock import MemoryClock
@@ -482,6 +483,8 @@ def trace_model(
     tiled_mlp_tokens: int | None = None,
 ) -> ModelProfile:
     """Trace ``model`` at ``sample_batch`` under the chunk engine; return its profile.
+    The trace runs on this process alone, whatever process group is initialized: with
+    several ranks one rank traces, what a rank computes being the same on every rank.
 
     ``n_persist``/``n_buffer`` are the engine's knobs during the trace (None: every chunk
     persistent); the caller picks ``n_persist=0`` for a model that does not fit. The model
@@ -533,6 +536,7 @@ def trace_model(
         compute_dtype=compute_dtype,
         chunk_size_bytes=table.chunk_size_bytes,
         discard_offloaded_grads=True,  # stepped without host updates: never read
+        process_group=NO_GROUP,
     )
     engine = model._protrain_engine
     manager = engine.manager
