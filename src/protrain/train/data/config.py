@@ -12,8 +12,9 @@ train_on_eos: turn
 sample_packing: true
 ```
 
-Masking keys (`train_on_inputs`, `roles_to_train`, `train_on_eos`, `chat_template`) may be set
-at the top level and overridden per dataset; `None` in a dataset entry means "inherit".
+Masking keys (`train_on_inputs`, `roles_to_train`, `train_on_eos`, `train_on_tool_calls`,
+`chat_template`) may be set at the top level and overridden per dataset; `None` in a dataset
+entry means "inherit".
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class DatasetConfig(BaseModel):
     train_on_inputs: bool | None = None
     roles_to_train: list[str] | None = None
     train_on_eos: TrainOnEos | None = None
+    train_on_tool_calls: bool | None = None
     chat_template: str | None = None
 
     @field_validator("roles_to_train")
@@ -121,14 +123,16 @@ class DatasetConfig(BaseModel):
 class RoleBoundary(BaseModel):
     """Where one role's turns start and end, as text markers the tokenizer encodes to tokens.
 
-    `end: eos_token` means the tokenizer's EOS; `end: null` runs to the end of the sequence.
+    `end: eos_token` means the tokenizer's EOS; `end: null` runs to the end of the sequence; a
+    list gives several markers, the first found ends the turn (Llama 3.x: `<|eot_id|>`, or
+    `<|eom_id|>` after a tool call).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     role: str
     start: str
-    end: str | None
+    end: str | list[str] | None
     include_start: bool = False
     include_end: bool = True
 
@@ -143,6 +147,15 @@ class RoleBoundary(BaseModel):
     def _non_empty_start(cls, v: str) -> str:
         if not v:
             raise ValueError("role_boundaries.start: '' is not a marker; give the start text")
+        return v
+
+    @field_validator("end")
+    @classmethod
+    def _non_empty_end(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, list) and (not v or not all(v)):
+            raise ValueError(
+                "role_boundaries.end: a list of markers needs at least one, none of them ''"
+            )
         return v
 
 
@@ -165,6 +178,10 @@ class DataSettings(BaseModel):
     train_on_inputs: bool = False
     roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
     train_on_eos: TrainOnEos = "turn"
+    train_on_tool_calls: bool = Field(
+        default=True,
+        description="train assistant turns that call tools (tool results: add `tool` to roles_to_train)",
+    )
     sample_packing: bool = False
     skip_bad_rows: bool = False
     processor_type: str | None = None

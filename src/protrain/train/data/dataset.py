@@ -27,6 +27,7 @@ from protrain.train.data.rendering import (
     TemplateMismatch,
     TemplateRenderError,
     end_of_turn_markers,
+    special_token_strings,
 )
 from protrain.train.data.role_boundaries import (
     Boundary,
@@ -118,6 +119,7 @@ class DatasetEncoder:
         self.renderer: ChatRenderer | None = None
         self.vision = None
         self.boundaries: list[Boundary] | None = None
+        self._warned_tools = False
         if cfg.type == "chat":
             spec = cfg.chat_template if cfg.chat_template is not None else settings.chat_template
             source = processor if processor is not None else tokenizer
@@ -125,7 +127,9 @@ class DatasetEncoder:
                 template = resolve_chat_template(spec, source)
             except DataError as e:
                 raise DataError(e.reason, dataset=cfg.path, field="chat_template") from e
-            self.renderer = ChatRenderer(source, template, end_of_turn_markers(tokenizer))
+            self.renderer = ChatRenderer(
+                source, template, end_of_turn_markers(tokenizer), special_token_strings(tokenizer)
+            )
             if processor is not None:
                 from protrain.train.data.vision import VisionEncoder
 
@@ -139,7 +143,15 @@ class DatasetEncoder:
                 self.never_trained = media_token_ids(tokenizer)
 
     def encode_row(self, row: dict[str, Any], row_index: int) -> Encoded:
-        sample = parse_row(row, self.cfg, row_index)
+        variables = self.renderer.variables if self.renderer is not None else frozenset()
+        sample = parse_row(row, self.cfg, row_index, variables)
+        if row.get("tools") and "tools" not in variables and not self._warned_tools:
+            self._warned_tools = True
+            logger.warning(
+                "dataset %r: rows carry `tools` but the chat template does not use them; the "
+                "tool schemas are not in the prompt (use a chat template with tool support)",
+                self.cfg.path,
+            )
         if self.vision is not None and isinstance(sample, ChatSample):
             return self.vision.encode(sample, row_index)
         if self.boundaries is not None and isinstance(sample, ChatSample):
@@ -158,7 +170,7 @@ class DatasetEncoder:
 
     def _encode_by_boundaries(self, sample: ChatSample, row_index: int) -> Encoded:
         try:
-            text = self.renderer.render(sample.messages)
+            _, text = self.renderer.prepare(sample.messages, sample.template_kwargs)
         except TemplateRenderError as e:
             raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -211,6 +223,7 @@ def encode_dataset(
             continue
         if not keep_text:
             enc.text = ""
+            enc.notes = []
         encoded.append(enc)
     report.kept = len(encoded)
     if not encoded:

@@ -19,8 +19,9 @@ from protrain.train.data.masks import (
     MaskSettings,
     chat_trained_spans,
     labels_from_offsets,
+    widen_to_tokens,
 )
-from protrain.train.data.rendering import ChatRenderer
+from protrain.train.data.rendering import ChatRenderer, Turn, with_generation_spans
 
 logger = logging.getLogger("protrain.train.data")
 
@@ -31,6 +32,7 @@ class Encoded:
     labels: list[int]
     text: str = ""  # the rendered text, kept for inspection
     extras: dict[str, Any] = field(default_factory=dict)  # media tensors of VLM rows
+    notes: list[str] = field(default_factory=list)  # one line per message, for inspection
 
     def item(self) -> dict[str, Any]:
         return {"input_ids": self.input_ids, "labels": self.labels, **self.extras}
@@ -40,21 +42,28 @@ _warned_no_offsets: set[str] = set()
 
 
 def tokenize_labelled(
-    tokenizer, text: str, spans: list[tuple[int, int]], add_special_tokens: bool
+    tokenizer,
+    text: str,
+    spans: list[tuple[int, int]],
+    add_special_tokens: bool,
+    whole_tokens: bool = False,
 ) -> tuple[list[int], list[int]]:
     """Ids and labels of `text`, trained where its characters fall in `spans`.
 
-    Fast tokenizers tokenize the whole text and map tokens to characters by their offsets.
+    Fast tokenizers tokenize the whole text and map tokens to characters by their offsets
+    (`whole_tokens`: every token a span touches, as transformers' assistant masks count them).
     Tokenizers without offsets tokenize the text piece by piece between span edges, which
     can split a word differently from whole-text tokenization at a span edge (warned once).
     """
     try:
         enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
-        offsets = enc["offset_mapping"]
+        offsets = [tuple(o) for o in enc["offset_mapping"]]
     except (NotImplementedError, KeyError, TypeError, ValueError):
         return _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens)
     ids = list(enc["input_ids"])
-    return ids, labels_from_offsets(ids, [tuple(o) for o in offsets], text, spans)
+    if whole_tokens:
+        spans = widen_to_tokens(spans, offsets)
+    return ids, labels_from_offsets(ids, offsets, text, spans)
 
 
 def _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens):
@@ -86,12 +95,33 @@ def encode_chat(
     sample: ChatSample, tokenizer, renderer: ChatRenderer, mask: MaskSettings
 ) -> Encoded:
     """Render, locate turns, tokenize; raises `TemplateMismatch` if a turn cannot be placed."""
-    text = renderer.render(sample.messages)
-    turns = renderer.locate(sample.messages, text)
+    kwargs = sample.template_kwargs
+    messages, text = renderer.prepare(sample.messages, kwargs)
+    turns = renderer.locate(messages, text, kwargs)
+    tagged = renderer.has_generation_tags and renderer.renders_with_tokenizer
+    if tagged:
+        turns = with_generation_spans(turns, renderer.generation_spans(messages, kwargs))
     all_eot = renderer.all_markers(text) if mask.train_on_eos == "all" else ()
     spans = chat_trained_spans(turns, len(text), mask, all_eot)
-    ids, labels = tokenize_labelled(tokenizer, text, spans, add_special_tokens=False)
-    return Encoded(ids, labels, text)
+    ids, labels = tokenize_labelled(
+        tokenizer, text, spans, add_special_tokens=False, whole_tokens=tagged
+    )
+    return Encoded(ids, labels, text, notes=_notes(messages, turns, mask))
+
+
+def _notes(messages: list[dict[str, Any]], turns: list[Turn], mask: MaskSettings) -> list[str]:
+    """`[2] assistant, calls get_weather: trained` for each message."""
+    notes = []
+    for i, (message, turn) in enumerate(zip(messages, turns)):
+        what = f"[{i}] {message['role']}"
+        if turn.tool_calls:
+            what += f", calls {', '.join(turn.tool_calls)}"
+        if message["role"] == "tool":
+            source = message.get("name") or message.get("tool_call_id")
+            what += f", result of {source}" if source else ", tool result"
+        trained = mask.train_on_inputs or mask.trains(turn)
+        notes.append(f"{what}: {'trained' if trained else 'masked'}")
+    return notes
 
 
 def _eos_id(tokenizer) -> int | None:

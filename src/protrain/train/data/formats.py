@@ -3,6 +3,13 @@
 - `chat`: `messages` (role, content), or the legacy `conversations` (from, value).
   Content may be a string or a list of parts (`{"type": "text", "text": ...}`,
   `{"type": "image", ...}`, `{"type": "audio", ...}`); an assistant message may carry `reasoning_content`.
+  Tool calling, in the OpenAI / transformers shape: an assistant message's `tool_calls`
+  (`[{"type": "function", "function": {"name": ..., "arguments": ...}}]`, `arguments` passed as
+  given: most templates want an object, DeepSeek's a JSON string) with `content` null, empty or
+  text; results as `tool` (or `ipython`, `function`) messages with `tool_call_id` / `name`. Every
+  other key of a message (`id`, `prefix`, ...) reaches the template as it is, and so does every
+  column of the row that the template reads: `tools` (a list of schemas, or its JSON text),
+  `builtin_tools`, `date_string`, `documents`, `enable_thinking`, ...
 - `completion`: `prompt` and `completion` (and an optional `system`).
 - `text`: `text`, trained on every token.
 
@@ -11,6 +18,7 @@ Every check names the dataset, the row and the field, so a bad row is one clear 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,9 +30,10 @@ MEDIA_PART_TYPES = ("image", "video", "audio")
 
 @dataclass
 class ChatSample:
-    messages: list[dict[str, Any]]  # role in KNOWN_ROLES, content str or list of parts
+    messages: list[dict[str, Any]]  # role in KNOWN_ROLES, content str, list of parts or None
     images: list[Any] = field(default_factory=list)
     audios: list[Any] = field(default_factory=list)
+    template_kwargs: dict[str, Any] = field(default_factory=dict)  # `tools`, ... for the template
 
 
 @dataclass
@@ -84,7 +93,65 @@ def _check_content(content: Any, dataset: str, row: int, where: str) -> Any:
     )
 
 
-def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatSample:
+def _check_tool_calls(calls: Any, dataset: str, row: int, where: str) -> list[Any]:
+    if not isinstance(calls, list):
+        raise DataError(
+            f"must be a list of tool calls, got {type(calls).__name__}",
+            dataset=dataset,
+            row=row,
+            field=where,
+        )
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise DataError(
+                'a tool call must be an object {"type": "function", "function": {"name": ..., '
+                '"arguments": ...}} (or {"name": ..., "arguments": ...}) with a non-empty name',
+                dataset=dataset,
+                row=row,
+                field=f"{where}[{j}]",
+            )
+    return calls
+
+
+def _template_kwargs(
+    row: dict[str, Any], template_vars: frozenset[str], skip: set[str], dataset: str, row_index: int
+) -> dict[str, Any]:
+    """The row's columns that the chat template reads, `tools` checked."""
+    kwargs = {k: row[k] for k in sorted(template_vars) if k in row and k not in skip}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    tools = kwargs.get("tools")
+    if isinstance(tools, str):  # datasets often keep the schemas as JSON text
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(
+                f"a string here must be a JSON list of tool schemas: {e}",
+                dataset=dataset,
+                row=row_index,
+                field="tools",
+            ) from e
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise DataError(
+                "must be a list of tool schemas (objects such as "
+                '{"type": "function", "function": {"name": ..., "parameters": ...}})',
+                dataset=dataset,
+                row=row_index,
+                field="tools",
+            )
+        kwargs["tools"] = tools or None
+    return kwargs
+
+
+def parse_chat(
+    row: dict[str, Any],
+    cfg: DatasetConfig,
+    row_index: int,
+    template_vars: frozenset[str] = frozenset({"tools"}),
+) -> ChatSample:
+    """A chat row; `template_vars` are the names the chat template reads (row columns of those
+    names are passed to it)."""
     dataset = cfg.path
     if cfg.field_messages is not None:
         column = cfg.field_messages
@@ -126,7 +193,8 @@ def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatS
             raise DataError(
                 f"missing role key {role_key!r}", dataset=dataset, row=row_index, field=where
             )
-        if content_key not in turn:
+        calls = turn.get("tool_calls")
+        if content_key not in turn and not calls:
             raise DataError(
                 f"missing content key {content_key!r}", dataset=dataset, row=row_index, field=where
             )
@@ -139,19 +207,33 @@ def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatS
                 row=row_index,
                 field=f"{where}.{role_key}",
             )
-        content = turn[content_key]
-        if content is None and role == "assistant":
+        content = turn.get(content_key)
+        if content is None and role == "assistant" and not calls:
             content = ""
-        message: dict[str, Any] = {
-            "role": role,
-            "content": _check_content(content, dataset, row_index, f"{where}.{content_key}"),
-        }
+        if content is not None or role != "assistant":
+            content = _check_content(content, dataset, row_index, f"{where}.{content_key}")
+        # A null content stays None beside tool calls: templates branch on it.
+        message: dict[str, Any] = {"role": role, "content": content}
+        if calls:
+            if role != "assistant":
+                raise DataError(
+                    f"only assistant messages make tool calls, this one is {role!r}",
+                    dataset=dataset,
+                    row=row_index,
+                    field=f"{where}.tool_calls",
+                )
+            message["tool_calls"] = _check_tool_calls(
+                calls, dataset, row_index, f"{where}.tool_calls"
+            )
         reasoning = turn.get(cfg.message_field_reasoning)
         if reasoning:
             message["reasoning_content"] = reasoning
-        for extra in ("tool_calls", "name", "tool_call_id"):
-            if turn.get(extra) is not None:
-                message[extra] = turn[extra]
+        # Other keys reach the template as they are; Arrow rows carry None (and empty lists)
+        # for keys a message lacks, which templates would take for present.
+        taken = {role_key, content_key, cfg.message_field_reasoning, "tool_calls"}
+        for key, value in turn.items():
+            if key not in taken and value is not None and value != []:
+                message[key] = value
         messages.append(message)
     if not any(m["role"] != "system" for m in messages):
         raise DataError(
@@ -166,7 +248,9 @@ def parse_chat(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> ChatS
     audios = row.get(cfg.field_audios) or []
     if not isinstance(audios, list):
         audios = [audios]
-    return ChatSample(messages=messages, images=images, audios=audios)
+    skip = {column, cfg.field_images, cfg.field_audios}
+    kwargs = _template_kwargs(row, template_vars, skip, dataset, row_index)
+    return ChatSample(messages=messages, images=images, audios=audios, template_kwargs=kwargs)
 
 
 def _string_field(row: dict[str, Any], key: str, cfg: DatasetConfig, row_index: int) -> str:
@@ -185,10 +269,15 @@ def _string_field(row: dict[str, Any], key: str, cfg: DatasetConfig, row_index: 
     return value
 
 
-def parse_row(row: dict[str, Any], cfg: DatasetConfig, row_index: int) -> Sample:
+def parse_row(
+    row: dict[str, Any],
+    cfg: DatasetConfig,
+    row_index: int,
+    template_vars: frozenset[str] = frozenset({"tools"}),
+) -> Sample:
     """Parse one raw row in the format `cfg.type` names; raises `DataError` on a bad row."""
     if cfg.type == "chat":
-        return parse_chat(row, cfg, row_index)
+        return parse_chat(row, cfg, row_index, template_vars)
     if cfg.type == "completion":
         system = row.get(cfg.field_system)
         return CompletionSample(

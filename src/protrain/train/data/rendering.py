@@ -1,33 +1,84 @@
-"""Rendering a chat with its template, and finding each turn in the rendered text.
+"""Rendering a chat with its template, and finding each message in the rendered text.
 
-[Note: locating turns]
-A chat template is not always prefix-stable: Mistral moves the system prompt into the last
-user turn, Qwen3 drops the `<think>` block of assistant turns before the last user query,
-Gemma folds the system prompt into the first user turn. So the text of a conversation is
-rendered once, in full, and each message is found in it by its content, in order. An
-assistant turn starts where its generation header ends (the text that
-`add_generation_prompt=True` appends after the conversation so far, e.g.
-`<|im_start|>assistant\\n`), so that reasoning blocks the template places before the content
-belong to the turn; with templates that have no header (Mistral: `[/INST]` closes the user
-turn and opens the answer) the turn starts at its content. A turn ends at the first
-end-of-turn marker after its content (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, `</s>`...).
+[Note: locating messages]
+A chat template is not always prefix-stable: Mistral moves the system prompt and the tool list
+to the last user turn, Qwen3 drops the `<think>` block of assistant turns before the last user
+query, Phi-3.5 appends EOS when no generation prompt is asked for, Llama 3.1 folds the tool list
+into the first user turn, DeepSeek concatenates every system message at the start. So the
+conversation is rendered once, in full (`T`), and each message is placed in it from the
+renderings of its prefixes, never from a search for its content alone:
+
+- Message `i` owns the text from `b_i` to `b_{i+1}`, where `b_i` is where the rendering of
+  `messages[:i]` ends inside `T`. Where that rendering is a prefix of `T`, `b_i` is exact.
+  Otherwise it is placed by the last structural marker (special token) of the prefix, counted
+  (the c-th `<|im_end|>` of the prefix is the c-th of `T`), or, where the prefix only appends a
+  closer that `T` does not have there (an EOS, the `<|im_end|>` after a group of tool results),
+  where the two texts part. Either placement must keep each message's content on its own side;
+  where neither does, the row is a `TemplateMismatch`: a guessed mask is never made.
+- An assistant turn's body starts where its generation prompt ends (what
+  `add_generation_prompt=True` appends after `messages[:i]`, e.g. `<|im_start|>assistant\\n`),
+  as far as `T` repeats it there (DeepSeek-R1 prompts with `<｜Assistant｜><think>\\n` but
+  renders history as `<｜Assistant｜>` + answer). Templates without a header (Mistral) start the
+  body right after the previous message. Reasoning and tool calls the template writes in the
+  turn belong to the body.
+- A turn ends at the last end-of-turn marker in its own text (`<|im_end|>`, `<|eot_id|>`,
+  `<|eom_id|>`, `</s>`, ...); a turn without one ends where the next message begins.
+- Cut points never fall inside a special token: `<|endoftext|>` and `<|assistant|>` share `<|`.
+
+Content is still searched, inside the message's own text only, to check the placement and to
+find where user, system and tool bodies start. System messages may be moved anywhere by the
+template (Gemma folds them into the first user turn), so they are searched in the whole text.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import logging
+import re
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import jinja2
+import jinja2.meta
+
+logger = logging.getLogger("protrain.train.data")
+
 # End-of-turn markers of the template families; only those in the tokenizer's vocabulary count.
+# `<|eom_id|>` (Llama 3.x) and `<|eom|>` (Llama 4) end an assistant turn that calls a tool.
 END_OF_TURN_CANDIDATES = (
     "<|im_end|>",
     "<|eot_id|>",
+    "<|eom_id|>",
     "<|eot|>",
+    "<|eom|>",
     "<end_of_turn>",
     "<turn|>",
     "<|end|>",
     "<|endoftext|>",
     "</s>",
+)
+
+GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+# Names a template sees that never come from a row.
+_RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "add_generation_prompt",
+        "continue_final_message",
+        "raise_exception",
+        "strftime_now",
+        "range",
+        "namespace",
+        "loop",
+        "bos_token",
+        "eos_token",
+        "unk_token",
+        "pad_token",
+        "sep_token",
+        "cls_token",
+        "mask_token",
+    }
 )
 
 
@@ -36,7 +87,7 @@ class TemplateRenderError(Exception):
 
 
 class TemplateMismatch(Exception):
-    """The template does not render message `index` verbatim, so it cannot be located."""
+    """Message `index` cannot be placed in the rendering with certainty."""
 
     def __init__(self, index: int, reason: str) -> None:
         super().__init__(reason)
@@ -50,8 +101,22 @@ class Turn:
 
     role: str
     start: int  # first character of the turn's body (after its header)
-    content_end: int  # end of the message content
+    content_end: int  # end of the message content (== start when it has none)
     eot: tuple[int, int] | None  # the end-of-turn marker that closes it, if any
+    begin: int = -1  # start of the message's own text (its header, if it has one)
+    end: int = -1  # end of the message's own text (where the next message begins)
+    tool_calls: tuple[str, ...] = ()  # names of the tools the message calls
+    generated: tuple[tuple[int, int], ...] | None = None  # `{% generation %}` spans, if tagged
+
+    @property
+    def body_end(self) -> int:
+        """Where the trained body stops: at the end-of-turn marker, else at the end of the
+        assistant's own text (a tool call the template leaves unclosed), else at the content."""
+        if self.eot is not None:
+            return self.eot[0]
+        if self.role == "assistant" and self.end >= self.start:
+            return self.end
+        return self.content_end
 
 
 def end_of_turn_markers(tokenizer) -> tuple[str, ...]:
@@ -65,7 +130,28 @@ def end_of_turn_markers(tokenizer) -> tuple[str, ...]:
     return tuple(markers)
 
 
+def special_token_strings(tokenizer) -> tuple[str, ...]:
+    """The tokenizer's added tokens (the template's markup vocabulary), longest first."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    found = {str(getattr(t, "content", t)) for t in decoder.values()}
+    found |= {str(t) for t in getattr(tokenizer, "all_special_tokens", [])}
+    return tuple(sorted((t for t in found if t.strip()), key=len, reverse=True))
+
+
+def template_variables(template: str) -> frozenset[str]:
+    """Top-level names the template reads (`tools`, `builtin_tools`, `date_string`, ...)."""
+    try:
+        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(
+            GENERATION_TAG.sub("", re.sub(r"\{%-?\s*endgeneration\s*-?%\}", "", template))
+        )
+    except jinja2.TemplateError:
+        return frozenset()
+    return frozenset(jinja2.meta.find_undeclared_variables(ast)) - _RESERVED_TEMPLATE_NAMES
+
+
 def _text_parts(content: Any) -> list[str]:
+    if content is None:
+        return []
     if isinstance(content, str):
         return [content]
     return [p["text"] for p in content if p.get("type") == "text" and p.get("text")]
@@ -73,7 +159,7 @@ def _text_parts(content: Any) -> list[str]:
 
 def _needles(message: dict[str, Any]) -> tuple[str, str]:
     """Text that marks the start and the end of a message's content once rendered."""
-    parts = [p.strip() for p in _text_parts(message["content"])]
+    parts = [p.strip() for p in _text_parts(message.get("content"))]
     parts = [p for p in parts if p]
     if not parts:
         return "", ""
@@ -86,47 +172,398 @@ def _needles(message: dict[str, Any]) -> tuple[str, str]:
     return first, last
 
 
-class ChatRenderer:
-    """Renders conversations with one template and locates their turns."""
+def _json_inner(text: str) -> str:
+    """`text` as it appears inside a JSON string."""
+    return json.dumps(text, ensure_ascii=False)[1:-1]
 
-    def __init__(self, renderer, template: str, eot_markers: tuple[str, ...]) -> None:
+
+def _tool_call_names(message: dict[str, Any]) -> tuple[str, ...]:
+    names = []
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.append(fn["name"])
+    return tuple(names)
+
+
+def _lcp(a: str, b: str) -> int:
+    """Length of the common prefix of `a` and `b` (slice compares run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@dataclass
+class _Placement:
+    """What `locate` needs about one conversation's renderings."""
+
+    text: str
+    prefixes: list[str | None] = field(default_factory=list)  # render(messages[:i])
+    prompts: list[str | None] = field(default_factory=list)  # same, with the generation prompt
+
+
+class ChatRenderer:
+    """Renders conversations with one template and locates their messages."""
+
+    def __init__(
+        self,
+        renderer,
+        template: str,
+        eot_markers: tuple[str, ...],
+        special_tokens: tuple[str, ...] = (),
+    ) -> None:
         self.renderer = renderer  # a tokenizer or processor with apply_chat_template
         self.template = template
         self.eot_markers = eot_markers
+        self.variables = template_variables(template)
+        self.has_generation_tags = bool(GENERATION_TAG.search(template))
+        specials = sorted(set(special_tokens) | set(eot_markers), key=len, reverse=True)
+        self._special_re = (
+            re.compile("|".join(re.escape(s) for s in specials)) if specials else None
+        )
+        self._longest_special = max((len(s) for s in specials), default=0)
+        self._warned_null_content = False
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> str:
-        if not messages:
-            return ""
-        try:
+    # --- rendering ----------------------------------------------------------------------------
+
+    @property
+    def renders_with_tokenizer(self) -> bool:
+        from transformers import PreTrainedTokenizerBase
+
+        return isinstance(self.renderer, PreTrainedTokenizerBase)
+
+    def _render_once(
+        self,
+        messages: list[dict[str, Any]],
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool,
+        with_generation_spans: bool = False,
+    ):
+        if not self.renders_with_tokenizer:
+            # Processors place media parts themselves; they get the same template arguments.
             return self.renderer.apply_chat_template(
                 messages,
                 chat_template=self.template,
                 tokenize=False,
                 add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        # Rendered like `apply_chat_template`, except that a null content stays None: templates
+        # branch on it (DeepSeek's tool calls are written only for `content is none`).
+        extra = dict(kwargs)
+        tools = extra.pop("tools", None)
+        documents = extra.pop("documents", None)
+        rendered, spans = render_jinja_template(
+            conversations=[messages],
+            tools=tools,
+            documents=documents,
+            chat_template=self.template,
+            add_generation_prompt=add_generation_prompt,
+            return_assistant_tokens_mask=with_generation_spans,
+            **{**self.renderer.special_tokens_map, **extra},
+        )
+        if with_generation_spans:
+            return rendered[0], [tuple(s) for s in spans[0]]
+        return rendered[0]
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        if not messages:
+            return ""
+        try:
+            return self._render_once(messages, kwargs or {}, add_generation_prompt)
         except Exception as e:  # the template's raise_exception, or content it cannot join
             raise TemplateRenderError(
                 f"cannot render with the chat template: {type(e).__name__}: {e}"
             ) from e
 
-    def generation_header(self, messages: list[dict[str, Any]]) -> str:
-        """What `add_generation_prompt` adds after `messages` ("" if it adds nothing)."""
-        if not messages:
-            return ""
-        try:
-            plain = self.render(messages)
-            prompted = self.render(messages, add_generation_prompt=True)
-        except Exception:  # a template may refuse a prefix (e.g. one ending with a system turn)
-            return ""
-        return prompted[len(plain) :] if prompted.startswith(plain) else ""
+    def prepare(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None
+    ) -> tuple[list[dict[str, Any]], str]:
+        """The messages as the template takes them, and their full rendering.
 
-    def _first_marker(self, text: str, lo: int, hi: int) -> tuple[int, int] | None:
-        best: tuple[int, int] | None = None
-        for marker in self.eot_markers:
-            pos = text.find(marker, lo, hi)
-            if pos >= 0 and (best is None or pos < best[0]):
-                best = (pos, pos + len(marker))
-        return best
+        A null content is given to the template as None; a template that cannot render it
+        (Qwen3 tests `'</think>' in content`) gets an empty string instead, said once.
+        """
+        try:
+            return messages, self.render(messages, kwargs=kwargs)
+        except TemplateRenderError:
+            if not any(m.get("content", "") is None for m in messages):
+                raise
+        emptied = [{**m, "content": ""} if m.get("content", "") is None else m for m in messages]
+        text = self.render(emptied, kwargs=kwargs)
+        if not self._warned_null_content:
+            self._warned_null_content = True
+            logger.warning(
+                "the chat template cannot render a message whose content is null; such "
+                "contents are rendered as empty strings"
+            )
+        return emptied, text
+
+    def generation_spans(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None
+    ) -> list[tuple[int, int]]:
+        """Character spans the template marks with `{% generation %}` (as transformers does)."""
+        _, spans = self._render_once(
+            messages, kwargs or {}, add_generation_prompt=False, with_generation_spans=True
+        )
+        return spans
+
+    # --- cut points ---------------------------------------------------------------------------
+
+    def _backoff(self, k: int, *texts: str) -> int:
+        """`k`, moved back so that it does not fall inside a special token of any text."""
+        if self._special_re is None or k <= 0:
+            return k
+        moved = True
+        while moved and k > 0:
+            moved = False
+            for text in texts:
+                lo = max(0, k - self._longest_special)
+                for m in self._special_re.finditer(text, lo, k + self._longest_special):
+                    if m.start() < k < m.end():
+                        k, moved = m.start(), True
+                        break
+        return k
+
+    def _common(self, a: str, b: str) -> int:
+        return self._backoff(_lcp(a, b), a, b)
+
+    def _starts_with_eot(self, text: str, at: int) -> bool:
+        return any(text.startswith(m, at) for m in self.eot_markers)
+
+    def _last_special(self, text: str) -> tuple[str, int] | None:
+        """The last special token of `text` and how many times it occurs up to there."""
+        if self._special_re is None:
+            return None
+        last = None
+        for m in self._special_re.finditer(text):
+            last = m
+        if last is None:
+            return None
+        return last.group(), text.count(last.group(), 0, last.end())
+
+    def _nth(self, text: str, marker: str, count: int) -> int:
+        pos = -1
+        for _ in range(count):
+            pos = text.find(marker, pos + 1)
+            if pos < 0:
+                return -1
+        return pos
+
+    def _place_prefix(
+        self,
+        prefix: str,
+        text: str,
+        lo: int,
+        hi: int,
+        before: dict[str, Any],
+        after: dict[str, Any] | None,
+    ) -> int | None:
+        """Where the rendering `prefix` of `messages[:i]` ends in `text`, or None if unsure.
+
+        `lo` is the start of message i-1's text, `hi` the end of the conversation's text;
+        `before` is message i-1 and `after` message i.
+        """
+        if text.startswith(prefix):
+            return len(prefix)
+        _, last_before = _needles(before)
+        first_after = _needles(after)[0] if after is not None else ""
+
+        def plausible(b: int) -> bool:
+            if not lo <= b <= hi:
+                return False
+            if last_before:
+                pos = text.find(last_before, lo)
+                if pos >= 0 and pos + len(last_before) > b:
+                    return False
+            return not (
+                first_after
+                and after is not None
+                and after["role"] != "system"
+                and text.find(first_after) >= 0
+                and text.find(first_after, b) < 0
+            )
+
+        # The prefix appends only closing markup that the conversation does not have here
+        # (an EOS, the `<|im_end|>` after a group of tool results): its text ends where they part.
+        k = self._common(prefix, text)
+        closer = prefix[k:]
+        closer_fits = (
+            plausible(k)
+            and not self._starts_with_eot(text, k)
+            and not (last_before and last_before in closer)
+        )
+        if closer_fits and self._is_markup(closer):
+            return k
+        # Otherwise the template changed text before the prefix's end (a think block, a moved
+        # system prompt or tool list): its last marker, counted, is the same marker in `text`.
+        last = self._last_special(prefix)
+        if last is not None:
+            marker, count = last
+            at_prefix = self._nth(prefix, marker, count)
+            at_text = self._nth(text, marker, count)
+            tail = prefix[at_prefix + len(marker) :]
+            if at_text >= 0 and text.startswith(tail, at_text + len(marker)):
+                b = at_text + len(marker) + len(tail)
+                if plausible(b):
+                    return b
+        return k if closer_fits else None
+
+    def _is_markup(self, text: str) -> bool:
+        """Only special tokens and whitespace."""
+        rest = self._special_re.sub("", text) if self._special_re is not None else text
+        return not rest.strip()
+
+    # --- locating -----------------------------------------------------------------------------
+
+    def _renderings(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, text: str
+    ) -> _Placement:
+        placement = _Placement(text)
+        for i in range(len(messages) + 1):
+            prefix = messages[:i]
+            try:
+                plain = self.render(prefix, kwargs=kwargs) if i < len(messages) else text
+            except TemplateRenderError:
+                plain = None
+            prompted = None
+            if i == len(messages) or messages[i]["role"] == "assistant":
+                try:
+                    prompted = self.render(prefix, add_generation_prompt=True, kwargs=kwargs)
+                except TemplateRenderError:
+                    prompted = None
+            placement.prefixes.append(plain)
+            placement.prompts.append(prompted)
+        return placement
+
+    def locate(
+        self,
+        messages: list[dict[str, Any]],
+        text: str,
+        kwargs: dict[str, Any] | None = None,
+    ) -> list[Turn]:
+        """Each message's turn in `text`, the full rendering of `messages`."""
+        n = len(messages)
+        placed = self._renderings(messages, kwargs, text)
+
+        # The conversation's own text ends where a generation prompt would be written; what a
+        # template appends only at the very end (Phi-3.5's EOS) belongs to no message.
+        closing = placed.prompts[n]
+        conv_end = len(text)
+        if closing is not None and not closing.startswith(text):
+            conv_end = self._common(text, closing)
+
+        bounds = [0]
+        for i in range(1, n):
+            prefix = placed.prefixes[i]
+            b = None
+            if prefix is not None:
+                b = self._place_prefix(
+                    prefix, text, bounds[-1], conv_end, messages[i - 1], messages[i]
+                )
+            if b is None:
+                if messages[i - 1]["role"] == "system":
+                    b = bounds[-1]  # the template placed the system prompt elsewhere
+                else:
+                    raise TemplateMismatch(
+                        i,
+                        "the chat template renders the conversation in a way this message's "
+                        "start cannot be placed with certainty",
+                    )
+            bounds.append(b)
+        bounds.append(max(conv_end, bounds[-1]))
+
+        turns = []
+        for i, message in enumerate(messages):
+            turns.append(self._turn(i, message, text, bounds[i], bounds[i + 1], placed))
+        return turns
+
+    def _generation_header(self, i: int, placed: _Placement) -> str:
+        prompted, plain = placed.prompts[i], placed.prefixes[i] if i else ""
+        if prompted is None or plain is None:
+            return ""
+        return prompted[self._common(plain, prompted) :]
+
+    def _turn(
+        self, i: int, message: dict[str, Any], text: str, b: int, end: int, placed: _Placement
+    ) -> Turn:
+        role = message["role"]
+        names = _tool_call_names(message)
+        start = b
+        if role == "assistant":
+            header = self._generation_header(i, placed)
+            start = b + self._backoff(_lcp(header, text[b:end]), header, text[b:end])
+        content = self._find_content(i, message, text, start, end)
+        if names:
+            missing = [name for name in names if name not in text[start:end]]
+            if missing:
+                raise TemplateMismatch(
+                    i,
+                    f"the chat template does not render this message's tool call(s) {missing}; "
+                    "use a chat template with tool support",
+                )
+        if role == "system" and content is not None and not b <= content[0] < end:
+            # A system prompt the template moved: its body is its content, wherever it went.
+            return Turn(role, content[0], content[1], None, content[0], content[1], names)
+        if role != "assistant" and content is not None:
+            start = content[0]  # user, system and tool bodies are their content
+        content_end = content[1] if content is not None else start
+        eot = self._last_eot(text, content_end, end)
+        if role != "assistant" and content is None:
+            start = content_end = eot[0] if eot else end  # an empty body, not the header
+        return Turn(role, start, content_end, eot, b, end, names)
+
+    def _find_content(
+        self, i: int, message: dict[str, Any], text: str, start: int, end: int
+    ) -> tuple[int, int] | None:
+        """Where the message's content lies in its own text (system: anywhere), or None."""
+        first, last = _needles(message)
+        if not first:
+            return None
+        forms = [(first, last)]
+        if message["role"] == "tool":
+            # Tool results may be written as JSON strings (Llama 3.x: `content | tojson`).
+            forms.append((_json_inner(first), _json_inner(last)))
+        for a, z in forms:
+            pos = text.find(a, start, end)
+            stop = text.find(z, pos, end) if pos >= 0 else -1
+            if stop >= 0:
+                return pos, stop + len(z)
+        if message["role"] == "system":
+            pos = text.find(first)
+            stop = text.find(last, pos) if pos >= 0 else -1
+            if stop >= 0:
+                return pos, stop + len(last)
+        if message["role"] == "assistant" and _tool_call_names(message):
+            return None  # templates may write only the tool calls (Llama 3.x, Mistral)
+        raise TemplateMismatch(
+            i, "the chat template does not render this message's content verbatim"
+        )
+
+    def _last_eot(self, text: str, lo: int, hi: int) -> tuple[int, int] | None:
+        """The last end-of-turn marker in `text[lo:hi]`: the turn's own closer, even when the
+        content or a tool call holds marker text."""
+        eot = None
+        if self._special_re is not None:
+            for m in self._special_re.finditer(text, lo, hi):
+                if m.group() in self.eot_markers:
+                    eot = (m.start(), m.end())
+        return eot
 
     def all_markers(self, text: str) -> list[tuple[int, int]]:
         found = []
@@ -137,68 +574,13 @@ class ChatRenderer:
                 pos = text.find(marker, pos + len(marker))
         return sorted(found)
 
-    def locate(self, messages: list[dict[str, Any]], text: str) -> list[Turn]:
-        """Each message's turn in `text`, the full rendering of `messages`."""
-        headers = [
-            self.generation_header(messages[:i]) if m["role"] == "assistant" else ""
-            for i, m in enumerate(messages)
-        ]
-        content_spans: list[tuple[int, int]] = []
-        cursor = 0
-        for i, message in enumerate(messages):
-            first, last = _needles(message)
-            lo = 0 if message["role"] == "system" else cursor
-            if not first:
-                # An empty message sits right after its header (if the template has one).
-                pos = text.find(headers[i], lo) if headers[i] else -1
-                at = pos + len(headers[i]) if pos >= 0 else lo
-                content_spans.append((at, at))
-                if message["role"] != "system":
-                    cursor = at
-                continue
-            if headers[i]:
-                # Look for the content after the turn's header, so that content that also
-                # occurs in the header (an answer "assistant") is not taken for it.
-                at = text.find(headers[i], lo)
-                if at >= 0 and text.find(first, at + len(headers[i])) >= 0:
-                    lo = at + len(headers[i])
-            start = text.find(first, lo)
-            if start < 0:
-                raise TemplateMismatch(
-                    i, "the chat template does not render this message's content verbatim"
-                )
-            end_at = text.find(last, start)
-            if end_at < 0:
-                raise TemplateMismatch(
-                    i, "the end of this message's content is not in the rendering"
-                )
-            content_spans.append((start, end_at + len(last)))
-            if message["role"] != "system":
-                cursor = end_at + len(last)
 
-        turns = []
-        prev_end = 0
-        for i, message in enumerate(messages):
-            start, content_end = content_spans[i]
-            if message["role"] == "system":
-                later = [content_spans[j][0] for j in range(i + 1, len(messages))]
-                bound = min([s for s in later if s > content_end], default=len(text))
-            else:
-                bound = next(
-                    (
-                        content_spans[j][0]
-                        for j in range(i + 1, len(messages))
-                        if messages[j]["role"] != "system" and content_spans[j][0] > content_end
-                    ),
-                    len(text),
-                )
-            body_start = start
-            if headers[i]:
-                pos = text.rfind(headers[i], prev_end, start)
-                if pos >= 0:
-                    body_start = pos + len(headers[i])
-            eot = self._first_marker(text, content_end, bound)
-            turns.append(Turn(message["role"], body_start, content_end, eot))
-            if message["role"] != "system":
-                prev_end = content_end
-        return turns
+def with_generation_spans(turns: list[Turn], spans: list[tuple[int, int]]) -> list[Turn]:
+    """Assistant turns with the `{% generation %}` spans that fall in their own text."""
+    out = []
+    for turn in turns:
+        if turn.role == "assistant":
+            mine = tuple((a, b) for a, b in spans if turn.begin <= a < turn.end and b > a)
+            turn = replace(turn, generated=mine)
+        out.append(turn)
+    return out

@@ -58,17 +58,30 @@ def _gemma4() -> list[RoleBoundary]:
 
 
 def _llama3() -> list[RoleBoundary]:
+    # An assistant turn that calls a built-in tool ends with <|eom_id|>: the tool's output follows.
     return [
         _rb(role, f"<|start_header_id|>{role}<|end_header_id|>\n\n", "<|eot_id|>")
-        for role in ("system", "user", "assistant")
-    ] + [_rb("tool", "<|start_header_id|>ipython<|end_header_id|>\n\n", "<|eot_id|>")]
+        for role in ("system", "user")
+    ] + [
+        _rb(
+            "assistant",
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+            ["<|eot_id|>", "<|eom_id|>"],
+        ),
+        _rb("tool", "<|start_header_id|>ipython<|end_header_id|>\n\n", "<|eot_id|>"),
+        _rb("tool", "<|start_header_id|>tool<|end_header_id|>\n\n", "<|eot_id|>"),
+    ]
 
 
 def _llama4() -> list[RoleBoundary]:
     return [
         _rb(role, f"<|header_start|>{role}<|header_end|>\n\n", "<|eot|>")
-        for role in ("system", "user", "assistant")
-    ] + [_rb("tool", "<|header_start|>ipython<|header_end|>\n\n", "<|eot|>")]
+        for role in ("system", "user")
+    ] + [
+        _rb("assistant", "<|header_start|>assistant<|header_end|>\n\n", ["<|eot|>", "<|eom|>"]),
+        _rb("tool", "<|header_start|>ipython<|header_end|>\n\n", "<|eot|>"),
+        _rb("tool", "<|header_start|>tool<|header_end|>\n\n", "<|eot|>"),
+    ]
 
 
 def _pixtral() -> list[RoleBoundary]:
@@ -165,7 +178,7 @@ class Boundary:
 
     role: str
     start: tuple[int, ...]
-    end: tuple[int, ...] | None
+    end: tuple[tuple[int, ...], ...] | None  # alternatives; the first found ends the turn
     include_start: bool
     include_end: bool
 
@@ -228,11 +241,14 @@ def resolve_boundaries(specs: Sequence[RoleBoundary], tokenizer, source: str) ->
     out = []
     for k, spec in enumerate(specs):
         what = f"{source}[{k}] (role {spec.role})"
+        ends = [spec.end] if isinstance(spec.end, str) else spec.end
         out.append(
             Boundary(
                 role=spec.role,
                 start=encode_marker(tokenizer, spec.start, what + " start"),
-                end=None if spec.end is None else encode_marker(tokenizer, spec.end, what + " end"),
+                end=None
+                if ends is None
+                else tuple(encode_marker(tokenizer, e, what + " end") for e in ends),
                 include_start=spec.include_start,
                 include_end=spec.include_end,
             )
@@ -264,11 +280,14 @@ def boundaries_for(settings_boundaries, processor, template, tokenizer) -> list[
 def family_boundaries(family: str, tokenizer) -> list[Boundary]:
     """A family's built-in boundaries, less roles whose markers the tokenizer lacks."""
     vocab = tokenizer.get_vocab()
-    specs = [
-        s
-        for s in FAMILY_BOUNDARIES[family]()
-        if all(m in vocab for m in _SPECIAL_LOOKING.findall(s.start))
-    ]
+    specs = []
+    for spec in FAMILY_BOUNDARIES[family]():
+        if not all(m in vocab for m in _SPECIAL_LOOKING.findall(spec.start)):
+            continue
+        if isinstance(spec.end, list):  # keep the end markers the tokenizer has
+            ends = [e for e in spec.end if all(m in vocab for m in _SPECIAL_LOOKING.findall(e))]
+            spec = spec.model_copy(update={"end": ends or spec.end[:1]})
+        specs.append(spec)
     return resolve_boundaries(specs, tokenizer, f"built-in {family} role boundaries")
 
 
@@ -324,16 +343,18 @@ def find_turns(
             i += 1
             continue
         body_start = i + len(b.start)
-        end_at = None
+        end_at, end_len = None, 0
         if b.end is not None:
             j = body_start
-            while j < n and not _match(ids, j, b.end):
+            while j < n and end_at is None:
+                hit = next((e for e in b.end if _match(ids, j, e)), None)
+                if hit is not None:
+                    end_at, end_len = j, len(hit)
                 j += 1
-            end_at = j if j < n else None
         if end_at is None:
             turns.append((b, TokenTurn(b.role, (i, body_start), (body_start, n), None)))
             break
-        end_span = (end_at, end_at + len(b.end))  # type: ignore[arg-type]
+        end_span = (end_at, end_at + end_len)
         turns.append((b, TokenTurn(b.role, (i, body_start), (body_start, end_at), end_span)))
         # A shared marker: the end of this turn is the start of another role's turn.
         i = end_at if _longest_start(ids, end_at, boundaries, skip_role=b.role) else end_span[1]

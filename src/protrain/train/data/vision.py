@@ -342,7 +342,7 @@ class VisionEncoder:
     def encode(self, sample: ChatSample, row: int) -> Encoded:
         messages, images, audios, videos = self._place_media(sample, row)
         try:
-            text = self.renderer.render(messages)
+            _, text = self.renderer.prepare(messages, sample.template_kwargs)
         except TemplateRenderError as e:
             raise DataError(str(e), dataset=self.cfg.path, row=row, field="messages") from e
         call: dict[str, Any] = {"text": [text], "return_tensors": "pt", "add_special_tokens": False}
@@ -380,7 +380,8 @@ class VisionEncoder:
         if self.boundaries is not None:
             labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
         else:
-            labels = self._aligned_labels(ChatSample(messages, []), ids, row)
+            sample = ChatSample(messages, [], template_kwargs=sample.template_kwargs)
+            labels = self._aligned_labels(sample, ids, row)
         if videos:
             labels = self._untrain_video_text(labels, token_offsets, replacements)
         extras: dict[str, Any] = {}
