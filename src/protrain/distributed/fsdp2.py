@@ -20,12 +20,38 @@ Each rank's loss is already divided by the tokens of the whole global batch
 reduce-scatter by the world size by default (DDP's mean); `set_gradient_divide_factor(1.0)`
 on every unit makes it a sum, and `set_force_sum_reduction_for_comms(True)` issues it as a
 plain `ReduceOp.SUM` (a factor alone becomes NCCL's `PREMUL_SUM`, which gloo refuses).
+Each micro-batch's backward reduce-scatters, and the shards accumulate the sums: the step's
+gradient is (sum over ranks of micro-batch 1) + (sum over ranks of micro-batch 2) + ...,
+in that order (two addends commute exactly, so with 2 ranks the sum of a micro-batch is
+the same on every rank). fp32 addition is not associative: a reference that accumulates
+every micro-batch one after another differs in the last bits, which AdamW turns into
+updates of up to `lr * |g| / eps` where a gradient cancels to about zero.
+
+[Note: modules that are never units]
+A unit's collectives run from its module's hooks, once per call. `not_units` names modules
+whose hooks would run a different number of times on different ranks, or not at all: the
+output embedding under the chunked loss (called once per chunk of tokens, a number that
+follows each rank's sequence length), the modules between the root and the causal-LM body
+that the chunked loss calls past, and the children of a tiled MLP (called once per tile).
+Their parameters stay in the nearest unit above them.
+
+[Note: 4-bit weights under FSDP2]
+bitsandbytes' `Linear4bit` keeps the packed NF4 bytes as its `weight` and the scales in a
+`QuantState`. `prepare_4bit` stores the packed bytes as a frozen parameter of the
+computing dtype (bytes reinterpreted, not converted: bitsandbytes' `quant_storage`, as
+FSDP-QLoRA does), so a unit's parameters share one dtype and FSDP2 shards, gathers and
+casts none of them differently (a float storage equal to `param_dtype` is never cast).
+The `QuantState` (block scales, about 1/32 of the packed bytes with double quantization)
+is kept whole on every rank on the device, as in FSDP-QLoRA, and a forward pre-hook on
+each layer hands it to the weight FSDP2 has just gathered (bitsandbytes reads it from
+`weight.quant_state`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +64,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+from protrain.quant import is_4bit_linear
 
 TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
 SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
@@ -52,19 +80,28 @@ class FSDP2Settings:
     reshard_after_forward: bool = True
     offload_params: bool = False
     param_dtype: torch.dtype | None = None  # None: compute in the parameters' dtype
+    not_units: frozenset[str] = frozenset()  # [Note: modules that are never units]
 
 
-def transformer_units(model: nn.Module, layer_classes: Iterable[str]) -> list[str]:
-    """Names of the modules whose class is listed, children before parents (root excluded)."""
-    wanted = set(layer_classes)
-    names = [n for n, m in model.named_modules() if n and type(m).__name__ in wanted]
+def transformer_units(
+    model: nn.Module, layer_classes: Iterable[str], not_units: Iterable[str] = ()
+) -> list[str]:
+    """Names of the modules whose class is listed, children before parents (root and
+    `not_units` excluded)."""
+    wanted, skip = set(layer_classes), set(not_units)
+    names = [
+        n for n, m in model.named_modules() if n and type(m).__name__ in wanted and n not in skip
+    ]
     return names[::-1]  # named_modules is parents first
 
 
-def size_based_units(model: nn.Module, min_num_params: int) -> list[str]:
+def size_based_units(
+    model: nn.Module, min_num_params: int, not_units: Iterable[str] = ()
+) -> list[str]:
     """Names of the units FSDP1's size-based policy would wrap, children before parents
-    (root excluded: it is always a unit)."""
-    tied_outside = _tied_across(model)
+    (root excluded: it is always a unit; a module in `not_units` is never one, its
+    parameters counted with its parent's)."""
+    tied_outside = _tied_across(model) | set(not_units)
     units: list[str] = []
 
     def visit(module: nn.Module, name: str) -> int:  # the parameters wrapped under it
@@ -109,9 +146,9 @@ def _tied_across(model: nn.Module) -> set[str]:
 
 def choose_units(model: nn.Module, settings: FSDP2Settings) -> list[str]:
     if settings.auto_wrap_policy == TRANSFORMER_BASED_WRAP:
-        return transformer_units(model, settings.layer_classes)
+        return transformer_units(model, settings.layer_classes, settings.not_units)
     if settings.auto_wrap_policy == SIZE_BASED_WRAP:
-        return size_based_units(model, settings.min_num_params)
+        return size_based_units(model, settings.min_num_params, settings.not_units)
     raise ValueError(f"unknown auto_wrap_policy {settings.auto_wrap_policy!r}")
 
 
@@ -139,4 +176,55 @@ def apply_fsdp2(model: nn.Module, settings: FSDP2Settings, mesh: DeviceMesh) -> 
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
+        if is_4bit_linear(module):  # after fully_shard: FSDP2's own pre-hook gathers first
+            module.register_forward_pre_hook(_hand_over_quant_state)
     return units
+
+
+# -- 4-bit base weights ([Note: 4-bit weights under FSDP2])
+
+
+@torch.no_grad()
+def prepare_4bit(model: nn.Module, storage_dtype: torch.dtype, device: torch.device) -> int:
+    """Store the packed weight of every bitsandbytes `Linear4bit` of ``model`` as a frozen
+    parameter of ``storage_dtype`` (the same bytes) and its `QuantState` whole on
+    ``device``, before `apply_fsdp2`; returns how many layers. The scales the chunk
+    engine lifts into parameters (`protrain.quant.lift_quant_state`) become plain tensors
+    of the state again."""
+    layers = [(n, m) for n, m in model.named_modules() if is_4bit_linear(m)]
+    if not layers:
+        return 0
+    if not storage_dtype.is_floating_point:
+        raise ValueError(
+            f"4-bit weights under FSDP2 are stored in a float dtype, not {storage_dtype}"
+        )
+    size = torch.empty((), dtype=storage_dtype).element_size()
+    for name, layer in layers:
+        weight = layer.weight
+        state = getattr(weight, "quant_state", None) or getattr(layer, "quant_state", None)
+        if state is None:
+            raise ValueError(f"{name}: a Linear4bit whose weight is not quantized yet")
+        for lifted in ("quant_absmax", "quant_absmax2"):
+            layer._parameters.pop(lifted, None)
+        packed = weight.data.reshape(-1)
+        if packed.dtype != storage_dtype:
+            if packed.numel() * packed.element_size() % size:
+                raise ValueError(
+                    f"{name}: {packed.numel() * packed.element_size()} packed bytes do not "
+                    f"divide into {storage_dtype} elements of {size} bytes"
+                )
+            packed = packed.view(torch.uint8).view(storage_dtype)
+        state.to(device)
+        layer.weight = nn.Parameter(packed.unsqueeze(1), requires_grad=False)
+        layer.quant_state = state
+        layer.quant_storage = storage_dtype
+        # bitsandbytes repacks a CPU layer's weight in eval mode on CPUs with AVX512-BF16:
+        # the shard FSDP2 holds must keep the training layout
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+
+
+def _hand_over_quant_state(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a 4-bit layer: its scales on the weight FSDP2 just gathered."""
+    if getattr(module.weight, "quant_state", None) is not module.quant_state:
+        module.weight.quant_state = module.quant_state

@@ -204,6 +204,10 @@ class MemoryConfig(StrictModel):
         return bool(self.n_swap or self.n_checkpoint or self.tiled_mlp_tokens)
 
 
+# The memory: options the FSDP2 engine takes (no collective of their own).
+FSDP2_MEMORY_KEYS = ("tiled_mlp_tokens", "chunked_loss_tokens")
+
+
 class FSDPConfig(StrictModel):
     """The FSDP2 engine (`fsdp_version: 2`), in axolotl's `fsdp_config` vocabulary.
 
@@ -383,18 +387,20 @@ class TrainConfig(DataSettings):
         if self.fsdp_version is None:
             return
         # The chunk engine's knobs (and the activation knobs built on its hooks) contradict
-        # the FSDP2 engine: one error naming every key set.
+        # the FSDP2 engine: one error naming every key set. The tiled MLP and the chunked
+        # loss issue no collective of their own and run under FSDP2 as well.
         defaults = MemoryConfig()
         memory_keys = [
             f"memory.{key} = {getattr(self.memory, key)!r}"
             for key in MemoryConfig.model_fields
-            if getattr(self.memory, key) != getattr(defaults, key)
+            if key not in FSDP2_MEMORY_KEYS and getattr(self.memory, key) != getattr(defaults, key)
         ]
         if memory_keys:
             raise ValueError(
                 f"fsdp_version = 2 with {', '.join(memory_keys)} is not allowed: the memory: "
                 "section configures the chunked engine; remove it (fsdp_config."
-                "activation_checkpointing recomputes blocks under FSDP2), or remove fsdp_version"
+                "activation_checkpointing recomputes blocks under FSDP2; of memory:, only "
+                f"{' and '.join(FSDP2_MEMORY_KEYS)} apply to it), or remove fsdp_version"
             )
         fsdp = self.fsdp
         if self.gradient_checkpointing and fsdp.activation_checkpointing:
@@ -402,10 +408,10 @@ class TrainConfig(DataSettings):
                 "gradient_checkpointing = true and fsdp_config.activation_checkpointing = true "
                 "both set: use one (they recompute the same blocks)"
             )
-        if self.adapter.type == "qlora":
+        if self.adapter.type == "qlora" and self.adapter.bits == 8:
             raise ValueError(
-                "adapter.type = 'qlora' with fsdp_version = 2 is not supported yet (4-bit "
-                "weights are not sharded by FSDP2 here): use lora, or the chunked engine"
+                "adapter.bits = 8 with fsdp_version = 2 is not supported: FSDP2 shards 4-bit "
+                "base weights (stored in the computing dtype); use adapter.bits = 4"
             )
         if self.mixed_precision == "fp16":
             raise ValueError(

@@ -6,6 +6,15 @@ precision is bf16 (fp32 otherwise) and gradients are reduced in fp32, SUMMED ove
 (each rank's loss is already divided by the tokens of the whole global batch). Every
 micro-batch's backward reduce-scatters its gradients, which accumulate in fp32 shards.
 
+Under `memory:` the FSDP2 engine takes the two options that issue no collective of their
+own: `tiled_mlp_tokens` (each block's MLP and norms over sequence tiles, applied after the
+units are sharded) and `chunked_loss_tokens` (the head over chunks of tokens inside the
+root's forward, see `forward_loss_sum`). Modules whose hooks would run once per tile or
+per chunk are never units ([Note: modules that are never units] in
+`protrain.distributed.fsdp2`), so every rank issues the same collectives whatever its
+sequence length. QLoRA's 4-bit base weights are sharded in the computing dtype
+([Note: 4-bit weights under FSDP2]).
+
 Checkpoints are whole, in the same format as `PlainTrainable`'s (parameters by name, the
 optimizer's state keyed by parameter index): `model_state` and `optimizer_state` gather
 full tensors to rank 0's host (collectives: every rank calls them), and loading takes a
@@ -19,6 +28,7 @@ ends it in `close`.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,17 +43,25 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from protrain.activations.apply import wrap_forward
 from protrain.distributed.fsdp2 import (
     DEFAULT_MIN_NUM_PARAMS,
     SIZE_BASED_WRAP,
     TRANSFORMER_BASED_WRAP,
     FSDP2Settings,
     apply_fsdp2,
+    prepare_4bit,
 )
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
-from protrain.train.trainable import Trainable, _fused_supported, optimizer_param_groups
+from protrain.train.trainable import (
+    Trainable,
+    _causal_lm,
+    _fused_supported,
+    loss_sum,
+    optimizer_param_groups,
+)
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -93,10 +111,20 @@ class FSDP2Trainable(Trainable):
     ):
         fsdp = cfg.fsdp
         assert fsdp is not None
+        mem = cfg.memory
         self._own_group = _start_single_rank_group(device)
         model.train()
         # FSDP2 casts the parameters itself (MixedPrecisionPolicy): no autocast.
-        super().__init__(model, device, None, None)
+        super().__init__(model, device, None, mem.chunked_loss_tokens)
+        param_dtype = torch.bfloat16 if autocast_dtype == torch.bfloat16 else None
+        n_4bit = prepare_4bit(model, param_dtype or _float_dtype(model), device)
+        if n_4bit:
+            logger.info(
+                "fsdp2: %d 4-bit layers, packed weights stored as %s and sharded; their "
+                "scales whole on every rank",
+                n_4bit,
+                param_dtype or _float_dtype(model),
+            )
         settings = FSDP2Settings(
             auto_wrap_policy=fsdp.auto_wrap_policy,
             layer_classes=tuple(_layer_classes(model, fsdp.transformer_layer_cls_to_wrap))
@@ -105,7 +133,8 @@ class FSDP2Trainable(Trainable):
             min_num_params=fsdp.min_num_params or DEFAULT_MIN_NUM_PARAMS,
             reshard_after_forward=fsdp.reshard_after_forward,
             offload_params=fsdp.offload_params,
-            param_dtype=torch.bfloat16 if autocast_dtype == torch.bfloat16 else None,
+            param_dtype=param_dtype,
+            not_units=frozenset(_not_units(model, mem.chunked_loss_tokens, mem.tiled_mlp_tokens)),
         )
         if fsdp.auto_wrap_policy == SIZE_BASED_WRAP and fsdp.min_num_params is None:
             logger.info(
@@ -120,16 +149,19 @@ class FSDP2Trainable(Trainable):
             )
         # rank 0 exports: a copy of the model without its parameters, filled at the end
         self._skeleton = _without_parameters(model) if dist.get_rank() == 0 else None
-        if fsdp.activation_checkpointing:
-            self._checkpoint_blocks()
+        undo = self._checkpoint_blocks() if fsdp.activation_checkpointing else []
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        units = apply_fsdp2(model, settings, mesh)
+        self.units = apply_fsdp2(model, settings, mesh)
+        if mem.tiled_mlp_tokens is not None:  # after sharding: it checks the MLPs hold no unit
+            undo.append(self._tile_mlps(mem.tiled_mlp_tokens))
+        self.activations = _Undo(undo) if undo else None
         logger.info(
             "fsdp2: %d ranks, %s, %d units + root%s; param dtype %s, reduce fp32, "
-            "offload_params=%s, reshard_after_forward=%s, activation_checkpointing=%s",
+            "offload_params=%s, reshard_after_forward=%s, activation_checkpointing=%s, "
+            "tiled_mlp_tokens=%s, chunked_loss_tokens=%s",
             dist.get_world_size(),
             settings.auto_wrap_policy,
-            len(units),
+            len(self.units),
             f" (classes {', '.join(settings.layer_classes)})"
             if settings.layer_classes
             else f" (min_num_params {settings.min_num_params})",
@@ -137,6 +169,8 @@ class FSDP2Trainable(Trainable):
             settings.offload_params,
             settings.reshard_after_forward,
             fsdp.activation_checkpointing,
+            mem.tiled_mlp_tokens,
+            mem.chunked_loss_tokens,
         )
         # fused AdamW over the DTensor shards (on the host when parameters are offloaded)
         self.optimizer = FullStateAdamW(
@@ -148,10 +182,9 @@ class FSDP2Trainable(Trainable):
         )
         self._closed = False
 
-    def _checkpoint_blocks(self) -> None:
+    def _checkpoint_blocks(self) -> list[Callable[[], None]]:
         """Recompute each discovered block in backward, whatever the wrap policy; the
         module's names stay as they are (its forward is wrapped, not the module)."""
-        from protrain.activations.apply import wrap_forward
         from protrain.activations.checkpoint import checkpointed_forward
         from protrain.model import BlockDiscoveryError, discover_blocks
 
@@ -159,9 +192,35 @@ class FSDP2Trainable(Trainable):
             layout = discover_blocks(self.model)
         except BlockDiscoveryError as exc:
             raise ConfigError(f"fsdp_config.activation_checkpointing: {exc}") from None
-        self.activations = _Undo(
-            [wrap_forward(block.module, checkpointed_forward) for block in layout.blocks]
-        )
+        return [wrap_forward(block.module, checkpointed_forward) for block in layout.blocks]
+
+    def _tile_mlps(self, tile_tokens: int) -> Callable[[], None]:
+        """Each block's MLP and norms over sequence tiles (no collective of their own)."""
+        from protrain.activations import apply_tiled_mlp
+        from protrain.model import BlockDiscoveryError
+
+        try:
+            handle = apply_tiled_mlp(self.model, tile_tokens=tile_tokens)
+        except (BlockDiscoveryError, ValueError) as exc:
+            raise ConfigError(f"memory.tiled_mlp_tokens = {tile_tokens}: {exc}") from None
+        return handle.remove
+
+    def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Sum of token losses of one micro-batch. The chunked loss calls the causal-LM body
+        and the head itself; it runs as the root's forward, so that FSDP2's root hooks
+        gather the root's parameters (embeddings, final norm, head) for it and end the
+        backward's reductions, as for the model's own forward."""
+        if self.chunked_loss_tokens is None:
+            return super().forward_loss_sum(batch)
+
+        def chunked(_forward: Callable) -> Callable:
+            return lambda: loss_sum(self.model, batch, self.device, self.chunked_loss_tokens)
+
+        undo = wrap_forward(self.model, chunked)
+        try:
+            return self.model()
+        finally:
+            undo()
 
     def clip_grad_norm(self, max_norm: float | None) -> float | None:
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -228,15 +287,56 @@ class FSDP2Trainable(Trainable):
 
 
 class _Undo:
-    """What `remove_activation_policies` takes off: the blocks' checkpointed forwards."""
+    """What `remove_activation_policies` takes off: the blocks' checkpointed forwards and
+    the tiled MLPs."""
 
-    def __init__(self, undo: list):
+    def __init__(self, undo: list[Callable[[], None]]):
         self.undo = undo
 
     def remove(self) -> None:
         for undo in self.undo:
             undo()
         self.undo = []
+
+
+def _not_units(
+    model: nn.Module, chunked_loss_tokens: int | None, tiled_mlp_tokens: int | None
+) -> set[str]:
+    """Modules that must not be FSDP2 units under the chunked loss and the tiled MLP (see
+    [Note: modules that are never units] in `protrain.distributed.fsdp2`)."""
+    names = {id(m): n for n, m in model.named_modules()}
+    out: set[str] = set()
+    if chunked_loss_tokens is not None:
+        causal_lm = _causal_lm(model)
+        path = names[id(causal_lm)]
+        parts = path.split(".") if path else []
+        # the root's descendants down to the causal LM, whose forwards the loss calls past
+        out.update(".".join(parts[: i + 1]) for i in range(len(parts)))
+        head = names[id(causal_lm.get_output_embeddings())]
+        out.update(n for n in names.values() if n == head or n.startswith(head + "."))
+    if tiled_mlp_tokens is not None:
+        from protrain.activations.tiled_mlp import find_mlp
+        from protrain.model import BlockDiscoveryError, discover_blocks
+
+        try:
+            blocks = discover_blocks(model).blocks
+        except BlockDiscoveryError as exc:
+            raise ConfigError(f"memory.tiled_mlp_tokens = {tiled_mlp_tokens}: {exc}") from None
+        for block in blocks:
+            found = find_mlp(block.module)
+            if found is not None:
+                mlp = names[id(found[1])]
+                out.update(n for n in names.values() if n.startswith(mlp + "."))
+    out.discard("")
+    return out
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (4-bit packed weights aside)."""
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
 
 
 def _layer_classes(model: nn.Module, listed: list[str] | None) -> list[str]:
