@@ -63,3 +63,45 @@ def expected_labels(tokenizer, pieces: list[tuple[str, bool]]) -> tuple[str, lis
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
+
+
+def bpe_tokenizer(
+    special_tokens: list[str],
+    corpus: list[str],
+    *,
+    bos: str | None = None,
+    eos: str | None = None,
+    vocab_size: int = 400,
+) -> PreTrainedTokenizerFast:
+    """A byte-level BPE with merges learnt from `corpus` (offline, in milliseconds), so that
+    words are single tokens and a trained span's edges fall between merged tokens."""
+    from tokenizers import trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[t for t in (*special_tokens, bos, eos) if t],
+        show_progress=False,
+    )
+    tok.train_from_iterator(corpus, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok)
+    fast.add_special_tokens(
+        {"additional_special_tokens": [t for t in (*special_tokens, bos, eos) if t]}
+    )
+    if bos:
+        fast.bos_token = bos
+    if eos:
+        fast.eos_token = eos
+    return fast
+
+
+def marked_pieces(marked: str) -> list[tuple[str, bool]]:
+    """`a⟦b⟧c` as pieces [(a, False), (b, True), (c, False)]: trained text between ⟦ and ⟧."""
+    pieces = []
+    for k, part in enumerate(marked.replace("⟧", "⟦").split("⟦")):
+        if part:
+            pieces.append((part, k % 2 == 1))
+    return pieces

@@ -1,7 +1,8 @@
 """`protrain inspect-data`: a few samples as the model sees them, trained tokens marked.
 
 Trained spans are wrapped in `[[...]]` (or coloured green with `color=True`); everything
-else is masked. Long runs of one repeated token (image placeholders, padding) are shown once
+else is masked. Chat samples list their messages first: role, the tools an assistant message
+calls, which call a tool result answers, and whether the message is trained. Long runs of one repeated token (image placeholders, padding) are shown once
 with a count.
 """
 
@@ -90,6 +91,7 @@ def render_inspection(
                 f"\n=== dataset {cfg.path!r} sample {k}: {len(enc.input_ids)} tokens, "
                 f"{n_trained} trained ==="
             )
+            out += [f"  {note}" for note in enc.notes]
             out.append(render_tokens(tokenizer, enc.input_ids, enc.labels, color=color))
         if report.skipped:
             out.append(f"\n({len(report.skipped)} bad row(s) skipped; first: {report.skipped[0]})")

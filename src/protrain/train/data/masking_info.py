@@ -42,6 +42,7 @@ def describe_masking(settings: DataSettings) -> list[str]:
             else:
                 what = (
                     f"trains roles {list(mask.roles_to_train)}; train_on_eos={mask.train_on_eos}; "
+                    f"train_on_tool_calls={mask.train_on_tool_calls}; "
                     "headers, media tokens and padding never trained"
                 )
             if cfg.type == "chat" and settings.role_boundaries is not None:

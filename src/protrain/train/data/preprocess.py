@@ -23,7 +23,7 @@ from protrain.train.data.errors import DataError
 
 logger = logging.getLogger("protrain.train.data")
 
-_FORMAT_VERSION = 1
+_FORMAT_VERSION = 2  # masks of tool-calling rows and look-ahead templates changed
 
 
 class ArrowItems(torch.utils.data.Dataset):

@@ -539,11 +539,14 @@ class ChatRenderer:
         if message["role"] == "tool":
             # Tool results may be written as JSON strings (Llama 3.x: `content | tojson`).
             forms.append((_json_inner(first), _json_inner(last)))
-        for a, z in forms:
+        for k, (a, z) in enumerate(forms):
             pos = text.find(a, start, end)
             stop = text.find(z, pos, end) if pos >= 0 else -1
             if stop >= 0:
-                return pos, stop + len(z)
+                stop += len(z)
+                if k and text[pos - 1 : pos] == text[stop : stop + 1] == '"':
+                    pos, stop = pos - 1, stop + 1  # the whole JSON string
+                return pos, stop
         if message["role"] == "system":
             pos = text.find(first)
             stop = text.find(last, pos) if pos >= 0 else -1

@@ -1,0 +1,623 @@
+"""Tool-calling conversations with the official chat templates of each family (fixtures in
+`templates/`), and templates that do not render a conversation turn by turn.
+
+Each case is written as the text the official template renders, trained text between ⟦ and ⟧,
+and checked token by token with a byte tokenizer (one token per byte) and with a BPE whose merges
+were learnt on the case (words are single tokens). Every case has parallel or single tool calls
+without content, a tool result that repeats the call's text, an empty assistant turn and an answer
+that is one of the template's marker words.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from protrain.train.data import DataError, DataSettings, build_train_dataset, render_inspection
+from protrain.train.data.masks import IGNORE_INDEX, MaskSettings
+from protrain.train.data.role_boundaries import family_boundaries, labels_by_boundaries
+
+from .helpers import bpe_tokenizer, byte_tokenizer, expected_labels, marked_pieces, write_jsonl
+
+TEMPLATES = Path(__file__).parent / "templates"
+
+SPECIALS = {
+    "qwen": dict(
+        special_tokens=[
+            "<|im_start|>",
+            "<|im_end|>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "<think>",
+            "</think>",
+        ],
+        eos="<|im_end|>",
+    ),
+    "llama3": dict(
+        special_tokens=[
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],
+        bos="<|begin_of_text|>",
+        eos="<|eot_id|>",
+    ),
+    "mistral": dict(
+        special_tokens=[
+            "[INST]",
+            "[/INST]",
+            "[TOOL_CALLS]",
+            "[AVAILABLE_TOOLS]",
+            "[/AVAILABLE_TOOLS]",
+            "[TOOL_RESULTS]",
+            "[/TOOL_RESULTS]",
+        ],
+        bos="<s>",
+        eos="</s>",
+    ),
+    "deepseek": dict(
+        special_tokens=[
+            "<｜User｜>",
+            "<｜Assistant｜>",
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁calls▁end｜>",
+            "<｜tool▁call▁begin｜>",
+            "<｜tool▁call▁end｜>",
+            "<｜tool▁sep｜>",
+            "<｜tool▁outputs▁begin｜>",
+            "<｜tool▁outputs▁end｜>",
+            "<｜tool▁output▁begin｜>",
+            "<｜tool▁output▁end｜>",
+            "<think>",
+            "</think>",
+        ],
+        bos="<｜begin▁of▁sentence｜>",
+        eos="<｜end▁of▁sentence｜>",
+    ),
+    "phi": dict(
+        special_tokens=["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"], eos="<|endoftext|>"
+    ),
+}
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+def call(name, arguments, call_id=None):
+    out = {"type": "function", "function": {"name": name, "arguments": arguments}}
+    if call_id:
+        out["id"] = call_id
+    return out
+
+
+# --- Qwen2.5 / Qwen3: Hermes-style <tool_call>, results in a user turn -------------------------
+
+QWEN_TOOLS = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    + json.dumps(WEATHER)
+    + "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+)
+
+
+def qwen_call(city):
+    return (
+        f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>'
+    )
+
+
+def qwen_turn(role, body):
+    return f"<|im_start|>{role}\n{body}<|im_end|>\n"
+
+
+def qwen_answer(body):
+    return f"<|im_start|>assistant\n⟦{body}<|im_end|>⟧\n"
+
+
+QWEN_CONVO = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            call("get_weather", {"city": "Paris"}),
+            call("get_weather", {"city": "Rome"}),
+        ],
+    },
+    {"role": "tool", "content": "Paris"},  # repeats the call's text
+    {"role": "tool", "content": "sunny"},
+    {"role": "assistant", "content": "Paris"},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "who?"},
+    {"role": "assistant", "content": "assistant"},  # a word of the template's markup
+]
+
+
+def _qwen_expected(last_answer: str) -> str:
+    return (
+        "<|im_start|>system\nUse tools.\n\n"
+        + QWEN_TOOLS
+        + qwen_turn("user", "Weather in Paris and Rome?")
+        + qwen_answer(qwen_call("Paris") + "\n" + qwen_call("Rome"))
+        + "<|im_start|>user\n<tool_response>\nParis\n</tool_response>\n"
+        "<tool_response>\nsunny\n</tool_response><|im_end|>\n"
+        + qwen_answer("Paris")
+        + qwen_turn("user", "ok")
+        + qwen_answer("")
+        + qwen_turn("user", "who?")
+        + qwen_answer(last_answer)
+    )
+
+
+# Qwen3: after the last user query, tool-calling turns keep their reasoning; the final one gets
+# a think block. Rendering `messages[:2]` alone would give the first call a think block too.
+QWEN3_STEPS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", {"city": "Paris"})]},
+    {"role": "tool", "content": '{"city": "Paris"}'},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "hm",
+        "tool_calls": [call("get_weather", {"city": "Rome"})],
+    },
+    {"role": "tool", "content": "rain"},
+    {"role": "assistant", "content": "Rain."},
+]
+
+QWEN3_STEPS_EXPECTED = (
+    "<|im_start|>system\n"
+    + QWEN_TOOLS
+    + qwen_turn("user", "Weather in Paris?")
+    + qwen_answer(qwen_call("Paris"))
+    + qwen_turn("user", '<tool_response>\n{"city": "Paris"}\n</tool_response>')
+    + qwen_answer("<think>\nhm\n</think>\n\n" + qwen_call("Rome"))
+    + qwen_turn("user", "<tool_response>\nrain\n</tool_response>")
+    + qwen_answer("<think>\n\n</think>\n\nRain.")
+)
+
+# --- Llama 3.1 / 3.2 / 3.3: JSON tool calls, ipython results, built-in tools end with eom ------
+
+
+def llama_turn(role, body):
+    return f"<|start_header_id|>{role}<|end_header_id|>\n\n{body}<|eot_id|>"
+
+
+def llama_answer(body, end="<|eot_id|>"):
+    return f"<|start_header_id|>assistant<|end_header_id|>\n\n⟦{body}{end}⟧"
+
+
+LLAMA_TOOLS = (
+    "Given the following functions, please respond with a JSON for a function call with its "
+    "proper arguments that best answers the given prompt.\n\n"
+    'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+    "and its value}.Do not use variables.\n\n" + json.dumps(WEATHER, indent=4) + "\n\n"
+)
+
+LLAMA_CONVO = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("get_weather", {"city": "Paris"})]},
+    {"role": "tool", "content": '{"city": "Paris", "sky": "sunny"}'},
+    {"role": "assistant", "content": "Sunny in Paris."},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "who?"},
+    {"role": "assistant", "content": "assistant"},
+]
+
+LLAMA_EXPECTED = (
+    "<|begin_of_text|>"
+    + llama_turn(
+        "system",
+        "Environment: ipython\nCutting Knowledge Date: December 2023\nToday Date: 01 Jan 2025\n\n"
+        "Use tools.",
+    )
+    + llama_turn("user", LLAMA_TOOLS + "Weather in Paris?")
+    + llama_answer('{"name": "get_weather", "parameters": {"city": "Paris"}}')
+    + llama_turn("ipython", json.dumps('{"city": "Paris", "sky": "sunny"}'))
+    + llama_answer("Sunny in Paris.")
+    + llama_turn("user", "ok")
+    + llama_answer("")
+    + llama_turn("user", "who?")
+    + llama_answer("assistant")
+)
+
+LLAMA_BUILTIN = [
+    {"role": "user", "content": "Search the weather"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [call("brave_search", {"query": "weather"})],
+    },
+    {"role": "ipython", "content": "weather"},
+    {"role": "assistant", "content": "It is sunny."},
+]
+
+LLAMA_BUILTIN_EXPECTED = (
+    "<|begin_of_text|>"
+    + llama_turn(
+        "system",
+        "Environment: ipython\nTools: brave_search, wolfram_alpha\n\n"
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n",
+    )
+    + llama_turn("user", "Search the weather")
+    + llama_answer('<|python_tag|>brave_search.call(query="weather")', end="<|eom_id|>")
+    + llama_turn("ipython", '"weather"')
+    + llama_answer("It is sunny.")
+)
+
+# --- Mistral Nemo: [TOOL_CALLS], [TOOL_RESULTS], the tool list before the last user turn ------
+
+NEMO_CONVO = [
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            call("get_weather", {"city": "Paris"}, "abcdefghi"),
+            call("get_weather", {"city": "Rome"}, "123456789"),
+        ],
+    },
+    {"role": "tool", "content": "Paris", "tool_call_id": "abcdefghi"},
+    {"role": "tool", "content": "rain", "tool_call_id": "123456789"},
+    {"role": "assistant", "content": "Paris"},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "[INST]"},
+]
+
+NEMO_EXPECTED = (
+    "<s>[INST]Weather in Paris and Rome?[/INST]"
+    '⟦[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}, "id": "abcdefghi"}, '
+    '{"name": "get_weather", "arguments": {"city": "Rome"}, "id": "123456789"}]</s>⟧'
+    '[TOOL_RESULTS]{"content": Paris, "call_id": "abcdefghi"}[/TOOL_RESULTS]'
+    '[TOOL_RESULTS]{"content": rain, "call_id": "123456789"}[/TOOL_RESULTS]'
+    "⟦Paris</s>⟧[INST]ok[/INST]⟦</s>⟧"
+    "[AVAILABLE_TOOLS][" + json.dumps(WEATHER) + "][/AVAILABLE_TOOLS]"
+    "[INST]and?[/INST]⟦[INST]</s>⟧"
+)
+
+# --- DeepSeek: R1 (tool calls only for content null, arguments as JSON text) and V3.1 --------
+
+DEEPSEEK_CONVO = [
+    {"role": "system", "content": "Use tools."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [call("get_weather", '{"city": "Paris"}')],
+    },
+    {"role": "tool", "content": '{"city": "Paris"}'},
+    {"role": "assistant", "content": "Sunny."},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "who?"},
+    {"role": "assistant", "content": "<think>me</think>Assistant"},
+]
+
+# R1 prompts with `<｜Assistant｜><think>\n` but writes history as `<｜Assistant｜>` + answer.
+R1_EXPECTED = (
+    "<｜begin▁of▁sentence｜>Use tools.<｜User｜>Weather in Paris?<｜Assistant｜>"
+    "⟦<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+    '```json\n{"city": "Paris"}\n```<｜tool▁call▁end｜>⟧'
+    '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{"city": "Paris"}<｜tool▁output▁end｜>'
+    "<｜tool▁outputs▁end｜>⟦Sunny.<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>ok<｜Assistant｜>⟦<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>who?<｜Assistant｜>⟦Assistant<｜end▁of▁sentence｜>⟧"
+)
+
+V3_1_CONVO = [
+    *DEEPSEEK_CONVO[:2],
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            call("get_weather", {"city": "Paris"}),
+            call("get_weather", {"city": "Rome"}),
+        ],
+    },
+    {"role": "tool", "content": '{"city": "Paris"}'},
+    {"role": "tool", "content": "rain"},
+    *DEEPSEEK_CONVO[4:],
+]
+
+V3_1_EXPECTED = (
+    "<｜begin▁of▁sentence｜>Use tools.<｜User｜>Weather in Paris?<｜Assistant｜><think></think>"
+    "⟦<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+    '{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>'
+    '{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>⟧'
+    '<｜tool▁output▁begin｜>{"city": "Paris"}<｜tool▁output▁end｜>'
+    "<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜>⟦Sunny.<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>ok<｜Assistant｜><think></think>⟦<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>who?<｜Assistant｜><think></think>⟦Assistant<｜end▁of▁sentence｜>⟧"
+)
+
+# --- Phi-3.5: EOS appended after the last turn, no header in the rendered history -------------
+
+PHI_CONVO = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "assistant"},
+    {"role": "user", "content": "<|end|>"},
+    {"role": "assistant", "content": ""},
+]
+PHI_EXPECTED = (
+    "<|user|>\nHi<|end|>\n<|assistant|>\n⟦assistant<|end|>⟧\n"
+    "<|user|>\n<|end|><|end|>\n<|assistant|>\n⟦<|end|>⟧\n<|endoftext|>"
+)
+
+# case: (template file, tokenizer family, row, expected)
+CASES = {
+    "qwen2_5": ("qwen2_5", "qwen", {"messages": QWEN_CONVO, "tools": [WEATHER]}, None),
+    "qwen3": ("qwen3", "qwen", {"messages": QWEN_CONVO, "tools": [WEATHER]}, None),
+    "qwen3_steps": (
+        "qwen3",
+        "qwen",
+        {"messages": QWEN3_STEPS, "tools": [WEATHER]},
+        QWEN3_STEPS_EXPECTED,
+    ),
+    "llama3_1": (
+        "llama3_1",
+        "llama3",
+        {"messages": LLAMA_CONVO, "tools": [WEATHER], "date_string": "01 Jan 2025"},
+        LLAMA_EXPECTED,
+    ),
+    "llama3_2": (
+        "llama3_2",
+        "llama3",
+        {"messages": LLAMA_CONVO, "tools": json.dumps([WEATHER]), "date_string": "01 Jan 2025"},
+        LLAMA_EXPECTED,
+    ),
+    "llama3_1_builtin": (
+        "llama3_1",
+        "llama3",
+        {"messages": LLAMA_BUILTIN, "builtin_tools": ["brave_search", "wolfram_alpha"]},
+        LLAMA_BUILTIN_EXPECTED,
+    ),
+    "mistral_nemo": (
+        "mistral_nemo",
+        "mistral",
+        {"messages": NEMO_CONVO, "tools": [WEATHER]},
+        NEMO_EXPECTED,
+    ),
+    "deepseek_r1": ("deepseek_r1", "deepseek", {"messages": DEEPSEEK_CONVO}, R1_EXPECTED),
+    "deepseek_v3_1": ("deepseek_v3_1", "deepseek", {"messages": V3_1_CONVO}, V3_1_EXPECTED),
+    "phi3_5": ("phi3_5", "phi", {"messages": PHI_CONVO}, PHI_EXPECTED),
+}
+EXPECTED = {
+    "qwen2_5": _qwen_expected("assistant"),
+    "qwen3": _qwen_expected("<think>\n\n</think>\n\nassistant"),
+}
+
+
+def _case(name):
+    template, family, row, expected = CASES[name]
+    return template, family, row, expected if expected is not None else EXPECTED[name]
+
+
+def _tokenizer(family: str, kind: str, text: str):
+    if kind == "bytes":
+        return byte_tokenizer(**SPECIALS[family])
+    return bpe_tokenizer(corpus=[text] * 4, **SPECIALS[family])
+
+
+def _encode(tmp_path, tok, rows, template, **settings):
+    path = write_jsonl(tmp_path / "chat.jsonl", rows)
+    s = DataSettings(
+        datasets=[{"path": str(path)}],
+        chat_template=str(TEMPLATES / f"{template}.jinja"),
+        **settings,
+    )
+    return build_train_dataset(s, tok, sequence_len=4096, seed=0)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_family_tool_conversation_trained_spans(tmp_path, case, kind):
+    template, family, row, expected = _case(case)
+    pieces = marked_pieces(expected)
+    tok = _tokenizer(family, kind, "".join(p for p, _ in pieces))
+    item = _encode(tmp_path, tok, [row], template)[0]
+    text, ids, labels = expected_labels(tok, pieces)
+    assert item["input_ids"] == tok(text, add_special_tokens=False)["input_ids"] == ids
+    assert item["labels"] == labels
+
+
+@pytest.mark.parametrize("case", ["qwen2_5", "llama3_1", "mistral_nemo", "deepseek_v3_1"])
+def test_tool_calls_can_be_kept_as_context(tmp_path, case):
+    """`train_on_tool_calls: false`: only the answers are trained."""
+    template, family, row, expected = _case(case)
+    tok = byte_tokenizer(**SPECIALS[family])
+    item = _encode(tmp_path, tok, [row], template, train_on_tool_calls=False)[0]
+    # The first trained piece of each case is its tool-calling turn.
+    pieces = marked_pieces(expected)
+    first = next(k for k, (_, trained) in enumerate(pieces) if trained)
+    assert "get_weather" in pieces[first][0]
+    pieces[first] = (pieces[first][0], False)
+    assert item["labels"] == expected_labels(tok, pieces)[2]
+
+
+def test_tool_results_trained_with_the_tool_role(tmp_path):
+    template, family, row, _ = _case("llama3_1")
+    tok = byte_tokenizer(**SPECIALS[family])
+    item = _encode(tmp_path, tok, [row], template, roles_to_train=["assistant", "tool"])[0]
+    result = json.dumps(row["messages"][3]["content"])
+    trained = tok.decode([t for t in item["labels"] if t != IGNORE_INDEX])
+    assert result + "<|eot_id|>" in trained
+    assert "Weather in Paris?" not in trained
+
+
+def test_bad_train_on_tool_calls_value():
+    with pytest.raises(ValueError, match="train_on_tool_calls"):
+        DataSettings(train_on_tool_calls="sometimes")
+
+
+def test_llama_parallel_calls_refused_by_the_template(tmp_path):
+    tok = byte_tokenizer(**SPECIALS["llama3"])
+    messages = [*LLAMA_CONVO[1:2], QWEN_CONVO[2]]
+    with pytest.raises(DataError, match="row 0, field 'messages'.*single tool-calls"):
+        _encode(tmp_path, tok, [{"messages": messages, "tools": [WEATHER]}], "llama3_1")
+
+
+def test_null_content_falls_back_once_for_templates_that_need_a_string(tmp_path, caplog):
+    """Qwen3 tests `'</think>' in content`: a null content is rendered as '' (said once)."""
+    template, family, row, expected = _case("qwen3")
+    tok = byte_tokenizer(**SPECIALS[family])
+    with caplog.at_level(logging.WARNING, logger="protrain.train.data"):
+        items = _encode(tmp_path, tok, [row, row], template)
+    assert len(items) == 2
+    assert sum("content is null" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_template_without_tool_support_is_a_data_error(tmp_path):
+    tok = byte_tokenizer(**SPECIALS["qwen"])
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": QWEN_CONVO[1:]}])
+    s = DataSettings(datasets=[{"path": str(path)}], chat_template="chatml")
+    with pytest.raises(DataError, match=r"messages\[1\].*tool call\(s\) \['get_weather'"):
+        build_train_dataset(s, tok, sequence_len=4096, seed=0)
+
+
+@pytest.mark.parametrize(
+    "row, match",
+    [
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "tool_calls": [{"function": {}}]},
+                ]
+            },
+            r"field 'messages\[1\].tool_calls\[0\]': a tool call must be an object",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "tool_calls": "f()"},
+                ]
+            },
+            r"field 'messages\[1\].tool_calls': must be a list of tool calls, got str",
+        ),
+        (
+            {"messages": QWEN_CONVO[1:3], "tools": {"name": "f"}},
+            r"field 'tools': must be a list of tool schemas",
+        ),
+        (
+            {"messages": QWEN_CONVO[1:3], "tools": "[{"},
+            r"field 'tools': a string here must be a JSON list",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "a", "tool_calls": [call("f", {})]}]},
+            r"only assistant messages make tool calls",
+        ),
+    ],
+)
+def test_bad_tool_rows(tmp_path, row, match):
+    tok = byte_tokenizer(**SPECIALS["qwen"])
+    with pytest.raises(DataError, match=match):
+        _encode(tmp_path, tok, [row], "qwen2_5")
+
+
+def test_skip_bad_rows_counts_an_unplaceable_row(tmp_path):
+    tok = byte_tokenizer(**SPECIALS["llama3"])
+    bad = {"messages": [*LLAMA_CONVO[1:2], QWEN_CONVO[2]], "tools": [WEATHER]}
+    good = {"messages": LLAMA_CONVO, "tools": [WEATHER], "date_string": "01 Jan 2025"}
+    items = _encode(tmp_path, tok, [bad, good], "llama3_1", skip_bad_rows=True)
+    assert len(items) == 1
+
+
+# --- {% generation %}: the masks are transformers' assistant masks ------------------------------
+
+QWEN2_5_GENERATION = (
+    (TEMPLATES / "qwen2_5.jinja")
+    .read_text()
+    .replace(
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}\n"
+        '    {%- elif message.role == "assistant" %}',
+        "{%- if message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' }}{% generation %}"
+        "{{- message.content + '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}{%- else %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+        "{%- endif %}\n"
+        '    {%- elif message.role == "assistant" %}',
+    )
+    .replace(
+        "        {{- '<|im_start|>' + message.role }}\n        {%- if message.content %}",
+        "        {{- '<|im_start|>' + message.role }}{% generation %}\n        {%- if message.content %}",
+    )
+    .replace(
+        "        {%- endfor %}\n        {{- '<|im_end|>\\n' }}",
+        "        {%- endfor %}\n        {{- '<|im_end|>' }}{% endgeneration %}{{- '\\n' }}",
+    )
+)
+
+
+@pytest.mark.parametrize("kind", ["bytes", "bpe"])
+def test_generation_tags_match_transformers_assistant_masks(tmp_path, kind):
+    assert QWEN2_5_GENERATION.count("{% generation %}") == 2
+    messages = [{**m, "content": m["content"] or ""} for m in QWEN_CONVO]
+    row = {"messages": messages, "tools": [WEATHER]}
+    text = "".join(p for p, _ in marked_pieces(_qwen_expected("assistant")))
+    tok = _tokenizer("qwen", kind, text)
+    path = write_jsonl(tmp_path / "chat.jsonl", [row])
+    s = DataSettings(datasets=[{"path": str(path)}], chat_template=QWEN2_5_GENERATION)
+    item = build_train_dataset(s, tok, sequence_len=4096, seed=0)[0]
+    ref = tok.apply_chat_template(
+        messages,
+        tools=[WEATHER],
+        chat_template=QWEN2_5_GENERATION,
+        return_dict=True,
+        return_assistant_tokens_mask=True,
+    )
+    assert item["input_ids"] == ref["input_ids"]
+    want = [t if m else IGNORE_INDEX for t, m in zip(ref["input_ids"], ref["assistant_masks"])]
+    assert item["labels"] == want
+    assert sum(m for m in ref["assistant_masks"]) > 10
+
+
+# --- role boundaries: <|eom_id|> ends a Llama assistant turn -----------------------------------
+
+
+def test_llama_role_boundaries_end_a_tool_call_at_eom(tmp_path):
+    template, family, row, expected = _case("llama3_1_builtin")
+    tok = byte_tokenizer(**SPECIALS[family])
+    item = _encode(tmp_path, tok, [row], template)[0]
+    boundaries = family_boundaries("llama3_2_vision", tok)
+    mask = MaskSettings(False, ("assistant",), "turn")
+    assert labels_by_boundaries(item["input_ids"], boundaries, mask, set()) == item["labels"]
+
+
+# --- inspect-data -----------------------------------------------------------------------------
+
+
+def test_inspect_shows_tool_calls_and_results(tmp_path):
+    template, family, row, _ = _case("qwen2_5")
+    tok = byte_tokenizer(**SPECIALS[family])
+    path = write_jsonl(tmp_path / "chat.jsonl", [row])
+    s = DataSettings(datasets=[{"path": str(path)}], chat_template=str(TEMPLATES / "qwen2_5.jinja"))
+    out = render_inspection(s, tok, sequence_len=4096)
+    assert "[2] assistant, calls get_weather, get_weather: trained" in out
+    assert "[3] tool, tool result: masked" in out
+    assert f"[[{qwen_call('Paris')}\n{qwen_call('Rome')}<|im_end|>]]" in out
+    assert "train_on_tool_calls=True" in out
