@@ -540,16 +540,16 @@ class ChatRenderer:
             # Tool results may be written as JSON strings (Llama 3.x: `content | tojson`).
             forms.append((_json_inner(first), _json_inner(last)))
         for k, (a, z) in enumerate(forms):
-            pos = text.find(a, start, end)
-            stop = text.find(z, pos, end) if pos >= 0 else -1
+            pos = self._find_text(text, a, start, end)
+            stop = self._find_text(text, z, pos, end) if pos >= 0 else -1
             if stop >= 0:
                 stop += len(z)
                 if k and text[pos - 1 : pos] == text[stop : stop + 1] == '"':
                     pos, stop = pos - 1, stop + 1  # the whole JSON string
                 return pos, stop
         if message["role"] == "system":
-            pos = text.find(first)
-            stop = text.find(last, pos) if pos >= 0 else -1
+            pos = self._find_text(text, first, 0, len(text))
+            stop = self._find_text(text, last, pos, len(text)) if pos >= 0 else -1
             if stop >= 0:
                 return pos, stop + len(last)
         if message["role"] == "assistant" and _tool_call_names(message):
@@ -557,6 +557,22 @@ class ChatRenderer:
         raise TemplateMismatch(
             i, "the chat template does not render this message's content verbatim"
         )
+
+    def _find_text(self, text: str, needle: str, lo: int, hi: int) -> int:
+        """First occurrence of `needle` in `text[lo:hi]` that is not a piece of a special token
+        (a system prompt "S" is not the S of `[INST]`)."""
+        pos = text.find(needle, lo, hi)
+        while pos >= 0 and self._special_re is not None:
+            window = self._special_re.finditer(
+                text, max(0, pos - self._longest_special), pos + len(needle)
+            )
+            if not any(
+                m.start() < pos + len(needle) and pos < m.end() and m.group() not in needle
+                for m in window
+            ):
+                break
+            pos = text.find(needle, pos + 1, hi)
+        return pos
 
     def _last_eot(self, text: str, lo: int, hi: int) -> tuple[int, int] | None:
         """The last end-of-turn marker in `text[lo:hi]`: the turn's own closer, even when the
