@@ -211,8 +211,13 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.command == "plan":
         from protrain.plan import candidates_table, explain
+        from protrain.train.modeling import resolve_device
         from protrain.train.planning import plan_memory, planning_inputs
+        from protrain.train.ranks import start_ranks, stop_ranks
 
+        # under torchrun: every rank measures the hardware with the others, the first
+        # traces and searches, and prints the plan each rank will run
+        ranks, _ = start_ranks(resolve_device(cfg.device))
         model, batch, settings = planning_inputs(cfg)
         planner_log = logging.getLogger("protrain.plan.auto")
         drop = _DropPlanRecord()
@@ -222,9 +227,11 @@ def _run(args: argparse.Namespace) -> int:
                 plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
         finally:
             planner_log.removeFilter(drop)
-        print(explain(plan, with_candidates=False))
-        print("best candidates:")
-        print(candidates_table(plan))
+        if ranks.is_main:
+            print(explain(plan, with_candidates=False))
+            print("best candidates:")
+            print(candidates_table(plan))
+        stop_ranks()
         return 0
     if args.command == "profile":
         from protrain.profile.timeline import write_timeline_html, write_timeline_png

@@ -56,7 +56,7 @@ from protrain.train.modeling import (
 )
 from protrain.train.nonfinite import NonFiniteGuard, assert_finite
 from protrain.train.planning import sample_batch
-from protrain.train.ranks import Ranks, launched_with_ranks, start_ranks, stop_ranks
+from protrain.train.ranks import Ranks, start_ranks, stop_ranks
 from protrain.train.run_lock import RunLock, check_free_space
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 from protrain.train.stop_signals import StopSignals, TrainingStopped, resume_command
@@ -77,7 +77,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     saves and raises `TrainingStopped` (a SystemExit of status 130 or 143)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
-    _check_ranks_config(cfg)  # before any process group work
     ranks, device = start_ranks(resolve_device(cfg.device))
     if not ranks.is_main:  # rank 0 logs for the job
         logger.setLevel(logging.WARNING)
@@ -90,17 +89,6 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
     # exit ends the job through torchrun), since tearing it down waits for the others.
     stop_ranks()
     return result
-
-
-def _check_ranks_config(cfg: TrainConfig) -> None:
-    """What several ranks cannot run, refused before the process group starts."""
-    if not launched_with_ranks():
-        return
-    if cfg.memory.auto:
-        raise ConfigError(
-            "memory.auto = true is not allowed with several ranks yet (the planner plans one "
-            "GPU): set memory.n_persist and memory.n_buffer, or run one process"
-        )
 
 
 def _train(

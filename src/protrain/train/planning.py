@@ -74,6 +74,8 @@ class PlanSettings:
     # order (clipping, or fp16 whose overflow check needs every gradient), or inside the
     # backward (EngineTrainable arms step_in_backward when neither applies).
     clipping: bool = True
+    # Several ranks: the mode the user fixed (memory.mode; None: the planner chooses).
+    distributed_mode: str | None = None
 
     @classmethod
     def from_config(
@@ -94,12 +96,15 @@ class PlanSettings:
             tiled_mlp_tokens=mem.tiled_mlp_tokens,
             chunked_loss_tokens=mem.chunked_loss_tokens,
             clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
+            distributed_mode=mem.mode,
         )
 
 
 def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_knobs: dict):
     """Profile one step and search: `(plan, problem)`. The model is left as it was, and so
-    is the RNG state (the trace's dropout draws do not shift the run's)."""
+    is the RNG state (the trace's dropout draws do not shift the run's). Several ranks
+    (the default group initialized): every rank calls this; the first traces its batch and
+    searches, every rank gets that plan (the problem: the first rank only, None elsewhere)."""
     from protrain.plan import NoPlanFits, profile_and_plan
 
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
@@ -111,6 +116,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
                 cpu_budget_bytes=settings.cpu_budget_bytes,
                 fixed_knobs=fixed_knobs,
                 clipping=settings.clipping,
+                distributed_mode=settings.distributed_mode,
             )
         except NoPlanFits as exc:
             raise ConfigError(no_plan_fits_message(exc, settings)) from None

@@ -428,11 +428,15 @@ class AutoTrainable(EngineTrainable):
         device: torch.device,
         autocast_dtype: torch.dtype | None,
         sample_batch: dict[str, torch.Tensor],
+        several_ranks: bool = False,
     ):
         from protrain.train.planning import PlanSettings, plan_memory
 
         model.train()
         Trainable.__init__(self, model, device, None, cfg.memory.chunked_loss_tokens)
+        # Several ranks: one plan for all, made on the first (plan_memory); the check after
+        # the first steps compares the largest peak and step of any rank, decided there too.
+        self._several_ranks = several_ranks
         self.cfg = cfg
         self.settings = PlanSettings.from_config(cfg, device, autocast_dtype)
         self.plan, self.problem = plan_memory(model, sample_batch, self.settings,
@@ -465,6 +469,8 @@ class AutoTrainable(EngineTrainable):
                 eps=cfg.adam_epsilon,
                 weight_decay=cfg.weight_decay,
                 param_groups=optimizer_param_groups(self.model, cfg.weight_decay),
+                # the loss is divided by the whole global batch's tokens (train/ranks.py)
+                **({"grad_reduce": "sum"} if self._several_ranks else {}),
             )
         except ValueError as exc:
             raise ConfigError(f"memory: {exc}") from None
@@ -502,6 +508,8 @@ class AutoTrainable(EngineTrainable):
         self._t_step, self._micro = None, 0  # a skipped step is not timed
 
     def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
+        from protrain.distributed import resolve_context
+        from protrain.distributed.agree import max_over_ranks, on_main
         from protrain.plan import NoPlanFits, check_plan
 
         if self._checked or self._steps_run == 0:
@@ -512,23 +520,33 @@ class AutoTrainable(EngineTrainable):
         self._stop_peak_counter()
         times = self._step_times or [self._last_step_s]
         measured_step_s = sum(times) / len(times)
-        if self.device.type == "cuda":
-            measured_peak = torch.cuda.max_memory_reserved(self.device)
-        else:
-            measured_peak = self._measured_peak_bytes
+        cuda = self.device.type == "cuda"
+        measured_peak = (
+            torch.cuda.max_memory_reserved(self.device) if cuda else self._measured_peak_bytes
+        )
+        allocated = torch.cuda.max_memory_allocated(self.device) if cuda else -1
+        ctx = resolve_context()
+        # every rank runs the plan: the largest of each is what must fit
+        measured_peak, allocated, measured_step_s = (
+            int(v) if i < 2 else v
+            for i, v in enumerate(
+                max_over_ranks(ctx, [measured_peak, allocated, measured_step_s], self.device)
+            )
+        )
         record = {
             "plan_predicted_peak_gib": self.plan.predicted_peak_bytes / 2**30,
             "plan_measured_peak_gib": measured_peak / 2**30,
             "plan_predicted_step_s": self.plan.predicted_step_s,
             "plan_measured_step_s": measured_step_s,
         }
+
+        def check_here():
+            return check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
+                              measured_step_s=measured_step_s,
+                              measured_allocated_bytes=allocated if cuda else None)  # fmt: skip
+
         try:
-            allocated = (
-                torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-            )
-            check = check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
-                               measured_step_s=measured_step_s,
-                               measured_allocated_bytes=allocated)  # fmt: skip
+            check = on_main(ctx, check_here)  # the first rank holds the problem
         except NoPlanFits as exc:
             from protrain.train.planning import no_plan_fits_message
 
@@ -636,12 +654,14 @@ def make_trainable(
         from protrain.train.fsdp2_trainable import FSDP2Trainable
 
         return FSDP2Trainable(model, cfg, device, autocast_dtype)
+    if cfg.memory.auto:
+        return AutoTrainable(
+            model, cfg, device, autocast_dtype, sample_batch(), several_ranks=several_ranks
+        )
     if several_ranks:
         if not cfg.memory.engine_enabled:
             logger.info("several ranks without memory knobs: every chunk stays on the GPU")
         return EngineTrainable(model, cfg, device, autocast_dtype, several_ranks=True)
-    if cfg.memory.auto:
-        return AutoTrainable(model, cfg, device, autocast_dtype, sample_batch())
     if cfg.memory.engine_enabled:
         return EngineTrainable(model, cfg, device, autocast_dtype)
     return PlainTrainable(model, cfg, device, autocast_dtype)
