@@ -25,7 +25,7 @@ from protrain.runtime.allocator import prefer_expandable_segments  # noqa: E402
 # ProTrain's application asks the CUDA allocator for expandable segments before CUDA starts
 # (protrain.runtime.allocator); its rows do the same, so that they measure what users run.
 # The baselines keep PyTorch's default allocator. Each row records the setting.
-if "protrain" in sys.argv[1:]:
+if any(arg.startswith("protrain") for arg in sys.argv[1:]):  # either engine
     prefer_expandable_segments()
 
 import argparse  # noqa: E402

@@ -125,7 +125,16 @@ WORKLOADS: dict[str, Workload] = {
     "qlora-70b": Workload("llama70b", "qlora", (1,), 2048, 24, ("protrain",)),
 }
 
-SYSTEMS = ("plain", "fsdp2_offload", "ds_z3_offload", "ds_z2_offload", "protrain")
+SYSTEMS = (
+    "plain",
+    "fsdp2_offload",
+    "ds_z3_offload",
+    "ds_z2_offload",
+    "protrain",
+    # ProTrain's FSDP2 engine (fsdp_version: 2), parameters on the GPU or offloaded
+    "protrain_fsdp2",
+    "protrain_fsdp2_offload",
+)
 LORA_RANK = 16
 
 

@@ -56,6 +56,8 @@ _MODULES = {
     "ds_z3_offload": "systems.deepspeed_offload",
     "ds_z2_offload": "systems.deepspeed_offload",
     "protrain": "systems.protrain_engine",
+    "protrain_fsdp2": "systems.protrain_fsdp2",
+    "protrain_fsdp2_offload": "systems.protrain_fsdp2",
 }
 
 
