@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from tests.multirank.test_fsdp2_exact import one_thread
 from tests.multirank.test_train_ranks import _losses, _torchrun
 from tests.train.helpers import tiny_config, write_config
 from torch import nn
@@ -47,6 +48,7 @@ def _config(tmp_path: Path, name: str, fsdp_config: dict, **extra) -> Path:
     return write_config(tmp_path, cfg, f"{name}.yaml")
 
 
+@one_thread()  # as every rank under torchrun (OMP_NUM_THREADS=1)
 def one_process_reference(config: Path, world: int = WORLD) -> tuple[list[float], dict]:
     """The losses per step and the trained parameters (by name) of plain PyTorch on one
     process, over the global batches `protrain train` on ``world`` ranks trains on."""
