@@ -179,6 +179,10 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
     out: dict = {"status": "ok"}
     try:
         trainer = systems.setup(spec)
+        if spec.auto and spec.device.type == "cuda":
+            # the planner's trace ran in setup and gave its memory back: the row's peak is
+            # the training steps', which the plan predicts
+            torch.cuda.reset_peak_memory_stats(spec.device)
         out.update(plan=trainer.plan, predicted_peak_gib=trainer.predicted_peak_gib)
         out["predicted_step_s"] = trainer.predicted_step_s
         vocab = MODEL_SHAPES[spec.model]["vocab_size"]
