@@ -177,18 +177,25 @@ def apply_fsdp2(model: nn.Module, settings: FSDP2Settings, mesh: DeviceMesh) -> 
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
         if is_4bit_linear(module):  # after fully_shard: FSDP2's own pre-hook gathers first
+            module.quant_state.to(_mesh_device(mesh))
             module.register_forward_pre_hook(_hand_over_quant_state)
     return units
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
 
 # -- 4-bit base weights ([Note: 4-bit weights under FSDP2])
 
 
 @torch.no_grad()
-def prepare_4bit(model: nn.Module, storage_dtype: torch.dtype, device: torch.device) -> int:
+def prepare_4bit(model: nn.Module, storage_dtype: torch.dtype) -> int:
     """Store the packed weight of every bitsandbytes `Linear4bit` of ``model`` as a frozen
-    parameter of ``storage_dtype`` (the same bytes) and its `QuantState` whole on
-    ``device``, before `apply_fsdp2`; returns how many layers. The scales the chunk
+    parameter of ``storage_dtype`` (the same bytes), before `apply_fsdp2`, which moves
+    the `QuantState` whole to the device; returns how many layers. The scales the chunk
     engine lifts into parameters (`protrain.quant.lift_quant_state`) become plain tensors
     of the state again."""
     layers = [(n, m) for n, m in model.named_modules() if is_4bit_linear(m)]
@@ -214,7 +221,6 @@ def prepare_4bit(model: nn.Module, storage_dtype: torch.dtype, device: torch.dev
                     f"divide into {storage_dtype} elements of {size} bytes"
                 )
             packed = packed.view(torch.uint8).view(storage_dtype)
-        state.to(device)
         layer.weight = nn.Parameter(packed.unsqueeze(1), requires_grad=False)
         layer.quant_state = state
         layer.quant_storage = storage_dtype

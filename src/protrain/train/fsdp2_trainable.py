@@ -117,7 +117,7 @@ class FSDP2Trainable(Trainable):
         # FSDP2 casts the parameters itself (MixedPrecisionPolicy): no autocast.
         super().__init__(model, device, None, mem.chunked_loss_tokens)
         param_dtype = torch.bfloat16 if autocast_dtype == torch.bfloat16 else None
-        n_4bit = prepare_4bit(model, param_dtype or _float_dtype(model), device)
+        n_4bit = prepare_4bit(model, param_dtype or _float_dtype(model))
         if n_4bit:
             logger.info(
                 "fsdp2: %d 4-bit layers, packed weights stored as %s and sharded; their "
@@ -148,6 +148,7 @@ class FSDP2Trainable(Trainable):
                 device,
             )
         # rank 0 exports: a copy of the model without its parameters, filled at the end
+        # (made while 4-bit scales are still on the host: apply_fsdp2 moves them)
         self._skeleton = _without_parameters(model) if dist.get_rank() == 0 else None
         undo = self._checkpoint_blocks() if fsdp.activation_checkpointing else []
         mesh = init_device_mesh(device.type, (dist.get_world_size(),))
