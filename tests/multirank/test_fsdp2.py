@@ -283,6 +283,23 @@ def test_config_errors(tmp_path):
         fsdp_config={"activation_checkpointing": True},
     )
     assert "use one" in m
+    m = _error(tmp_path, fsdp_version=2, memory={"n_checkpoint": 2, "tiled_mlp_tokens": 8})
+    assert "memory.n_checkpoint = 2 is not allowed" in m
+    assert "only tiled_mlp_tokens and chunked_loss_tokens apply" in m
+    m = _error(tmp_path, fsdp_version=2, adapter={"type": "qlora", "bits": 8})
+    assert "adapter.bits = 8 with fsdp_version = 2" in m and "use adapter.bits = 4" in m
+
+
+def test_memory_options_and_qlora_allowed(tmp_path):
+    cfg = validate_config(
+        tiny_config(
+            tmp_path,
+            fsdp_version=2,
+            adapter="qlora",
+            memory={"tiled_mlp_tokens": 512, "chunked_loss_tokens": 1024},
+        )
+    )
+    assert cfg.memory.tiled_mlp_tokens == 512 and cfg.memory.chunked_loss_tokens == 1024
 
 
 def test_axolotl_spellings(tmp_path):
