@@ -30,6 +30,7 @@ import dataclasses
 import io
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -84,12 +85,16 @@ class CheckpointMismatch(ValueError):
 
 
 def save_pieces(
-    pieces: list[FlatPiece], directory: Path, group=None, thread_count: int = 1
+    pieces: list[FlatPiece],
+    directory: Path,
+    group=None,
+    thread_count: int = 1,
+    before_write: Callable[[str], None] | None = None,
 ) -> None:
     """Write this rank's pieces into ``directory`` (DCP: one ``__<rank>_<n>.distcp`` per
     rank and thread, ``.metadata`` from the coordinator, every file fsynced). With a process
     group, a collective: every rank calls it, each with its own pieces; empty pieces are
-    left out."""
+    left out. ``before_write(name)`` runs just before this rank writes each file."""
     pieces = [p for p in pieces if p.tensor.numel()]
     state = {p.key: p.tensor for p in pieces}
     if len(state) != len(pieces):
@@ -155,6 +160,12 @@ def saved_keys(directory: Path) -> dict[str, int]:
     }
 
 
+def data_files(directory: Path) -> set[str]:
+    """The data files (one or more per rank) the checkpoint's metadata points into."""
+    md = read_metadata(directory)
+    return {info.relative_path for info in (md.storage_data or {}).values()}
+
+
 def read_metadata(directory: Path) -> Metadata:
     return SafeFileSystemReader(directory).read_metadata()
 
@@ -206,6 +217,25 @@ def _check_saved(md: Metadata, directory: Path, key: str, total: int, dtype) -> 
         raise CheckpointMismatch(
             f"{where}: the saved pieces of {key!r} hold {covered} of its {total} elements"
         )
+
+
+class _Writer(FileSystemWriter):
+    """DCP's file writer, telling ``before_write`` the name of each file it is about to
+    write (the application's tests kill a rank there)."""
+
+    def __init__(self, path: Path, before_write: Callable[[str], None] | None, **kwargs):
+        super().__init__(path, **kwargs)
+        self._before_write = before_write or (lambda name: None)
+
+    def write_data(self, plan, planner):
+        prefix = getattr(plan.storage_data, "prefix", "")
+        for n in range(max(1, self.thread_count)):
+            self._before_write(f"{prefix}{n}.distcp")
+        return super().write_data(plan, planner)
+
+    def finish(self, metadata, results) -> None:
+        self._before_write(METADATA_FILE)
+        super().finish(metadata, results)
 
 
 class _FlatSavePlanner(DefaultSavePlanner):

@@ -1,12 +1,17 @@
 """Resumable training checkpoints: atomic, verified, read without unpickling.
 
-Layout of `output_dir/checkpoint-<step>/`:
+Layout of `output_dir/checkpoint-<step>/`, written by one process (the plain format):
     model.safetensors      trainable parameters (all of them for full fine-tuning), fp32 master
     optimizer.safetensors  every tensor of the optimizer state, keyed `state.<index>.<name>`
     rng.safetensors        torch CPU and CUDA generator states
     state.json             step, data position, optimizer param groups and scalar state,
                            scheduler state, Python and NumPy RNG states
     manifest.json          every other file's size and sha256
+
+Written by several ranks of the chunked engine, the sharded format (`sharded_checkpoint.py`):
+`.metadata` and one `__<rank>_0.distcp` per rank (torch.distributed.checkpoint) in place of
+the three safetensors files, `state.json` and `manifest.json` as above (the manifest says
+`"format": "sharded"`). Both formats load at any world size and mode.
 
 [Note: atomic save]
 Everything is written into `.tmp-checkpoint-<step>` next to the final directory and
@@ -58,6 +63,11 @@ TMP_PREFIX = ".tmp-checkpoint-"
 TRASH_PREFIX = ".trash-checkpoint-"
 DAMAGED_PREFIX = ".damaged-checkpoint-"
 MANIFEST = "manifest.json"
+PLAIN, SHARDED = "plain", "sharded"
+_REQUIRED = {
+    PLAIN: ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"),
+    SHARDED: (".metadata", "state.json"),
+}
 _HASH_BLOCK_BYTES = 16 << 20
 # Room kept free beyond a checkpoint's tensors (state.json, metadata, the file system's own).
 _SPACE_MARGIN_BYTES = 64 << 20
@@ -124,12 +134,14 @@ def verify(path: Path) -> str | None:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
         files = manifest["files"]
+        fmt = manifest.get("format", PLAIN)
         expected = {name: (int(f["bytes"]), str(f["sha256"])) for name, f in files.items()}
+        required = _REQUIRED[fmt]
     except FileNotFoundError:
         return f"no {MANIFEST}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         return f"{MANIFEST} unreadable ({type(exc).__name__})"
-    for name in ("model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+    for name in required:
         if name not in expected:
             return f"{MANIFEST} does not list {name}"
     for name, (size, _) in expected.items():
@@ -142,7 +154,24 @@ def verify(path: Path) -> str | None:
     for name, (_, sha) in expected.items():
         if hashes[path / name] != sha:
             return f"{name} does not match its sha256 (changed after it was written)"
+    if fmt == SHARDED:  # every rank's file that the metadata points into is listed
+        from protrain.distributed.dcp_flat import CheckpointMismatch, data_files
+
+        try:
+            unlisted = sorted(data_files(path) - set(expected))
+        except CheckpointMismatch as exc:
+            return str(exc)
+        if unlisted:
+            return f".metadata points into {unlisted[0]}, which {MANIFEST} does not list"
     return None
+
+
+def checkpoint_format(path: Path) -> str:
+    """`plain` (one process wrote it) or `sharded` (several ranks), from its manifest."""
+    try:
+        return json.loads((path / MANIFEST).read_text()).get("format", PLAIN)
+    except (OSError, ValueError, AttributeError):
+        return PLAIN
 
 
 def find_resume_checkpoint(output_dir: Path) -> Path:
@@ -228,7 +257,7 @@ def save_checkpoint(
     _fsync(output_dir)
 
     if save_total_limit is not None:
-        problem = _check_renamed(final)
+        problem = check_sizes(final)
         if problem is not None:
             raise OutputDirError(f"{final} failed its check right after the save: {problem}")
         for stale in list_checkpoints(output_dir)[:-save_total_limit]:
@@ -365,19 +394,32 @@ def _move_aside(path: Path) -> Path:
     return aside
 
 
-def _write_manifest(tmp: Path) -> None:
-    """Hash what was written, read back from the files themselves."""
+def _write_manifest(
+    tmp: Path, known: dict[str, tuple[int, str]] | None = None, fmt: str = PLAIN
+) -> None:
+    """Hash what was written, read back from the files themselves; ``known``: name ->
+    (bytes, sha256) of files another rank wrote and hashed (their size checked here)."""
+    known = known or {}
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-    hashes = _hash_files(files)
+    for p in files:
+        if p.name in known and p.stat().st_size != known[p.name][0]:
+            raise OSError(
+                errno.EIO, f"{p} has {p.stat().st_size} bytes, its rank wrote {known[p.name][0]}"
+            )
+    hashes = _hash_files([p for p in files if p.name not in known])
+    hashes.update({tmp / name: sha for name, (_, sha) in known.items()})
     manifest = {
+        "format": fmt,
         "files": {p.name: {"bytes": p.stat().st_size, "sha256": hashes[p]} for p in files},
     }
+    if fmt == PLAIN:  # the plain format's manifest, as it always was
+        del manifest["format"]
     _write_text(tmp / MANIFEST, json.dumps(manifest, indent=1))
 
 
-def _check_renamed(path: Path) -> str | None:
-    """After the rename: the manifest lists every file with its size (the hashes were taken
-    from the files just before)."""
+def check_sizes(path: Path) -> str | None:
+    """The manifest lists every file with its size (the hashes were taken from the files
+    just before): the check around a save's rename."""
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError) as exc:

@@ -13,7 +13,10 @@
 6. export: Hugging Face format for full fine-tuning, a PEFT adapter directory otherwise.
 
 Under `torchrun` every rank runs this story on its own GPU and its share of each step's
-micro-batches; rank 0 alone writes (see `train/ranks.py`).
+micro-batches; rank 0 alone writes logs, metrics and the export (see `train/ranks.py`), and
+every rank of the chunked engine writes its own part of each checkpoint
+(`train/sharded_checkpoint.py`). A checkpoint of either format resumes at any world size
+and mode under the same global batch.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import yaml
 from tqdm.auto import tqdm
 
 from protrain.train import checkpoint as ckpt
+from protrain.train import sharded_checkpoint as sharded
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
@@ -157,16 +161,9 @@ def _train(
     position, step, tokens_seen = StreamPosition(), 0, 0
     last_saved = resume_from
     if resume_from is not None:
-        state = ckpt.load_checkpoint(resume_from)
-        _check_data_order(state.trainer_state.get("data_order"), data_order, resume_from)
-        trainable.load_model_state(state.model_state)
-        trainable.optimizer.load_state_dict(state.optimizer_state)
-        trainable.load_extra_state(state.trainer_state.get("extra", {}))
-        scheduler.load_state_dict(state.scheduler_state)
-        ckpt.restore_rng(state)
-        step = state.step
-        position = StreamPosition(**state.trainer_state["position"])
-        tokens_seen = state.trainer_state["tokens_seen"]
+        step, trainer_state = _resume(resume_from, trainable, scheduler, ranks, data_order)
+        position = StreamPosition(**trainer_state["position"])
+        tokens_seen = trainer_state["tokens_seen"]
         logger.info("resumed from %s at step %d", resume_from, step)
         if ranks.is_main:  # rank 0 writes
             moved = set_aside_metrics(output_dir, after_step=step)
@@ -187,8 +184,26 @@ def _train(
     )
     logger.info("checkpoints: %s", _describe_saving(cfg))
 
+    def trainer_state() -> dict[str, Any]:
+        return {
+            "position": vars(position),
+            "tokens_seen": tokens_seen,
+            "data_order": data_order,
+            "extra": trainable.extra_state(),
+        }
+
     def save(step: int) -> Path:
-        # every rank: in the sharded mode the states are put together across ranks
+        if sharded.writes_sharded(trainable, ranks):  # every rank writes its own part
+            return sharded.save_sharded_checkpoint(
+                output_dir,
+                step,
+                trainable=trainable,
+                ranks=ranks,
+                scheduler_state=scheduler.state_dict(),
+                trainer_state=trainer_state(),
+                save_total_limit=cfg.save_total_limit,
+            )
+        # the FSDP2 engine on several ranks: the states put together on rank 0
         model_state = trainable.model_state(copy=False)
         optimizer_state = trainable.optimizer_state(copy=False)
         path = output_dir / f"checkpoint-{step}"
@@ -205,12 +220,7 @@ def _train(
             model_state=model_state,
             optimizer_state=optimizer_state,
             scheduler_state=scheduler.state_dict(),
-            trainer_state={
-                "position": vars(position),
-                "tokens_seen": tokens_seen,
-                "data_order": data_order,
-                "extra": trainable.extra_state(),
-            },
+            trainer_state=trainer_state(),
             save_total_limit=cfg.save_total_limit,
         )
 
@@ -506,17 +516,68 @@ class _NoMetrics:
         pass
 
 
+def _resume(path: Path, trainable, scheduler, ranks: Ranks, data_order: dict):
+    """Load a checkpoint of either format (one process wrote it, or several ranks) into
+    this run, at any world size and mode; the step and trainer state it holds."""
+    if ckpt.checkpoint_format(path) == ckpt.SHARDED:
+        trainer_state = sharded.read_state(path)["trainer"]
+        _check_data_order(trainer_state.get("data_order"), data_order, path)
+        resumed = sharded.load_sharded_checkpoint(path, trainable, ranks)
+        step, trainer_state, scheduler_state = (
+            resumed.step,
+            resumed.trainer_state,
+            resumed.scheduler_state,
+        )
+    else:
+        state = ckpt.load_checkpoint(path)
+        _check_data_order(state.trainer_state.get("data_order"), data_order, path)
+        trainable.load_model_state(state.model_state)
+        trainable.optimizer.load_state_dict(state.optimizer_state)
+        ckpt.restore_rng(state)
+        step, trainer_state, scheduler_state = (
+            state.step,
+            state.trainer_state,
+            state.scheduler_state,
+        )
+    trainable.load_extra_state(trainer_state.get("extra", {}))
+    scheduler.load_state_dict(scheduler_state)
+    return step, trainer_state
+
+
 def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
-    """A checkpoint's data position means something only under the same data order."""
+    """A checkpoint's data position means something only under the same data order: the
+    same rows, seed and micro-batch size, and the same global batch (micro-batches per step,
+    accumulation times ranks), however it is split over ranks."""
     if saved is None:
         return
     saved = {"world_size": 1, **saved}  # checkpoints from before several ranks
-    if saved == now:
+    window = {"gradient_accumulation_steps", "world_size"}
+    diffs = ", ".join(
+        f"{k}: {saved.get(k)} -> {now[k]}"
+        for k in now
+        if k not in window and saved.get(k) != now[k]
+    )
+    if diffs:
+        raise OutputDirError(
+            f"--resume: {checkpoint} was written under another data order ({diffs}); its data "
+            "position does not carry over: restore those settings, or start a new output_dir"
+        )
+    before = saved["gradient_accumulation_steps"] * saved["world_size"]
+    after = now["gradient_accumulation_steps"] * now["world_size"]
+    if before == after:
         return
-    diffs = ", ".join(f"{k}: {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+    mbs = now["micro_batch_size"]
+    hint = (
+        f"set gradient_accumulation_steps: {before // now['world_size']} to keep it"
+        if before % now["world_size"] == 0
+        else f"run on a number of ranks that divides {before}"
+    )
     raise OutputDirError(
-        f"--resume: {checkpoint} was written under another data order ({diffs}); its data "
-        "position does not carry over: restore those settings, or start a new output_dir"
+        f"--resume: {checkpoint} was written with a global batch of {mbs} x "
+        f"{saved['gradient_accumulation_steps']} x {saved['world_size']} = {mbs * before} rows "
+        f"per step (micro_batch_size x gradient_accumulation_steps x ranks); this run's is "
+        f"{mbs} x {now['gradient_accumulation_steps']} x {now['world_size']} = {mbs * after}: "
+        f"{hint}, or start a new output_dir"
     )
 
 
