@@ -4,7 +4,8 @@
 # the plan's mode, its predicted and measured peak (largest over ranks, after the trace).
 # PART=a: auto full-3b at 24 and 16 GiB, full-3b at 24 GiB replicated, full-8b at 24 GiB;
 #         DeepSpeed ZeRO-3 offload on full-8b at 24 GiB beside them.
-# PART=b: auto lora-14b at 24 and 16 GiB, qlora-70b (chunked loss 2,048) at 24 GiB.
+# PART=b: auto full-3b at 16 GiB again (the row now carries the plan's reasons), lora-14b at
+#         24 GiB, qlora-70b (chunked loss 2,048) at 24 GiB.
 source benchmarks/sessions/lib.sh
 TWO="torchrun --nproc-per-node 2 benchmarks/run.py --commit $C --run-id $RID --steps 4 --warmup 2 --max-grad-norm 0"
 nvidia-smi -L
@@ -22,9 +23,9 @@ a)
   ;;
 b)
   O="--out $OUT/auto2-b.jsonl"
+  row 110 --workload full-3b $A --budget-gib 16 $O
   row 170 --workload lora-14b $A --budget-gib 24 $O
-  row 150 --workload lora-14b $A --budget-gib 16 $O
   row 260 --workload qlora-70b --system protrain --auto --chunked-loss-tokens 2048 --budget-gib 24 $O
   ;;
 esac
-ls ~/.cache/protrain/ 2>/dev/null | head -3; free -g | head -2
+cp ~/.cache/protrain/hardware-*.json "$OUT/" 2>/dev/null; free -g | head -2

@@ -76,7 +76,8 @@ def setup(spec: RowSpec) -> Trainer:
     if spec.auto:
         chosen = protrain.plan_of(model)
         plan = {**chosen.knobs, "chunk_size_bytes": layout.chunk_size_bytes, "auto": True,
-                "distributed_mode": chosen.distributed_mode}  # fmt: skip
+                "distributed_mode": chosen.distributed_mode, "reasons": chosen.reasons,
+                "time_terms": chosen.time_terms}  # fmt: skip
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))

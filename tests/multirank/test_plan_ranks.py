@@ -75,7 +75,6 @@ def test_planned_wraps_on_two_ranks(tmp_path):
             assert plan["distributed_mode"] == mode
         else:
             assert any(f"over {WORLD} ranks" in r for r in plan["reasons"]), plan["reasons"]
-        assert plan["memory_terms"]["reduce_buckets"] > 0
         assert plan["time_terms"]["collective"] > 0
         want_sharded = plan["distributed_mode"] == "sharded"
         for r in res:

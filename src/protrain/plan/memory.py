@@ -28,10 +28,11 @@
   did not (otherwise the trace measured it).
 - **other resident bytes** (CUDA): allocated at the traced step's start beyond the trace's
   model states (module buffers, library workspaces).
-- **gradient reduce buckets** (several ranks): backward copies each chunk's gradients into a
-  bucket of the chunk's size and reduces it on its own stream
-  (``distributed/grad_reducer.py``): the bucket being filled, the one being reduced, and a
-  reduce-scatter's output shard (sharded mode) are live at once.
+- **gradient reduce buckets** (several ranks), in the activation side's backward intervals
+  (the loss head's included): backward copies each chunk's gradients into a bucket of the
+  chunk's size and reduces it on its own stream (``distributed/grad_reducer.py``): the
+  bucket being filled, the one being reduced, and a reduce-scatter's output shard (sharded
+  mode) are live at once. A peak in forward does not hold them.
 - **allocator overhead** (CUDA): the traced step's reserved peak minus its allocated peak,
   both raw (buffer pool included), in a step that ran on the cache of one step like it (the
   trace empties the cache after its first step).
@@ -143,6 +144,9 @@ class MemoryModel:
         self.grads = 4 * done[done_k]
         traced = self.grads[:, min(p.trace_n_persist, self.n_chunks)]
         self.iv_base = np.asarray([iv.peak_bytes for iv in ivs], dtype=np.int64) - traced
+        # several ranks: gradient buckets live while backward (the head's too) makes gradients
+        in_backward = np.isin(self.iv_kind, ("bwd", "head"))
+        self.iv_base = self.iv_base + np.where(in_backward, self.reduce_buckets, 0)
         self.is_fwd = self.iv_kind == "fwd"
         self.is_bwd = self.iv_kind == "bwd"
         self.is_head = self.iv_kind == "head"
@@ -219,7 +223,6 @@ class MemoryModel:
                 self.activation_peak(n_swap, n_checkpoint, n_persist)[0]
             ),
             "offload_grad_transient": int(self.grad_piece[n_persist]),
-            "reduce_buckets": self.reduce_buckets,
             "other_resident": self.other_resident,
             "allocator_overhead": self.allocator_overhead,
         }

@@ -209,7 +209,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     host_swap = mem.swap_host_bytes(pol)
     n_p = problem.persist_values()
     constant = mem.model_states[n_p] + mem.grad_piece[n_p] + mem.allocator_overhead
-    constant = constant + mem.other_resident + mem.reduce_buckets
+    constant = constant + mem.other_resident
     constant = constant + problem.extra_bytes
     host_ok = np.ones((len(s), len(n_p)), dtype=bool)
     if problem.cpu_budget_bytes is not None:
