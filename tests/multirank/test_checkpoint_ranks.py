@@ -6,33 +6,28 @@ Every step's global batch is the same 6 micro-batches however it is split (1 x 6
 3 x 2: train/ranks.py); one process trains with plain PyTorch and writes the plain
 checkpoint format, several ranks run the engine at different chunk sizes and write the
 sharded format (train/sharded_checkpoint.py). The constant learning rate makes each
-segment's `max_steps` change nothing but where it stops. Ranks are spawned once per world
-size and run every chain's segment of that size in turn, each with a fresh process group.
+segment's `max_steps` change nothing but where it stops. Each segment is one job of
+ranks forked from `rank_server.py`.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+import yaml
 from safetensors.torch import load_file
 from tests.train.helpers import tiny_config
 
-from protrain.train.config import validate_config
+from .rank_server import RankServer
 
-COLLECTIVE_TIMEOUT_S = 120
 WINDOW = 6  # micro-batches per optimizer step, all ranks together
 CHUNK = {2: "512KiB", 3: "384KiB"}  # multiples of 64 x world; layouts differ
 
 
-def _config(run: Path, world: int, mode: str | None, kind: str, max_steps: int) -> dict:
+def _config(run: Path, world: int, mode: str | None, kind: str, max_steps: int) -> Path:
     cfg = tiny_config(
         run.parent,
         micro_batch_size=1,
@@ -50,39 +45,9 @@ def _config(run: Path, world: int, mode: str | None, kind: str, max_steps: int) 
         cfg["adapter"] = {"type": "lora", "r": 4, "dropout": 0.0}
     if world > 1:
         cfg["memory"] = {"n_persist": 1, "mode": mode, "chunk_size": CHUNK[world]}
-    return cfg
-
-
-def _train_segments(rank: int, world: int, init_dir: str, segments: list) -> None:
-    """Each segment `(config dict, resume)` under a process group of its own (train()
-    ends the group it ran under)."""
-    os.environ.update(
-        WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world)
-    )
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    from protrain.train.loop import train
-
-    for i, (raw, resume) in enumerate(segments):
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_dir}/pg{i}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-        )
-        train(validate_config(raw), resume=resume)
-
-
-def run_segments(world: int, segments: list) -> None:
-    if world == 1:  # in this process
-        from protrain.train.loop import train
-
-        for raw, resume in segments:
-            train(validate_config(raw), resume=resume)
-        return
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_train_segments, args=(world, d, segments), nprocs=world, join=True)
+    path = run.with_name(f"{run.name}-{max_steps}.yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
 
 
 def _losses(run: Path) -> list[float]:
@@ -123,9 +88,21 @@ def chains(tmp_path_factory):
         if i == 3:
             segments += [(_config(r, 2, "sharded", k, 10), True) for k, (_, r) in same.items()]
         launches.append((world, segments))
-    for world, segments in launches:
-        run_segments(world, segments)
+    server = RankServer()
+    try:
+        for world, segments in launches:
+            for config, resume in segments:
+                argv = ["train", str(config)] + (["--resume"] if resume else [])
+                status = server.run(world, argv, config.with_suffix(""))
+                assert status == [0] * world, _logs(root)
+    finally:
+        server.close()
     return runs, refs, same
+
+
+def _logs(root: Path) -> str:
+    newest = sorted(root.glob("*.log"), key=lambda p: p.stat().st_mtime)[-2:]
+    return "\n".join(p.read_text()[-3000:] for p in newest)
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])

@@ -102,7 +102,9 @@ def save_pieces(
     with _dcp_call():
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(directory, sync_files=True, thread_count=thread_count),
+            storage_writer=_Writer(
+                directory, before_write, sync_files=True, thread_count=thread_count
+            ),
             planner=_FlatSavePlanner({p.key: (p.offset, p.total) for p in pieces}),
             process_group=group,
             no_dist=not _several(group),

@@ -1,0 +1,134 @@
+"""Run `protrain` on several CPU ranks quickly: a server imports protrain once, then forks
+one process per rank with torchrun's environment (as `tests/train/cli_server.py` does for
+one process), so that a test can launch many short jobs, and kill ranks, without paying
+the imports each time. The server plays torchrun's part in one respect: once a rank has
+died, it kills the others.
+
+A rank whose environment holds `KILL_AT="<file>:<n>"` SIGKILLs itself just before it writes
+`<file>` for the nth time (`sharded_checkpoint.before_write`), or, for `_trash:<n>`, right
+after the nth checkpoint leaves the namespace while pruning (`checkpoint._trash`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SERVER = r"""
+import json, os, signal, sys
+import torch
+import protrain.train.loop, protrain.cli, transformers, peft  # the imports, paid once
+from protrain.cli import main
+
+def install_kill(spec):
+    # "name:n": SIGKILL just before this rank writes file `name` for the nth time; "_trash:n":
+    # right after the nth checkpoint leaves the namespace in pruning
+    import protrain.train.checkpoint as ckpt
+    import protrain.train.sharded_checkpoint as sharded
+    name, n = spec.rsplit(":", 1)
+    seen = [0]
+    def count(what):
+        if what == name:
+            seen[0] += 1
+            if seen[0] == int(n):
+                os.kill(os.getpid(), signal.SIGKILL)
+    sharded.before_write = count
+    real_trash = ckpt._trash
+    def trash(path):
+        real_trash(path)
+        count("_trash")
+    ckpt._trash = trash
+
+def child(request):
+    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(request["env"])
+    torch.set_num_threads(1)
+    if os.environ.get("KILL_AT"):
+        install_kill(os.environ["KILL_AT"])
+    try:
+        code = main(request["argv"])
+    except SystemExit as exc:
+        code = exc.code
+    sys.stdout.flush(); sys.stderr.flush()
+    os._exit(code if isinstance(code, int) else 1)
+
+for line in sys.stdin:
+    request = json.loads(line)
+    if "poll" in request:
+        pid, status = os.waitpid(request["poll"], os.WNOHANG)
+        code = os.waitstatus_to_exitcode(status) if pid else None
+        print(json.dumps({"status": code}), flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        child(request)
+    print(json.dumps({"pid": pid}), flush=True)
+"""
+
+
+class RankServer:
+    def __init__(self) -> None:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=env,
+        )  # fmt: skip
+
+    def _ask(self, request: dict) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the rank server died")
+        return json.loads(line)
+
+    def run(self, world: int, argv: list[str], logs: Path, kill: tuple[int, str] | None = None):
+        """`protrain <argv>` on `world` ranks; when one dies the others are killed (as
+        torchrun does). The exit status of each rank."""
+        port = _free_port()
+        pids = []
+        for rank in range(world):
+            env = {
+                "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }  # fmt: skip
+            if world == 1:
+                env = {"WORLD_SIZE": "1"}
+            if kill is not None and kill[0] == rank:
+                env["KILL_AT"] = kill[1]
+            log = logs.with_name(f"{logs.name}.rank{rank}.log")
+            pids.append(self._ask({"argv": argv, "log": str(log), "env": env})["pid"])
+        status: dict[int, int] = {}
+        deadline = time.monotonic() + 240
+        while len(status) < world:
+            assert time.monotonic() < deadline, f"ranks still running: {status}"
+            for pid in pids:
+                if pid not in status:
+                    code = self._ask({"poll": pid})["status"]
+                    if code is not None:
+                        status[pid] = code
+            if any(code != 0 for code in status.values()):
+                for pid in pids:
+                    if pid not in status:
+                        os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        return [status[pid] for pid in pids]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
