@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 EXIT_USER_ERROR = 2
 
@@ -93,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(p_inspect)
     p_inspect.add_argument("-n", "--num-samples", type=int, default=3)
     p_inspect.add_argument("--color", action="store_true", help="mark trained tokens in colour")
+
+    p_convert = sub.add_parser(
+        "convert-checkpoint",
+        help="write a checkpoint in the other format (sharded <-> one-process)",
+    )
+    p_convert.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    p_convert.add_argument("checkpoint", help="a checkpoint-<step> folder")
+    p_convert.add_argument("output_dir", help="where checkpoint-<step> is written")
     return parser
 
 
@@ -197,6 +206,12 @@ def _run(args: argparse.Namespace) -> int:
     from protrain.train.log import setup_logging
 
     setup_logging()
+    if args.command == "convert-checkpoint":  # no config: the checkpoint says it all
+        from protrain.train.convert_checkpoint import convert_checkpoint
+
+        path = convert_checkpoint(Path(args.checkpoint), Path(args.output_dir))
+        print(f"converted: {path}")
+        return 0
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":
         from protrain.train.loop import train

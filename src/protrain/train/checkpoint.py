@@ -214,13 +214,18 @@ def save_checkpoint(
     scheduler_state: dict[str, Any],
     trainer_state: dict[str, Any],
     save_total_limit: int | None,
+    param_names: list[str] | None = None,
 ) -> Path:
-    """Write checkpoint-`step` atomically, verified; then prune older ones (see the Notes)."""
+    """Write checkpoint-`step` atomically, verified; then prune older ones (see the Notes).
+    `param_names`: the parameter name of each optimizer index (kept in state.json, for
+    `protrain convert-checkpoint`)."""
     assert_finite(model_state, f"checkpoint-{step}")
     output_dir.mkdir(parents=True, exist_ok=True)
     final = output_dir / f"checkpoint-{step}"
     tmp = output_dir / f"{TMP_PREFIX}{step}"
     opt_tensors, opt_meta = _split_optimizer_state(optimizer_state)
+    if param_names is not None:
+        opt_meta["param_names"] = list(param_names)
     _check_free_space(output_dir, final, [model_state, opt_tensors])
     if tmp.exists():
         shutil.rmtree(tmp)

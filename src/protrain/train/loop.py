@@ -222,6 +222,7 @@ def _train(
             scheduler_state=scheduler.state_dict(),
             trainer_state=trainer_state(),
             save_total_limit=cfg.save_total_limit,
+            param_names=sharded.optimizer_param_names(trainable.optimizer, trainable.model),
         )
 
     # -- 5. the loop

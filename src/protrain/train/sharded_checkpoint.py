@@ -99,16 +99,36 @@ def save_sharded_checkpoint(
 ) -> Path:
     """Write checkpoint-`step` from every rank (a collective: every rank calls it); see
     [Note: atomic across ranks]."""
-    group = ranks.ctx.group
-    final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f"{ckpt.TMP_PREFIX}{step}"
     optimizer = trainable.optimizer
     pieces = pieces_to_save(
         trainable.model, optimizer, trainable.names, ranks.rank, ranks.world_size
     )
+    state = {
+        "mode": "sharded" if engine_of(trainable).manager.sharded else "replicated",
+        "parameters": _shapes(trainable),
+        "trainer": trainer_state,
+        "optimizer": _optimizer_meta(optimizer, trainable.model),
+        "scheduler": scheduler_state,
+    }
+    return write_sharded(output_dir, step, pieces, state, ranks, save_total_limit)
+
+
+def write_sharded(
+    output_dir: Path,
+    step: int,
+    pieces: list[FlatPiece],
+    state: dict[str, Any],
+    ranks: Ranks,
+    save_total_limit: int | None,
+) -> Path:
+    """Write checkpoint-`step` of this rank's `pieces` (`model/...`, `optim/...`) and, from
+    rank 0, `state` (its keys beside `step`, `world_size`, `rng`, which are added here),
+    with this process's RNG states; see [Note: atomic across ranks]. A collective."""
+    group = ranks.ctx.group if ranks.several else None
+    final = output_dir / f"checkpoint-{step}"
+    tmp = output_dir / f"{ckpt.TMP_PREFIX}{step}"
     model_pieces = {p.key: p.tensor for p in pieces if p.key.startswith("model/")}
-    bad = first_nonfinite(model_pieces)
-    bad_name = _first_of_all(ranks, bad)
+    bad_name = _first_of_all(ranks, first_nonfinite(model_pieces))
     if bad_name is not None:
         raise NonFiniteError(
             f"checkpoint-{step} not written: weight {bad_name.removeprefix('model/')!r} is not "
@@ -124,7 +144,7 @@ def save_sharded_checkpoint(
     _raise_on_every_rank(ranks, problem)
 
     rng_tensors, rng_json = ckpt._capture_rng()
-    pieces += [
+    pieces = pieces + [
         FlatPiece(f"rng/{ranks.rank}/{k}", v.reshape(-1).contiguous(), 0, v.numel())
         for k, v in rng_tensors.items()
     ]
@@ -134,8 +154,7 @@ def save_sharded_checkpoint(
         failed = None
     except OSError as exc:
         own, failed = {}, exc
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, (own, rng_json, _errno_of(failed)), group=group)
+    every = _gather(ranks, (own, rng_json, _errno_of(failed)))
     codes = [code for _, _, code in every if code is not None]
     problem = None
     if ranks.is_main:
@@ -148,11 +167,7 @@ def save_sharded_checkpoint(
                 "format_version": FORMAT_VERSION,
                 "step": step,
                 "world_size": ranks.world_size,
-                "mode": "sharded" if engine_of(trainable).manager.sharded else "replicated",
-                "parameters": _shapes(trainable),
-                "trainer": trainer_state,
-                "optimizer": _optimizer_meta(optimizer),
-                "scheduler": scheduler_state,
+                **state,
                 "rng": [r for _, r, _ in every],
             }
             problem = _publish(output_dir, step, tmp, final, state, known, save_total_limit)
@@ -208,13 +223,18 @@ def load_sharded_checkpoint(path: Path, trainable, ranks: Ranks) -> Resumed:
 # --------------------------------------------------------------------------------------
 
 
+def _gather(ranks: Ranks, obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not ranks.several:
+        return [obj]
+    every = [None] * ranks.world_size
+    dist.all_gather_object(every, obj, group=ranks.ctx.group)
+    return every
+
+
 def _first_of_all(ranks: Ranks, name: str | None) -> str | None:
     """The first rank's non-None ``name`` (every rank learns it)."""
-    if not ranks.several:
-        return name
-    every = [None] * ranks.world_size
-    dist.all_gather_object(every, name, group=ranks.ctx.group)
-    return next((n for n in every if n is not None), None)
+    return next((n for n in _gather(ranks, name) if n is not None), None)
 
 
 def _raise_on_every_rank(ranks: Ranks, problem: str | None) -> None:
@@ -344,16 +364,28 @@ def _check_parameters(path: Path, state: dict[str, Any], trainable) -> None:
     )
 
 
-def _optimizer_meta(optimizer) -> dict[str, Any]:
-    """Param groups (hyperparameters; `params` as indices, as in torch's state dict) and the
-    engine's loss-scaler state: JSON."""
+def optimizer_param_names(optimizer, model) -> list[str] | None:
+    """The parameter name of each index of the optimizer's state dict (its param groups'
+    order): what maps the plain format's `state.<index>` to the sharded format's names.
+    None where the optimizer holds tensors that are not the model's parameters."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names.get(id(p)) for g in optimizer.param_groups for p in g["params"]]
+    return None if None in ordered else ordered
+
+
+def _optimizer_meta(optimizer, model) -> dict[str, Any]:
+    """Param groups (hyperparameters; `params` as indices, as in torch's state dict), the
+    name of each index, and the engine's loss-scaler state: JSON."""
     groups, start = [], 0
     for g in optimizer.param_groups:
         d = {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items() if k != "params"}
         d["params"] = list(range(start, start + len(g["params"])))
         start += len(g["params"])
         groups.append(d)
-    meta: dict[str, Any] = {"param_groups": groups}
+    meta: dict[str, Any] = {
+        "param_groups": groups,
+        "param_names": optimizer_param_names(optimizer, model),
+    }
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and scaler.enabled:
         meta["loss_scaler"] = ckpt._json_scalars(scaler.state_dict())

@@ -1,0 +1,141 @@
+"""`protrain convert-checkpoint SRC OUTPUT_DIR`: a checkpoint in the other format.
+
+    protrain convert-checkpoint run/checkpoint-40 run-plain    # sharded -> plain
+    protrain convert-checkpoint run/checkpoint-40 run-sharded  # plain -> sharded
+
+Either way `OUTPUT_DIR/checkpoint-<step>` holds the same step, weights, optimizer and
+scheduler state, data position and (rank 0's) RNG states, written atomically and verified
+as a save is; `protrain train --resume` with `output_dir: OUTPUT_DIR` continues from it.
+Both formats already resume at any world size, so a conversion is for the reader of the
+files: the plain format is three safetensors files that any tool reads whole (one process
+holds the whole state while converting), the sharded format lets each rank read only its
+own elements. CUDA generator states are not carried over (the conversion runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from protrain.distributed.dcp_flat import FlatPiece, load_pieces, saved_keys
+from protrain.distributed.dcp_state import STEP, model_key, optim_key
+from protrain.train import checkpoint as ckpt
+from protrain.train import sharded_checkpoint as sharded
+from protrain.train.errors import OutputDirError
+from protrain.train.log import logger
+from protrain.train.ranks import Ranks
+
+
+def convert_checkpoint(src: Path, output_dir: Path) -> Path:
+    """Write `src` (a `checkpoint-<step>` directory) into `output_dir` in the other
+    format; the new checkpoint's path."""
+    src, output_dir = Path(src), Path(output_dir)
+    if not ckpt.CHECKPOINT_RE.match(src.name) or not src.is_dir():
+        raise OutputDirError(f"convert-checkpoint: {str(src)!r} is not a checkpoint-<step> folder")
+    problem = ckpt.verify(src)
+    if problem is not None:
+        raise OutputDirError(f"convert-checkpoint: {src} is damaged ({problem}); nothing written")
+    dst = output_dir / src.name
+    if dst.exists():
+        raise OutputDirError(
+            f"convert-checkpoint: {dst} already exists; choose another output directory"
+        )
+    if ckpt.checkpoint_format(src) == ckpt.SHARDED:
+        return _to_plain(src, output_dir)
+    return _to_sharded(src, output_dir)
+
+
+def _to_plain(src: Path, output_dir: Path) -> Path:
+    state = sharded.read_state(src)
+    names = state["optimizer"]["param_names"]
+    shapes = {k: tuple(v) for k, v in state["parameters"].items()}
+    saved = saved_keys(src)
+    pieces, model_state, moments = [], {}, {}
+    for name, shape in shapes.items():
+        n = int(np.prod(shape, dtype=np.int64))
+        t = torch.empty(n, dtype=torch.float32)
+        pieces.append(FlatPiece(model_key(name), t, 0, n))
+        model_state[name] = t.view(shape)
+        prefix = optim_key(name, "")
+        for k in sorted(k[len(prefix) :] for k in saved if k.startswith(prefix)):
+            size = 1 if k == STEP else n
+            v = torch.empty(size, dtype=torch.float32)
+            pieces.append(FlatPiece(optim_key(name, k), v, 0, size))
+            moments.setdefault(name, {})[k] = v.view(()) if k == STEP else v.view(shape)
+    rng = {k.removeprefix("rng/0/"): k for k in saved if k.startswith("rng/0/")}
+    rng_tensors = {name: torch.empty(saved[key], dtype=torch.uint8) for name, key in rng.items()}
+    pieces += [FlatPiece(rng[name], t, 0, t.numel()) for name, t in rng_tensors.items()]
+    load_pieces(pieces, src)
+    meta = state["optimizer"]
+    optimizer_state: dict[str, Any] = {
+        "state": {i: moments[name] for i, name in enumerate(names) if name in moments},
+        "param_groups": meta["param_groups"],
+    }
+    if "loss_scaler" in meta:
+        optimizer_state["loss_scaler"] = meta["loss_scaler"]
+    # save_checkpoint writes this process's RNG states: make them the saved rank 0's
+    torch.set_rng_state(rng_tensors["torch_cpu"])
+    _set_host_rng(state["rng"][0])
+    path = ckpt.save_checkpoint(
+        output_dir,
+        state["step"],
+        model_state=model_state,
+        optimizer_state=optimizer_state,
+        scheduler_state=state["scheduler"],
+        trainer_state=state["trainer"],
+        save_total_limit=None,
+        param_names=names,
+    )
+    logger.info("converted %s (sharded, %d ranks) to %s (plain)", src, state["world_size"], path)
+    return path
+
+
+def _to_sharded(src: Path, output_dir: Path) -> Path:
+    plain = ckpt.load_checkpoint(src)
+    meta = json.loads((src / "state.json").read_text())["optimizer"]
+    names = meta.get("param_names")
+    if names is None:
+        raise OutputDirError(
+            f"convert-checkpoint: {src / 'state.json'} does not name the optimizer's parameters "
+            "(a checkpoint written before they were recorded); resume it and save once, then "
+            "convert the new checkpoint"
+        )
+    pieces = []
+    for name, t in plain.model_state.items():
+        flat = t.detach().to(torch.float32).reshape(-1).contiguous()
+        pieces.append(FlatPiece(model_key(name), flat, 0, flat.numel()))
+    for index, st in plain.optimizer_state["state"].items():
+        name = names[int(index)]
+        for k, v in st.items():
+            flat = torch.as_tensor(v, dtype=torch.float32).reshape(-1).contiguous()
+            pieces.append(FlatPiece(optim_key(name, k), flat, 0, flat.numel()))
+    groups = [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+        for g in plain.optimizer_state["param_groups"]
+    ]
+    optimizer_meta: dict[str, Any] = {"param_groups": groups, "param_names": names}
+    if "loss_scaler" in plain.optimizer_state:
+        optimizer_meta["loss_scaler"] = plain.optimizer_state["loss_scaler"]
+    state = {
+        "mode": "single",
+        "parameters": {k: list(v.shape) for k, v in plain.model_state.items()},
+        "trainer": plain.trainer_state,
+        "optimizer": optimizer_meta,
+        "scheduler": plain.scheduler_state,
+    }
+    ckpt.restore_rng(plain)  # write_sharded writes this process's RNG states
+    path = sharded.write_sharded(output_dir, plain.step, pieces, state, Ranks(), None)
+    logger.info("converted %s (plain) to %s (sharded)", src, path)
+    return path
+
+
+def _set_host_rng(saved: dict[str, Any]) -> None:
+    version, internal, gauss = saved["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -1,0 +1,145 @@
+"""The sharded checkpoint format on one process: `protrain convert-checkpoint` both ways
+(a resume from the converted checkpoint ends on the uninterrupted run's bits), and what a
+damaged or foreign sharded checkpoint gives: one error naming the file. Several ranks are
+in tests/multirank/test_checkpoint_*.py."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import protrain.train.checkpoint as ckpt
+from protrain.cli import main
+from protrain.distributed.dcp_flat import CheckpointMismatch, read_metadata
+from protrain.train.config import validate_config
+from protrain.train.convert_checkpoint import convert_checkpoint
+from protrain.train.errors import OutputDirError
+from protrain.train.loop import train
+
+from .helpers import tiny_config
+
+STEPS = dict(max_steps=4, save_steps=2, micro_batch_size=2, sequence_len=32)
+
+
+def _cfg(tmp_path: Path, run: str, **kw):
+    return validate_config(tiny_config(tmp_path, output_dir=str(tmp_path / run), **STEPS, **kw))
+
+
+def _final(run: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(run / "final" / name)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A straight 4-step run (plain format, checkpoints at 2 and 4), its checkpoint-2
+    converted to sharded (also kept untouched in `pristine/`) and that one back to plain."""
+    tmp = tmp_path_factory.mktemp("convert")
+    train(_cfg(tmp, "straight"))
+    sharded = convert_checkpoint(tmp / "straight" / "checkpoint-2", tmp / "sharded")
+    shutil.copytree(sharded, tmp / "pristine" / sharded.name)
+    assert main(["convert-checkpoint", str(sharded), str(tmp / "plain")]) == 0
+    return tmp
+
+
+def test_convert_both_ways_and_resume_bitwise(runs):
+    sharded, plain = runs / "sharded" / "checkpoint-2", runs / "plain" / "checkpoint-2"
+    assert ckpt.checkpoint_format(sharded) == ckpt.SHARDED and ckpt.verify(sharded) is None
+    assert ckpt.checkpoint_format(plain) == ckpt.PLAIN and ckpt.verify(plain) is None
+    # the round trip gives the very same tensors back
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(runs / "straight" / "checkpoint-2" / name), load_file(plain / name)
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a), name
+    want = _final(runs / "straight")
+    for run in ("sharded", "plain"):
+        train(_cfg(runs, run), resume=True)  # one process of plain PyTorch, either format
+        got = _final(runs / run)
+        assert all(torch.equal(got[k], want[k]) for k in want), run
+
+
+def test_convert_refuses_what_it_cannot_do(runs, tmp_path, capsys):
+    with pytest.raises(OutputDirError, match="already exists"):
+        convert_checkpoint(runs / "straight" / "checkpoint-2", runs / "sharded")
+    with pytest.raises(OutputDirError, match="is not a checkpoint-<step> folder"):
+        convert_checkpoint(runs / "straight", tmp_path)
+    damaged = tmp_path / "checkpoint-2"
+    shutil.copytree(runs / "pristine" / "checkpoint-2", damaged)
+    data = damaged / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-8])
+    assert main(["convert-checkpoint", str(damaged), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: convert-checkpoint:") and "__0_0.distcp has" in err
+
+
+def _resume_dir(tmp_path: Path, runs: Path) -> Path:
+    """A run folder whose newest checkpoint is the sharded checkpoint-2, and an older intact
+    one to fall back to (a plain copy named checkpoint-1)."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "pristine", run)
+    shutil.copytree(runs / "straight" / "checkpoint-2", run / "checkpoint-1")
+    return run
+
+
+@pytest.mark.parametrize(
+    "damage,problem",
+    [
+        (lambda c: (c / "__0_0.distcp").unlink(), "__0_0.distcp is missing"),
+        (lambda c: _truncate(c / "__0_0.distcp"), "__0_0.distcp has"),
+        (lambda c: _truncate(c / ".metadata"), ".metadata has"),
+    ],
+    ids=["missing-rank-file", "truncated-shard", "truncated-metadata"],
+)
+def test_a_damaged_sharded_checkpoint_is_named_and_the_one_before_resumes(
+    runs, tmp_path, damage, problem
+):
+    run = _resume_dir(tmp_path, runs)
+    damage(run / "checkpoint-2")
+    assert problem in ckpt.verify(run / "checkpoint-2")
+    assert ckpt.find_resume_checkpoint(run) == run / "checkpoint-1"
+    assert (run / ".damaged-checkpoint-2").is_dir()
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def test_a_checkpoint_of_another_model_is_one_error_naming_state_json(runs, tmp_path):
+    run = tmp_path / "lora"
+    shutil.copytree(runs / "pristine", run)
+    cfg = _cfg(tmp_path, "lora", adapter={"type": "lora", "r": 4, "dropout": 0.0})
+    with pytest.raises(OutputDirError, match=r"state\.json is a checkpoint of another model"):
+        train(cfg, resume=True)
+
+
+class _Boom:
+    def __reduce__(self):
+        return (exec, ("raise SystemExit('unpickled!')",))
+
+
+def test_metadata_that_names_other_globals_is_refused_unread(runs, tmp_path):
+    c = tmp_path / "checkpoint-2"
+    shutil.copytree(runs / "pristine" / "checkpoint-2", c)
+    md = read_metadata(c)
+    md.planner_data = _Boom()
+    (c / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointMismatch, match=r"builtins\.exec is not allowed"):
+        read_metadata(c)
+
+
+def test_a_global_batch_change_is_one_error_naming_both(runs, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(runs / "pristine", run)
+    cfg = _cfg(tmp_path, "run", gradient_accumulation_steps=4)
+    with pytest.raises(OutputDirError) as err:
+        train(cfg, resume=True)
+    message = str(err.value)
+    assert "global batch of 2 x 2 x 1 = 4 rows" in message and "2 x 4 x 1 = 8" in message
+    assert "gradient_accumulation_steps: 2" in message
+    saved = json.loads((run / "checkpoint-2" / "state.json").read_text())
+    assert saved["trainer"]["data_order"]["world_size"] == 1
