@@ -215,11 +215,13 @@ class FSDP2Trainable(Trainable):
             return super().forward_loss_sum(batch)
 
         def chunked(_forward: Callable) -> Callable:
-            return lambda: loss_sum(self.model, batch, self.device, self.chunked_loss_tokens)
+            return lambda b: loss_sum(self.model, b, self.device, self.chunked_loss_tokens)
 
         undo = wrap_forward(self.model, chunked)
         try:
-            return self.model()
+            # the batch as an argument: FSDP2's root pre-forward on CUDA indexes the moved
+            # arguments and fails on a call with none (IndexError, torch 2.11)
+            return self.model(batch)
         finally:
             undo()
 
