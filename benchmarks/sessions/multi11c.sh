@@ -7,7 +7,7 @@ TWO="torchrun --nproc-per-node 2 benchmarks/run.py --commit $C --run-id $RID --s
 nvidia-smi -L
 R=$TWO
 O="--workload full-8b --budget-gib 24 --out $OUT/multi-c.jsonl"
-row 170 $O --system fsdp2_offload
-row 170 $O $A
+[ -z "$SKIP_PEER" ] && row 170 $O --system fsdp2_offload
+row 170 $O $A  # SKIP_PEER=1: only the two ProTrain engines
 row 170 $O --system protrain_fsdp2_offload --chunked-loss-tokens 4096
 cp ~/.cache/protrain/hardware-*.json "$OUT/" 2>/dev/null; free -g | head -2
