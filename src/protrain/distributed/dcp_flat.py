@@ -337,8 +337,9 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's file reader, its ``.metadata`` read without arbitrary pickle globals."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        path = Path(self._get_metadata_path(rank))
+        rank = kwargs.get("rank")  # DCP's rank-local metadata files: __<rank>.metadata
+        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
+        path = Path(self.path) / name
         try:
             data = path.read_bytes()
         except FileNotFoundError:

@@ -15,7 +15,6 @@ own elements. CUDA generator states are not carried over (the conversion runs on
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +79,7 @@ def _to_plain(src: Path, output_dir: Path) -> Path:
         optimizer_state["loss_scaler"] = meta["loss_scaler"]
     # save_checkpoint writes this process's RNG states: make them the saved rank 0's
     torch.set_rng_state(rng_tensors["torch_cpu"])
-    _set_host_rng(state["rng"][0])
+    sharded.set_host_rng(state["rng"][0])
     path = ckpt.save_checkpoint(
         output_dir,
         state["step"],
@@ -132,10 +131,3 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     path = sharded.write_sharded(output_dir, plain.step, pieces, state, Ranks(), None)
     logger.info("converted %s (plain) to %s (sharded)", src, path)
     return path
-
-
-def _set_host_rng(saved: dict[str, Any]) -> None:
-    version, internal, gauss = saved["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = saved["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))

@@ -473,7 +473,12 @@ def _restore_rng(path: Path, state: dict[str, Any], ranks: Ranks, group) -> None
         for i in range(torch.cuda.device_count()):
             if f"torch_cuda_{i}" in tensors:
                 torch.cuda.set_rng_state(tensors[f"torch_cuda_{i}"], i)
-    version, internal, gauss = state["rng"][src]["python"]
+    set_host_rng(state["rng"][src])
+
+
+def set_host_rng(saved: dict[str, Any]) -> None:
+    """Python's and NumPy's generators from a rank's saved JSON states."""
+    version, internal, gauss = saved["python"]
     random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["rng"][src]["numpy"]
+    name, keys, pos, has_gauss, cached = saved["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
