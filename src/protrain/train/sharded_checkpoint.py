@@ -207,7 +207,7 @@ def load_sharded_checkpoint(path: Path, trainable, ranks: Ranks) -> Resumed:
     try:
         if engine_of(trainable) is not None:
             load = plan_engine_load(trainable.model, trainable.optimizer, trainable.names, path)
-            _load(load.pieces, path, group)
+            load_pieces(load.pieces, path, group)
             load.apply()
             _load_optimizer_meta(trainable.optimizer, state["optimizer"], path)
         else:
@@ -410,10 +410,6 @@ def _load_optimizer_meta(optimizer, meta: dict[str, Any], path: Path) -> None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
 
 
-def _load(pieces: list[FlatPiece], path: Path, group) -> None:
-    load_pieces(pieces, path, group)
-
-
 def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
     """One process of plain PyTorch: every tensor whole, then the trainable's own loads
     (the same calls as for the plain format)."""
@@ -432,7 +428,7 @@ def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
             v = torch.empty(size, dtype=torch.float32)
             pieces.append(FlatPiece(optim_key(name, k), v, 0, size))
             moments.setdefault(name, {})[k] = v.view(()) if k == STEP else v.view(shape)
-    _load(pieces, path, None)
+    load_pieces(pieces, path, None)
     trainable.load_model_state(model_state)
     meta = state["optimizer"]
     _check_groups(trainable.optimizer, meta["param_groups"], path)
@@ -465,7 +461,7 @@ def _restore_rng(path: Path, state: dict[str, Any], ranks: Ranks, group) -> None
         pieces.append(FlatPiece(key, t, 0, saved[key]))
         tensors[key.removeprefix(prefix)] = t
     # A collective with several ranks, each reading its source rank's states.
-    _load(pieces, path, group)
+    load_pieces(pieces, path, group)
     if "torch_cpu" not in tensors:
         raise CheckpointMismatch(f"{path / '.metadata'} holds no torch_cpu RNG state of rank {src}")
     torch.set_rng_state(tensors["torch_cpu"])
