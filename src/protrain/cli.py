@@ -99,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         "convert-checkpoint",
         help="write a checkpoint in the other format (sharded <-> one-process)",
     )
-    p_convert.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
+    p_convert.add_argument(
+        "--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help
+    )
     p_convert.add_argument("checkpoint", help="a checkpoint-<step> folder")
     p_convert.add_argument("output_dir", help="where checkpoint-<step> is written")
     return parser
