@@ -80,7 +80,7 @@ def offload_checkpointed_forward(forward: Callable, swapper: ActivationSwapper) 
     def run(*args, **kwargs):
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        held = _HeldInputs(swapper, args, without_cache(kwargs))
+        held = _HeldInputs(swapper, *without_cache(args, kwargs))
         device_marker = torch.empty(0, device=held.device())  # [Note: random state ...]
         out = checkpoint(recompute, held, device_marker, use_reentrant=False)
         held.release(out)
