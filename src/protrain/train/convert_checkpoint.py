@@ -18,11 +18,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from protrain.distributed.dcp_flat import FlatPiece, load_pieces, saved_keys
-from protrain.distributed.dcp_state import STEP, model_key, optim_key
+from protrain.distributed.dcp_state import model_key, optim_key
 from protrain.train import checkpoint as ckpt
 from protrain.train import sharded_checkpoint as sharded
 from protrain.train.errors import OutputDirError
@@ -54,18 +53,7 @@ def _to_plain(src: Path, output_dir: Path) -> Path:
     names = state["optimizer"]["param_names"]
     shapes = {k: tuple(v) for k, v in state["parameters"].items()}
     saved = saved_keys(src)
-    pieces, model_state, moments = [], {}, {}
-    for name, shape in shapes.items():
-        n = int(np.prod(shape, dtype=np.int64))
-        t = torch.empty(n, dtype=torch.float32)
-        pieces.append(FlatPiece(model_key(name), t, 0, n))
-        model_state[name] = t.view(shape)
-        prefix = optim_key(name, "")
-        for k in sorted(k[len(prefix) :] for k in saved if k.startswith(prefix)):
-            size = 1 if k == STEP else n
-            v = torch.empty(size, dtype=torch.float32)
-            pieces.append(FlatPiece(optim_key(name, k), v, 0, size))
-            moments.setdefault(name, {})[k] = v.view(()) if k == STEP else v.view(shape)
+    pieces, model_state, moments = sharded.whole_pieces(shapes, saved)
     rng = {k.removeprefix("rng/0/"): k for k in saved if k.startswith("rng/0/")}
     rng_tensors = {name: torch.empty(saved[key], dtype=torch.uint8) for name, key in rng.items()}
     pieces += [FlatPiece(rng[name], t, 0, t.numel()) for name, t in rng_tensors.items()]

@@ -410,15 +410,13 @@ def _load_optimizer_meta(optimizer, meta: dict[str, Any], path: Path) -> None:
         optimizer.scaler.load_state_dict(meta["loss_scaler"])
 
 
-def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
-    """One process of plain PyTorch: every tensor whole, then the trainable's own loads
-    (the same calls as for the plain format)."""
-    params = dict(trainable.model.named_parameters())
-    saved = saved_keys(path)
+def whole_pieces(shapes: dict[str, tuple[int, ...]], saved: dict[str, Any]):
+    """``(pieces, model_state, moments)``: fp32 buffers to read each named parameter and
+    the optimizer state ``saved`` holds for it whole (``load_pieces`` fills them), as
+    ``{name: tensor}`` and ``{name: {state: tensor}}`` views of the parameters' shapes."""
     pieces, model_state, moments = [], {}, {}
-    for name in trainable.names:
-        shape = params[name].shape
-        n = params[name].numel()
+    for name, shape in shapes.items():
+        n = int(np.prod(shape, dtype=np.int64))
         t = torch.empty(n, dtype=torch.float32)
         pieces.append(FlatPiece(model_key(name), t, 0, n))
         model_state[name] = t.view(shape)
@@ -428,6 +426,15 @@ def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
             v = torch.empty(size, dtype=torch.float32)
             pieces.append(FlatPiece(optim_key(name, k), v, 0, size))
             moments.setdefault(name, {})[k] = v.view(()) if k == STEP else v.view(shape)
+    return pieces, model_state, moments
+
+
+def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
+    """One process of plain PyTorch: every tensor whole, then the trainable's own loads
+    (the same calls as for the plain format)."""
+    params = dict(trainable.model.named_parameters())
+    shapes = {name: tuple(params[name].shape) for name in trainable.names}
+    pieces, model_state, moments = whole_pieces(shapes, saved_keys(path))
     load_pieces(pieces, path, None)
     trainable.load_model_state(model_state)
     meta = state["optimizer"]
