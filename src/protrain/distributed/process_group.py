@@ -61,7 +61,7 @@ NO_GROUP = "no-group"
 
 def resolve_context(process_group=None) -> DistContext:
     """The context of ``process_group``, of the default group, or of a single rank."""
-    if process_group is NO_GROUP or process_group == NO_GROUP:
+    if process_group is NO_GROUP:
         return SINGLE
     if process_group is None:
         if not (dist.is_available() and dist.is_initialized()):

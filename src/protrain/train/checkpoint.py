@@ -355,13 +355,13 @@ def _join_optimizer_state(tensors: dict[str, torch.Tensor], meta: dict[str, Any]
         state.setdefault(int(index), {})[name] = value
     for index, values in meta["scalars"].items():
         state.setdefault(int(index), {}).update(values)
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
+    groups = saved_param_groups(meta["param_groups"])
     return {"state": state, "param_groups": groups, **meta.get("extra", {})}
+
+
+def saved_param_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Optimizer param groups as read from JSON, with `betas` a tuple again."""
+    return [{**g, "betas": tuple(g["betas"])} if "betas" in g else dict(g) for g in groups]
 
 
 def _json_scalars(value: Any) -> Any:

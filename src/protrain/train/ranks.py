@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from protrain.distributed.agree import from_main
 from protrain.distributed.process_group import (
     SINGLE,
     DistContext,
@@ -75,11 +76,7 @@ class Ranks:
 
     def from_main(self, obj):
         """Rank 0's ``obj`` on every rank."""
-        if not self.several:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.ctx.group)
-        return box[0]
+        return from_main(self.ctx, obj)
 
 
 def launched_with_ranks() -> bool:

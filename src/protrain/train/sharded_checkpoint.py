@@ -444,13 +444,7 @@ def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
     opt_state = {
         index[id(params[name])]: st for name, st in moments.items() if id(params[name]) in index
     }
-    groups = []
-    for g in meta["param_groups"]:
-        g = dict(g)
-        if "betas" in g:
-            g["betas"] = tuple(g["betas"])
-        groups.append(g)
-    sd = {"state": opt_state, "param_groups": groups}
+    sd = {"state": opt_state, "param_groups": ckpt.saved_param_groups(meta["param_groups"])}
     if "loss_scaler" in meta and getattr(trainable.optimizer, "scaler", None) is not None:
         sd["loss_scaler"] = meta["loss_scaler"]
     trainable.optimizer.load_state_dict(sd)
