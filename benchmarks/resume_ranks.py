@@ -1,0 +1,217 @@
+"""Checkpoints resumed on another number of GPUs, as a user runs them: `protrain train`
+under `torchrun`, a chain of segments that each train a few steps, save, and hand over to
+the next segment on another number of ranks (``4,2,1``: four ranks, then two, then one).
+
+Against one process trained straight through (plain PyTorch, the plain checkpoint format)
+each chain reports its losses' largest relative difference, its final weights' largest
+absolute difference, and per segment the seconds of the whole launch and the bytes of the
+checkpoint it wrote. fp32 throughout (``mixed_precision: "no"``), so that the only
+differences are the order of the ranks' sums. Several ranks run ProTrain's chunk engine in
+the given mode with one persistent chunk and the rest offloaded (the host AdamW path).
+
+The model is a random Llama of the given size, saved once under ``--work`` with the
+quickstart's tokenizer; the data is the quickstart's chat set. One JSON line per chain.
+
+Usage: ``python benchmarks/resume_ranks.py --chains 4,2,1 2,4 --out rows.jsonl``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--chains", nargs="+", default=["4,2,1", "2,4"], help="world sizes in turn")
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps per segment")
+    p.add_argument("--window", type=int, default=4, help="micro-batches per step, all ranks")
+    p.add_argument("--mode", choices=["sharded", "replicated"], default="sharded")
+    p.add_argument("--chunk-size", default="64MiB")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--work", type=Path, default=Path("/tmp/resume_ranks"))
+    p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--commit", default=os.environ.get("PROTRAIN_COMMIT", "unknown"))
+    return p.parse_args(argv)
+
+
+def build_model_dir(work: Path, hidden: int, layers: int) -> tuple[Path, int]:
+    """A random Llama saved with save_pretrained (fp32) and the quickstart tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from protrain.train.modeling import TINY_MODEL_CONFIG, TINY_TOKENIZER_DIR
+
+    path = work / f"llama-{hidden}x{layers}"
+    base = json.loads(TINY_MODEL_CONFIG.read_text())
+    base.update(
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 64,
+        num_key_value_heads=max(1, hidden // 128),
+    )
+    config = LlamaConfig(**{k: v for k, v in base.items() if k != "architectures"})
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        model.save_pretrained(path)
+        for f in TINY_TOKENIZER_DIR.iterdir():
+            shutil.copy(f, path / f.name)
+    n_params = sum(
+        p.numel() for p in LlamaForCausalLM(config).parameters()  # cheap at these sizes
+    )
+    return path, n_params
+
+
+def write_config(run: Path, model_dir: Path, world: int, end: int, args) -> Path:
+    import yaml
+
+    from protrain.train.config import QUICKSTART_DIR
+
+    cfg = {
+        "model": {"name_or_path": str(model_dir), "dtype": "float32"},
+        "datasets": [{"path": str(QUICKSTART_DIR / "data" / "chat.jsonl"), "type": "chat"}],
+        "sequence_len": 64,
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": args.window // world,
+        "max_steps": end,
+        "learning_rate": 1e-4,
+        "lr_scheduler": "constant",
+        "warmup_steps": 0,
+        "max_grad_norm": 1.0,
+        "mixed_precision": "no",
+        "logging_steps": 1,
+        "save_steps": end,
+        "save_total_limit": 1,
+        "output_dir": str(run),
+        "seed": 7,
+    }
+    if world > 1:
+        cfg["memory"] = {"n_persist": 1, "mode": args.mode, "chunk_size": args.chunk_size}
+    path = run.with_name(f"{run.name}-{end}.yaml")
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def launch(world: int, config: Path, resume: bool, log: Path) -> float:
+    """One segment: `protrain train` on `world` ranks (GPUs 0..world-1); its seconds."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(map(str, range(world))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", "-m", "protrain", "train", str(config)]  # fmt: skip
+    if resume:
+        cmd.append("--resume")
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - t0
+    if done.returncode != 0:
+        tail = log.read_text()[-2000:]
+        raise RuntimeError(f"{world} ranks, {config.name}: exit {done.returncode}\n{tail}")
+    return round(seconds, 1)
+
+
+def losses(run: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if "loss" in r]
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def weights_diff(run: Path, ref: Path) -> float:
+    from safetensors.torch import load_file
+
+    got = load_file(run / "final" / "model.safetensors")
+    want = load_file(ref / "final" / "model.safetensors")
+    if set(got) != set(want):
+        raise RuntimeError(f"final weights name other tensors: {sorted(set(got) ^ set(want))}")
+    return max(float((got[k].float() - w.float()).abs().max()) for k, w in want.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    chains = [[int(w) for w in c.split(",")] for c in args.chains]
+    for chain in chains:
+        bad = [w for w in chain if args.window % w]
+        if bad:
+            raise SystemExit(f"--window {args.window} is not a multiple of world sizes {bad}")
+    args.work.mkdir(parents=True, exist_ok=True)
+    model_dir, n_params = build_model_dir(args.work, args.hidden, args.layers)
+    # one process straight through for every chain length
+    refs: dict[int, tuple[Path, float]] = {}
+    for total in sorted({args.steps * len(c) for c in chains}):
+        ref = args.work / f"straight-{total}"
+        shutil.rmtree(ref, ignore_errors=True)
+        config = write_config(ref, model_dir, 1, total, args)
+        refs[total] = ref, launch(1, config, False, ref.with_suffix(".log"))
+    now = datetime.now(timezone.utc)
+    status = 0
+    for chain in chains:
+        name = "-".join(map(str, chain))
+        run = args.work / f"chain-{name}"
+        shutil.rmtree(run, ignore_errors=True)
+        total = args.steps * len(chain)
+        ref, ref_s = refs[total]
+        want = losses(ref)
+        row: dict = {
+            "bench": "resume_ranks",
+            "chain": chain,
+            "mode": args.mode,
+            "params": n_params,
+            "steps_per_segment": args.steps,
+            "window": args.window,
+            "straight_s": ref_s,
+            "commit": args.commit,
+            "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
+        }
+        try:
+            segments = []
+            for i, world in enumerate(chain):
+                end = args.steps * (i + 1)
+                config = write_config(run, model_dir, world, end, args)
+                seconds = launch(world, config, i > 0, run.with_name(f"{run.name}-{end}.log"))
+                ckpt = run / f"checkpoint-{end}"
+                manifest = json.loads((ckpt / "manifest.json").read_text())
+                segments.append(
+                    {
+                        "world_size": world,
+                        "seconds": seconds,
+                        "checkpoint_bytes": dir_bytes(ckpt),
+                        "format": manifest.get("format", "plain"),
+                    }
+                )
+            got = losses(run)
+            rel = max(abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want))
+            row.update(
+                segments=segments,
+                steps=len(got),
+                loss_max_rel_diff=rel,
+                weights_max_abs_diff=weights_diff(run, ref),
+                status="ok" if rel <= args.tol and len(got) == len(want) == total else "differs",
+            )
+        except Exception as e:  # one row per chain, with its error
+            row.update(status="error", error=str(e)[-1500:])
+        if row["status"] != "ok":
+            status = 1
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
