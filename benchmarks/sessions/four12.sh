@@ -10,6 +10,7 @@
 #         fit); lora-14b ProTrain auto on 1 GPU.
 # PART=c: qlora-70b on 4 GPUs through the chunk engine (auto) and the FSDP2 engine; the
 #         checkpoint chains 4->2->1 and 2->4 (benchmarks/resume_ranks.py); lora-14b on 2.
+# PART=d: the peers on one GPU: full-8b FSDP2 offload and ZeRO-3 offload, lora-14b FSDP2.
 source benchmarks/sessions/lib.sh
 run_on() {  # run_on <GPUs>: $R for that many GPUs of this host
   if [ "$1" = 1 ]; then
@@ -51,6 +52,12 @@ c)
     --commit "$C" --out "$OUT/resume-ranks.jsonl" 2>&1 | grep '^{' | cut -c1-1500
   run_on 2
   row 140 $O14 $A
+  ;;
+d)  # the peers on one GPU of the same host (DeepSpeed installed by PART=a)
+  run_on 1
+  row 160 $O8 --system fsdp2_offload
+  row 180 $O8 --system ds_z3_offload
+  row 150 $O14 --system fsdp2_offload --batch 2
   ;;
 esac
 cp ~/.cache/protrain/hardware-*.json "$OUT/" 2>/dev/null; free -g | head -2
