@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import shutil
 import time
@@ -48,10 +49,12 @@ from protrain.train.data import (
     describe_masking,
 )
 from protrain.train.errors import ConfigError, OutputDirError
+from protrain.train.host_memory import check_host_memory_for_loading
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
 from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
+    DTYPES,
     build_model,
     build_tiny_base,
     load_tokenizer,
@@ -139,6 +142,7 @@ def _train(
     )
 
     # -- 3. model, optimizer (plain or chunked engine), scheduler
+    _check_host_memory(cfg, ranks)
     built = build_model(cfg, tokenizer)
     trainable = make_trainable(
         built.model,
@@ -462,6 +466,24 @@ def _describe_saving(cfg: TrainConfig) -> str:
     if cfg.save_minutes:
         return f"every {cfg.save_minutes:g} minutes (save_minutes; save_steps unset), {limit}"
     return "none (save_steps and save_minutes unset): a stopped run resumes from nothing"
+
+
+def _check_host_memory(cfg: TrainConfig, ranks: Ranks) -> None:
+    """Every rank of a host loads the whole model: the first rank decides whether the host
+    holds that many copies, and every rank stops with its message if not."""
+    message = None
+    if ranks.is_main:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if ranks.several else 1
+        itemsize = DTYPES[cfg.model.dtype].itemsize
+        try:
+            check_host_memory_for_loading(
+                cfg.model.name_or_path, itemsize, cfg.model.dtype, local_ranks=local
+            )
+        except ConfigError as exc:
+            message = str(exc)
+    message = ranks.from_main(message)
+    if message is not None:
+        raise ConfigError(message)
 
 
 def _save_due(cfg: TrainConfig, step: int, total_steps: int, last_save_s: float) -> bool:

@@ -1,0 +1,67 @@
+"""A model the host cannot hold once per rank is refused before loading, in one line."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from protrain.train.errors import ConfigError
+from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
+from protrain.train.modeling import TINY_MODEL_CONFIG, TINY_TOKENIZER_DIR
+
+from .helpers import tiny_config, write_config
+from .test_cli_errors import assert_one_line_error, run_cli
+
+GIB = 2**30
+
+
+def test_numel_from_headers_alone(tmp_path):
+    save_file({"a": torch.zeros(3, 4), "b": torch.zeros(5)}, tmp_path / "model-1.safetensors")
+    save_file({"c": torch.zeros(2, 2, 2, dtype=torch.bfloat16)}, tmp_path / "model-2.safetensors")
+    assert checkpoint_numel(tmp_path) == 12 + 5 + 8
+    assert checkpoint_numel(tmp_path / "nothing") is None
+    (tmp_path / "model-3.safetensors").write_bytes(b"\xff" * 16)  # not safetensors
+    assert checkpoint_numel(tmp_path) is None
+
+
+def test_refused_when_the_ranks_copies_exceed_the_host(tmp_path):
+    save_file({"w": torch.zeros(1024, 1024)}, tmp_path / "model.safetensors")  # 1 Mi params
+    check_host_memory_for_loading(str(tmp_path), 4, "float32", 4, available=16 * 2**20)
+    with pytest.raises(ConfigError) as err:
+        check_host_memory_for_loading(str(tmp_path), 4, "float32", 4, available=15 * 2**20)
+    text = str(err.value)
+    assert "each of this host's 4 ranks" in text and "model.dtype = 'float32'" in text
+    assert "fewer ranks on this host" in text
+    with pytest.raises(ConfigError, match="on the host"):
+        check_host_memory_for_loading(str(tmp_path), 4, "float32", 1, available=2**20)
+    check_host_memory_for_loading("some/hub-id", 4, "float32", 8, available=1)  # not read
+
+
+def _huge_checkpoint(directory, rows: int, cols: int) -> None:
+    """A model directory whose safetensors header declares a rows x cols fp32 tensor (its
+    data is not there: the check reads headers only and refuses before the load)."""
+    directory.mkdir()
+    config = json.loads(TINY_MODEL_CONFIG.read_text())
+    (directory / "config.json").write_text(json.dumps(config))
+    header = json.dumps(
+        {
+            "model.embed_tokens.weight": {
+                "dtype": "F32",
+                "shape": [rows, cols],
+                "data_offsets": [0, rows * cols * 4],
+            }
+        }  # fmt: skip
+    ).encode()
+    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+
+
+def test_app_refuses_before_loading(tmp_path):
+    model = tmp_path / "huge"
+    _huge_checkpoint(model, 2**24, 2**24)  # 2**48 parameters: 1 PiB in fp32
+    cfg = tiny_config(tmp_path, model={"name_or_path": str(model),
+                                       "tokenizer": str(TINY_TOKENIZER_DIR)})  # fmt: skip
+    proc = run_cli("train", str(write_config(tmp_path, cfg)))
+    assert_one_line_error(proc, "loading it needs 1048576.0 GiB of host memory", "Allowed:")
+    assert not (tmp_path / "run" / "checkpoint-1").exists()
