@@ -254,7 +254,10 @@ def test_activation_knobs_and_chunked_loss_keep_the_math(tmp_path, engine):
         torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-5)
 
 
-def test_chunked_loss_refused_for_softcapped_logits(tmp_path):
+def test_chunked_loss_refused_where_logits_are_not_the_head_s(tmp_path):
+    """A model the chunked loss cannot reproduce (here: no output embedding) is a config
+    error; families with transforms are tested in tests/activations/
+    test_chunked_loss_families.py."""
     from protrain.train.errors import ConfigError
     from protrain.train.trainable import check_chunked_loss_supported
 
@@ -263,6 +266,9 @@ def test_chunked_loss_refused_for_softcapped_logits(tmp_path):
 
     class Model(torch.nn.Module):
         config = Config()
+
+        def get_output_embeddings(self):
+            return None
 
     with pytest.raises(
         ConfigError, match="chunked_loss_tokens is not allowed for model type 'gemma2'"

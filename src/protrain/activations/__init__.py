@@ -11,7 +11,12 @@ from protrain.activations.apply import (
     apply_activation_knobs,
     apply_activation_policies,
 )
-from protrain.activations.chunked_loss import chunked_causal_lm_loss_sum
+from protrain.activations.chunked_loss import (
+    LogitTransform,
+    UnsupportedHead,
+    causal_lm_head,
+    chunked_causal_lm_loss_sum,
+)
 from protrain.activations.policy import ActivationPolicy, as_policies, place_policies
 from protrain.activations.swap import ActivationSwapper
 from protrain.activations.tiled_mlp import apply_tiled_mlp
@@ -20,10 +25,13 @@ __all__ = [
     "ActivationHandle",
     "ActivationPolicy",
     "ActivationSwapper",
+    "LogitTransform",
+    "UnsupportedHead",
     "apply_activation_knobs",
     "apply_activation_policies",
     "apply_tiled_mlp",
     "as_policies",
+    "causal_lm_head",
     "chunked_causal_lm_loss_sum",
     "place_policies",
 ]

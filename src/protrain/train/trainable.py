@@ -53,16 +53,18 @@ def loss_sum(
     if chunked_loss_tokens is None:
         return causal_lm_loss_sum(model(**inputs).logits, labels)
     # Full-sequence logits never exist: the body gives hidden states and the head runs
-    # chunk by chunk inside the loss.
-    from protrain.activations import chunked_causal_lm_loss_sum
+    # chunk by chunk inside the loss, with the family's logit transform.
+    from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
 
     causal_lm = _causal_lm(model)
+    head, transform = causal_lm_head(causal_lm)
     hidden = causal_lm.base_model(**inputs).last_hidden_state
     return chunked_causal_lm_loss_sum(
         hidden,
-        causal_lm.get_output_embeddings(),
+        head,
         labels.to(hidden.device),
         chunk_tokens=chunked_loss_tokens,
+        logit_transform=transform,
     )
 
 
@@ -602,27 +604,6 @@ class AutoTrainable(EngineTrainable):
             self._measured_peak_bytes = peak[0]
 
 
-# Model types whose logits are exactly `get_output_embeddings()(last_hidden_state)`: no
-# soft-capping or logit scaling after the head (Gemma 2/3, Cohere and Granite have them).
-CHUNKED_LOSS_MODEL_TYPES = frozenset(
-    {
-        "llama",
-        "mistral",
-        "mixtral",
-        "qwen2",
-        "qwen2_moe",
-        "qwen3",
-        "qwen3_moe",
-        "phi3",
-        "gemma",
-        "olmo",
-        "olmo2",
-        "starcoder2",
-        "smollm3",
-    }
-)
-
-
 def _causal_lm(model: nn.Module) -> nn.Module:
     """The transformers causal-LM module inside a PEFT wrapper (or the model itself)."""
     get_base = getattr(model, "get_base_model", None)
@@ -630,13 +611,19 @@ def _causal_lm(model: nn.Module) -> nn.Module:
 
 
 def check_chunked_loss_supported(model: nn.Module) -> None:
-    model_type = getattr(getattr(_causal_lm(model), "config", None), "model_type", None)
-    if model_type not in CHUNKED_LOSS_MODEL_TYPES:
+    """Refuse `memory.chunked_loss_tokens` where the model's logits are not a known
+    transform of its output embedding's output (see `causal_lm_head`)."""
+    from protrain.activations import UnsupportedHead, causal_lm_head
+
+    causal_lm = _causal_lm(model)
+    model_type = getattr(getattr(causal_lm, "config", None), "model_type", None)
+    try:
+        causal_lm_head(causal_lm)
+    except UnsupportedHead as exc:
         raise ConfigError(
-            f"memory.chunked_loss_tokens is not allowed for model type {model_type!r}: its "
-            "logits are not the plain output-embedding of the hidden states, or it is not "
-            f"verified yet; supported types: {', '.join(sorted(CHUNKED_LOSS_MODEL_TYPES))}"
-        )
+            f"memory.chunked_loss_tokens is not allowed for model type {model_type!r}: the "
+            f"chunked loss cannot reproduce its logits ({exc}); unset it"
+        ) from None
 
 
 def make_trainable(
