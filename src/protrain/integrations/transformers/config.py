@@ -1,0 +1,60 @@
+"""The engine's knobs for a Hugging Face ``Trainer`` run.
+
+The optimizer's hyperparameters (learning rate, betas, epsilon, weight decay) and gradient
+clipping come from the ``TrainingArguments``; only what places model states lives here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class ProTrainConfig:
+    """Knobs of ``protrain.wrap`` (see its docstring); None keeps the engine's default.
+
+    ``n_persist``: chunks kept on the device (None: all, nothing offloaded). ``n_buffer``:
+    offloaded chunks resident at once. ``chunk_size_bytes``: the chunk size (None: chosen by
+    the engine). ``compute_dtype``: float32 or bfloat16 (default bfloat16 on CUDA, float32
+    on the CPU); the masters and AdamW state are fp32 either way. ``n_swap``,
+    ``n_checkpoint``, ``offload_checkpoint``, ``tiled_mlp_tokens``: activation policies.
+    ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
+    last backward of the step (the same arithmetic, overlapped with the backward).
+    """
+
+    n_persist: int | None = None
+    n_buffer: int | None = None
+    chunk_size_bytes: int | None = None
+    compute_dtype: torch.dtype | None = None
+    n_swap: int | None = None
+    n_checkpoint: int | None = None
+    offload_checkpoint: bool = False
+    tiled_mlp_tokens: int | None = None
+    host_threads: int | None = None
+    step_in_backward: bool = True
+
+    def __post_init__(self) -> None:
+        # fp16 needs the engine's loss scale in every backward, which the Trainer's
+        # training_step does not apply; bf16 needs no scaling.
+        if self.compute_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"ProTrainConfig.compute_dtype={self.compute_dtype} is not supported with the "
+                "Trainer: use torch.float32 or torch.bfloat16"
+            )
+
+    def wrap_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``protrain.wrap`` these knobs set."""
+        return {
+            "n_persist": self.n_persist,
+            "n_buffer": self.n_buffer,
+            "chunk_size_bytes": self.chunk_size_bytes,
+            "compute_dtype": self.compute_dtype,
+            "n_swap": self.n_swap,
+            "n_checkpoint": self.n_checkpoint,
+            "offload_checkpoint": self.offload_checkpoint,
+            "tiled_mlp_tokens": self.tiled_mlp_tokens,
+            "host_threads": self.host_threads,
+        }

@@ -1,0 +1,230 @@
+"""``ProTrainTrainer``: the Hugging Face ``Trainer`` training with ProTrain's engine.
+
+The Trainer keeps its loop (data, gradient accumulation and loss normalization, LR
+schedule, logging, evaluation, checkpoints); the engine places the model states. What
+changes, and through which hook:
+
+- ``__init__``: the model is wrapped (``protrain.wrap``) before ``Trainer.__init__``, so the
+  Trainer's own ``model.to(args.device)`` finds every parameter already a view of device
+  storage (what ``wrap`` itself does) and never holds the whole model on the device. The
+  optimizer is the engine's ``HybridAdamW`` with the Trainer's parameter groups and AdamW
+  hyperparameters (``create_optimizer`` returns it).
+- Clipping: ``args.max_grad_norm`` is the engine's (``EngineStepCallback`` clips through the
+  engine's optimizer in ``on_pre_optimizer_step``); the Trainer gets a copy of the arguments
+  with ``max_grad_norm=0``, so that its own ``clip_grad_norm_``, which reads ``param.grad``
+  (always None here: gradients live in chunks), never runs. ``log`` reports the engine's
+  norm as ``grad_norm``.
+- ``training_step``: without clipping, arms ``step_in_backward`` before the last
+  micro-batch of each step (``accelerator.sync_gradients``), then runs the Trainer's own
+  step (its loss scaling for accumulation, its ``backward``).
+- ``save_model``: gathered weights into a normal HF / PEFT directory; a checkpoint also gets
+  the fp32 masters (``checkpoint.py``). The optimizer state goes through the Trainer's own
+  ``optimizer.state_dict()`` / ``load_state_dict``.
+- ``_load_from_checkpoint`` (private, the only one): see [Note: the private hook].
+
+[Note: the private hook]
+``Trainer.train(resume_from_checkpoint=...)`` loads the model's weights with
+``self._load_from_checkpoint(path)``, which calls ``model.load_state_dict`` (or PEFT's
+``load_adapter``): on a wrapped model that writes into chunk views (offloaded ones are not
+even resident) and never reaches the fp32 masters. No public method of the Trainer runs
+between that load and the training loop with the checkpoint's path, so the load itself is
+replaced: the engine's masters are read from the checkpoint with
+``protrain.load_state_dict``. Checked against transformers 5.24.0 (constraints.txt):
+``train`` calls ``_load_from_checkpoint(resume_from_checkpoint)`` before the loop when
+neither DeepSpeed, FSDP nor SageMaker MP runs, all three refused here; the signature is
+checked at construction and the resume is tested (tests/integrations/test_hf_trainer.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+from transformers import Trainer, TrainingArguments
+
+import protrain
+from protrain.integrations.transformers.callback import EngineStepCallback
+from protrain.integrations.transformers.checkpoint import load_engine_state, save_engine_state
+from protrain.integrations.transformers.config import ProTrainConfig
+from protrain.integrations.transformers.export import save_pretrained_gathered
+
+TESTED_TRANSFORMERS = "5.24.0"
+TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer's name for it
+_ADAMW = ("adamw_torch", "adamw_torch_fused")  # HybridAdamW runs torch's fused AdamW
+
+
+class ProTrainTrainer(Trainer):
+    """``transformers.Trainer`` whose model and optimizer are ProTrain's engine.
+
+    Use as ``Trainer``, with the engine's knobs in ``protrain_config``::
+
+        trainer = ProTrainTrainer(model=model, args=args, train_dataset=ds,
+                                  protrain_config=ProTrainConfig(n_persist=2))
+        trainer.train()
+        trainer.save_model("out")  # a normal HF / PEFT directory
+
+    The optimizer is AdamW (``args.optim`` adamw_torch or adamw_torch_fused) with the
+    Trainer's weight-decay groups; the compute dtype is the engine's
+    (``ProTrainConfig.compute_dtype``), so ``args.fp16`` / ``args.bf16`` stay False.
+    ``trainer.max_grad_norm`` is the clipping the engine applies (``args.max_grad_norm``; the
+    Trainer's copy of the arguments reads 0). ``close()`` gives the engine back and returns
+    the plain model with the trained weights.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        args: TrainingArguments,
+        *,
+        protrain_config: ProTrainConfig | None = None,
+        **trainer_kwargs: Any,
+    ):
+        config = protrain_config if protrain_config is not None else ProTrainConfig()
+        _check_supported(model, args, trainer_kwargs)
+        _check_private_hook()
+        self.protrain_config = config
+        self.max_grad_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
+        args = copy.copy(args)  # the caller's arguments stay as they were
+        args.max_grad_norm = 0.0  # the Trainer's clip reads param.grad: the engine clips
+
+        named = list(model.named_parameters())
+        self._param_dtypes = {name: p.dtype for name, p in named}
+        self._trainable_names = [name for name, p in named if p.requires_grad]
+        model.train()
+        model, self.engine_optimizer, self.layout = protrain.wrap(
+            model,
+            device=args.device,
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
+            clipping=self.max_grad_norm is not None,
+            **config.wrap_kwargs(),
+        )
+        self._step_in_backward = config.step_in_backward and self.max_grad_norm is None
+        self.engine_step = EngineStepCallback(self.engine_optimizer, self.max_grad_norm)
+        try:
+            super().__init__(model=model, args=args, **trainer_kwargs)
+        except BaseException:
+            protrain.close(model)
+            raise
+        self.add_callback(self.engine_step)
+
+    # ---- optimizer and step -------------------------------------------------------------
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        """The engine's optimizer (built at wrap time, with the Trainer's groups)."""
+        self.optimizer = self.engine_optimizer
+        return self.optimizer
+
+    def training_step(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ) -> torch.Tensor:
+        # The last micro-batch of a step (the Trainer sets sync_gradients before it) starts
+        # offloaded updates inside its backward when nothing clips.
+        if self._step_in_backward and model.training and self.accelerator.sync_gradients:
+            self.engine_optimizer.step_in_backward()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        # The Trainer's own norm read param.grad, which the engine leaves empty.
+        if "grad_norm" in logs and self.engine_step.last_grad_norm is not None:
+            logs["grad_norm"] = self.engine_step.last_grad_norm
+        super().log(logs, start_time)
+
+    # ---- saving and resuming ------------------------------------------------------------
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A normal HF / PEFT directory with the engine's weights (``from_pretrained`` loads
+        it); a checkpoint (``_internal_call``, from the Trainer) also holds the fp32 masters
+        that an exact resume reads."""
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            save_pretrained_gathered(self.model, output_dir, self._param_dtypes)
+            if _internal_call:
+                save_engine_state(self.model, self._trainable_names, output_dir)
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None):
+        # Private: see [Note: the private hook].
+        load_engine_state(self.model, self._trainable_names, resume_from_checkpoint)
+
+    def close(self) -> nn.Module:
+        """Give back the engine's memory, threads and hooks; return the plain model, each
+        parameter holding its trained value in its own dtype."""
+        return protrain.close(self.model)
+
+
+def _param_groups(model: nn.Module, decay_names: list[str], args: TrainingArguments) -> list[dict]:
+    """The Trainer's groups (``Trainer.create_optimizer``): weight decay on ``decay_names``,
+    none on the rest; trainable parameters only, empty groups left out."""
+    decay = set(decay_names)
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n in decay],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and n not in decay],
+         "weight_decay": 0.0},
+    ]  # fmt: skip
+    return [g for g in groups if g["params"]]
+
+
+def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str, Any]) -> None:
+    """Refuse, before anything is wrapped, what the engine cannot run under the Trainer."""
+    if not isinstance(model, nn.Module):
+        raise TypeError("ProTrainTrainer needs the model itself (model_init is not supported)")
+    if not isinstance(args, TrainingArguments):
+        raise TypeError("ProTrainTrainer needs TrainingArguments (args=...)")
+    if kwargs.get("model_init") is not None:
+        raise ValueError("ProTrainTrainer: model_init is not supported; pass the model")
+    optimizers = kwargs.get("optimizers", (None, None))
+    if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
+        raise ValueError(
+            "ProTrainTrainer: the optimizer is the engine's (HybridAdamW, AdamW with the "
+            "Trainer's groups); do not pass optimizers[0] or optimizer_cls_and_kwargs"
+        )
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim not in _ADAMW:
+        raise ValueError(f"ProTrainTrainer: optim={optim!r} is not supported; use one of {_ADAMW}")
+    if args.fp16 or args.bf16:
+        raise ValueError(
+            "ProTrainTrainer: the engine computes in ProTrainConfig.compute_dtype (bfloat16 on "
+            "CUDA by default); set fp16=False and bf16=False in TrainingArguments"
+        )
+    if getattr(args, "activation_checkpointing", False) or getattr(
+        args, "gradient_checkpointing", False
+    ):
+        raise ValueError(
+            "ProTrainTrainer: activation checkpointing is the engine's "
+            "(ProTrainConfig.n_checkpoint); set activation_checkpointing=False"
+        )
+    if args.load_best_model_at_end:
+        raise ValueError("ProTrainTrainer: load_best_model_at_end is not supported yet")
+    if args.deepspeed or args.fsdp:
+        raise ValueError("ProTrainTrainer: DeepSpeed and FSDP are other engines; leave them off")
+    if args.world_size > 1:
+        raise ValueError("ProTrainTrainer runs on one process for now")
+
+
+def _check_private_hook() -> None:
+    """[Note: the private hook]: the method must still exist with the arguments it had."""
+    hook = getattr(Trainer, "_load_from_checkpoint", None)
+    params = list(inspect.signature(hook).parameters) if hook is not None else []
+    if params[:3] != ["self", "resume_from_checkpoint", "model"]:
+        raise RuntimeError(
+            f"transformers {transformers.__version__}: Trainer._load_from_checkpoint is not "
+            f"the method ProTrainTrainer replaces (tested with {TESTED_TRANSFORMERS})"
+        )
