@@ -6,6 +6,8 @@ from_pretrained loads, and exact resumes from the Trainer's checkpoints."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -187,3 +189,37 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path, lora, max_grad_norm)
         torch.testing.assert_close(got[name], value, rtol=0, atol=0)
     whole.close()
     resumed.close()
+
+
+def test_clipping_is_the_engines_and_the_callers_arguments_stay(tmp_path):
+    args = arguments(tmp_path, max_grad_norm=0.5)
+    trainer = ProTrainTrainer(model=tiny_model(), args=args, train_dataset=dataset())
+    assert args.max_grad_norm == 0.5  # the caller's arguments are not changed
+    assert trainer.args.max_grad_norm == 0.0  # the Trainer's clip (param.grad) never runs
+    assert trainer.max_grad_norm == 0.5
+    trainer.close()
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"optim": "sgd"}, "optim='sgd'"),
+        ({"bf16": True}, "compute_dtype"),
+        ({"gradient_checkpointing": True}, "n_checkpoint"),
+    ],
+)
+def test_refuses_what_the_engine_cannot_run(tmp_path, change, message):
+    model = tiny_model()
+    with pytest.raises(ValueError, match=message):
+        ProTrainTrainer(model=model, args=arguments(tmp_path, 1.0, **change), train_dataset=[])
+    assert not hasattr(model, "_protrain_engine")  # refused before anything was wrapped
+
+
+def test_example_runs(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "examples/hf_trainer.py"), "--max-steps", "2",
+         "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "final" / "model.safetensors").is_file()
