@@ -179,8 +179,7 @@ def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
 
 
 def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
+    auto_class = model_auto_class(cfg)  # before any weight is read
     kwargs: dict = dict(
         dtype=dtype,
         attn_implementation=cfg.model.attn_implementation,
@@ -197,7 +196,7 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
         kwargs["device_map"] = {"": torch.cuda.current_device()}
     name = cfg.model.name_or_path
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        model = auto_class.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as exc:
         if _needs_remote_code(exc):
             raise ConfigError(_remote_code_message("model.name_or_path", name)) from None
@@ -213,6 +212,78 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
             model, use_gradient_checkpointing=cfg.gradient_checkpointing
         )
     return model
+
+
+def model_auto_class(cfg: TrainConfig) -> type:
+    """The `transformers` auto class that loads `model.name_or_path` whole, read from its
+    config alone (no weight is loaded): AutoModelForImageTextToText for a vision-language
+    model, AutoModelForCausalLM for a causal LM. Anything else is a `ConfigError` naming the
+    model type: loaded as a causal LM, an encoder-decoder would lose its encoder (and BERT-
+    like encoders would be trained to predict tokens they already see), so the model trained
+    and exported would not be the one named."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    name = cfg.model.name_or_path
+    if _looks_like_path(name) and not Path(name).exists():
+        raise ConfigError(f"model.name_or_path = {name!r}: no such file or directory")
+    try:
+        config = AutoConfig.from_pretrained(
+            name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except (OSError, ValueError) as exc:
+        if _needs_remote_code(exc):
+            raise ConfigError(_remote_code_message("model.name_or_path", name)) from None
+        raise ConfigError(
+            f"model.name_or_path = {name!r}: cannot load it ({one_line(exc)})"
+        ) from None
+    kind = model_kind(config)
+    if kind == "vision-language":
+        return AutoModelForImageTextToText
+    if kind == "causal":
+        return AutoModelForCausalLM
+    raise ConfigError(
+        f"model.name_or_path = {name!r}: model type {config.model_type!r} is {kind}; "
+        "protrain train fine-tunes causal (decoder-only) language models and vision-language "
+        "models only"
+    )
+
+
+# Encoder-only families that transformers also maps to a causal-LM class (BertLMHeadModel,
+# ...): those classes are causal only for a checkpoint trained as a decoder (is_decoder).
+def _encoder_only(config) -> bool:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (
+        config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+        and not getattr(config, "is_decoder", False)
+        and not getattr(config, "causal", False)  # XLM's causal (CLM) checkpoints
+    )
+
+
+def model_kind(config) -> str:
+    """'causal', 'vision-language', or what else the model is, as the refusal says it."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+    )
+
+    model_type = getattr(config, "model_type", None)
+    auto_map = getattr(config, "auto_map", None) or {}
+    if getattr(config, "is_encoder_decoder", False) or (
+        model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+        or model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+    ):
+        return "an encoder-decoder (sequence-to-sequence) model, not supported yet"
+    # the whole VLM (vision tower included), where transformers' causal-LM class of some
+    # families (Mllama, Llama 4, Qwen3.5) would keep the text model alone
+    if type(config) in AutoModelForImageTextToText._model_mapping:
+        return "vision-language"
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return "an encoder-only model" if _encoder_only(config) else "causal"
+    if "AutoModelForCausalLM" in auto_map:  # remote code
+        return "causal"
+    return "not a causal language model (transformers has no causal-LM class for it)"
 
 
 def _require_bitsandbytes() -> None:
