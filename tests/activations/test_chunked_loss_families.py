@@ -37,6 +37,8 @@ FAMILIES: dict[str, tuple[dict, LogitTransform]] = {
         dict(intermediate_size=64, num_key_value_heads=2, logits_scaling=0.25),
         LogitTransform(divide=0.25),
     ),
+    # a state-space model whose head's output is upcast before anything else
+    "mamba": (dict(state_size=4), LogitTransform(upcast_first=True)),
 }
 
 
@@ -83,6 +85,22 @@ def test_chunked_loss_is_the_models_own_loss(model_type):
         assert (a is None) == (b is None), name
         if a is not None:
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def test_a_vision_language_model_on_text():
+    """A VLM's causal class calls its whole body (vision tower included) as the base model."""
+    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+
+    text = dict(SIZES, intermediate_size=64, num_key_value_heads=2)
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+    vision = dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, mlp_ratio=2)
+    torch.manual_seed(0)
+    model = Qwen2VLForConditionalGeneration(Qwen2VLConfig(text_config=text, vision_config=vision))
+    model.eval()
+    batch = _batch()
+    own = model(**batch).loss
+    chunked = loss_sum(model, batch, torch.device("cpu"), chunked_loss_tokens=7)
+    torch.testing.assert_close(chunked / _trained(batch["labels"]), own, rtol=1e-6, atol=1e-6)
 
 
 def test_biased_heads_keep_their_bias():
