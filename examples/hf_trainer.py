@@ -26,8 +26,10 @@ from transformers import (
     TrainingArguments,
 )
 
+import protrain
 from protrain.integrations.transformers import ProTrainConfig, ProTrainTrainer
-from protrain.train.config import QUICKSTART_DIR
+
+QUICKSTART_DIR = Path(protrain.__file__).parent / "train" / "quickstart"
 
 
 def chat_dataset(tokenizer, max_len: int) -> list[dict[str, list[int]]]:

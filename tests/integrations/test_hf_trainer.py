@@ -223,3 +223,32 @@ def test_example_runs(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["noclip", "clip"])
+def test_same_losses_as_trainer_on_gpu(tmp_path, max_grad_norm):
+    """On CUDA: the Trainer's own model.to(device) leaves the wrapped model as it is, and the
+    engine (fp32 compute here) gives the Trainer's losses."""
+    on_gpu = dict(use_cpu=False)
+    model = tiny_model()
+    plain = PlainTrainer(
+        model=model,
+        args=arguments(tmp_path / "p", max_grad_norm, **on_gpu),
+        train_dataset=dataset(),
+    )
+    plain.losses = []
+    plain.train()
+    trainer = EngineTrainer(
+        model=tiny_model(),
+        args=arguments(tmp_path / "e", max_grad_norm, **on_gpu),
+        train_dataset=dataset(),
+        protrain_config=ProTrainConfig(
+            n_persist=1, chunk_size_bytes=1 << 19, compute_dtype=torch.float32
+        ),
+    )
+    trainer.losses = []
+    assert trainer.model.model.layers[3].mlp.down_proj.weight.device.type == "cuda"
+    trainer.train()
+    torch.testing.assert_close(trainer.losses, plain.losses, rtol=0, atol=1e-5)
+    trainer.close()

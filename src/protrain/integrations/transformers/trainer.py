@@ -217,6 +217,11 @@ def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str
         raise ValueError("ProTrainTrainer: DeepSpeed and FSDP are other engines; leave them off")
     if args.world_size > 1:
         raise ValueError("ProTrainTrainer runs on one process for now")
+    if args.n_gpu > 1:  # the Trainer would replicate the wrapped model with nn.DataParallel
+        raise ValueError(
+            f"ProTrainTrainer uses one GPU; {args.n_gpu} are visible to this process: make "
+            "one visible (CUDA_VISIBLE_DEVICES)"
+        )
 
 
 def _check_private_hook() -> None:
