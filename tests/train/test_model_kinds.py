@@ -1,6 +1,7 @@
 """The app loads the model named, whole, or refuses it in one line before any weight is read:
-vision-language models as such (vision tower kept), causal LMs as causal LMs, and
-encoder-decoder, encoder-only and other models refused, naming their type."""
+vision-language models as such (vision tower kept), causal LMs as causal LMs (text-to-text
+encoder-decoders: tests/train/test_seq2seq.py), and encoder-only, speech and other models
+refused, naming their type."""
 
 from __future__ import annotations
 
@@ -16,7 +17,10 @@ from protrain.train.modeling import build_model, model_auto_class
 from .helpers import tiny_config, write_config
 from .test_cli_errors import assert_one_line_error, run_cli
 
-SUPPORTED = "protrain train fine-tunes causal (decoder-only) language models and vision-language"
+SUPPORTED = (
+    "protrain train fine-tunes causal (decoder-only) language models, vision-language models "
+    "and text-to-text encoder-decoder models only"
+)
 
 
 def _config_only_dir(tmp_path, model_type: str, **kwargs):
@@ -36,14 +40,15 @@ def _cfg(tmp_path, model_dir, **overrides):
     )
 
 
-def test_encoder_decoder_is_refused_by_the_cli_before_loading(tmp_path):
-    model_dir = _config_only_dir(tmp_path, "t5", vocab_size=300, d_model=16, num_layers=1)
+def test_a_speech_encoder_decoder_is_refused_by_the_cli_before_loading(tmp_path):
+    """Whisper has a causal-LM class in transformers: its decoder alone."""
+    model_dir = _config_only_dir(tmp_path, "whisper")
     raw = tiny_config(tmp_path, model={"name_or_path": str(model_dir)})
     proc = run_cli("train", str(write_config(tmp_path, raw)))
     assert_one_line_error(
         proc,
-        f"model.name_or_path = {str(model_dir)!r}: model type 't5' is an encoder-decoder "
-        "(sequence-to-sequence) model, not supported yet",
+        f"model.name_or_path = {str(model_dir)!r}: model type 'whisper' is an encoder-decoder "
+        "model of images or speech, not supported yet",
         SUPPORTED,
     )
     assert not (tmp_path / "run" / "config.yaml").exists()
@@ -52,16 +57,16 @@ def test_encoder_decoder_is_refused_by_the_cli_before_loading(tmp_path):
 @pytest.mark.parametrize(
     ("model_type", "kwargs", "what"),
     [
-        ("bart", {}, "an encoder-decoder (sequence-to-sequence) model"),
-        ("whisper", {}, "an encoder-decoder (sequence-to-sequence) model"),
+        ("pix2struct", {}, "an encoder-decoder model of images or speech"),
+        ("qwen2_audio", {}, "an audio-language model, not supported yet"),
         ("bert", {}, "an encoder-only model"),
         ("roberta", {}, "an encoder-only model"),
         ("vit", {}, "not a causal language model"),
     ],
 )
 def test_other_kinds_are_refused_in_one_line(tmp_path, model_type, kwargs, what):
-    """BART and Whisper have a causal-LM class in transformers (their decoder alone), BERT
-    and RoBERTa one too (BertLMHeadModel): loading through it trains another model."""
+    """BERT and RoBERTa have a causal-LM class in transformers (BertLMHeadModel, ...):
+    loading through it trains another model."""
     model_dir = _config_only_dir(tmp_path, model_type, **kwargs)
     with pytest.raises(ConfigError) as info:
         model_auto_class(_cfg(tmp_path, model_dir))

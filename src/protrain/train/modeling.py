@@ -217,11 +217,17 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
 def model_auto_class(cfg: TrainConfig) -> type:
     """The `transformers` auto class that loads `model.name_or_path` whole, read from its
     config alone (no weight is loaded): AutoModelForImageTextToText for a vision-language
-    model, AutoModelForCausalLM for a causal LM. Anything else is a `ConfigError` naming the
-    model type: loaded as a causal LM, an encoder-decoder would lose its encoder (and BERT-
-    like encoders would be trained to predict tokens they already see), so the model trained
-    and exported would not be the one named."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+    model, AutoModelForCausalLM for a causal LM, AutoModelForSeq2SeqLM for a text-to-text
+    encoder-decoder (trained as `protrain.train.seq2seq` says). Anything else is a
+    `ConfigError` naming the model type: loaded as a causal LM, an encoder-decoder would
+    lose its encoder (and BERT-like encoders would be trained to predict tokens they
+    already see), so the model trained and exported would not be the one named."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
 
     name = cfg.model.name_or_path
     if _looks_like_path(name) and not Path(name).exists():
@@ -241,11 +247,37 @@ def model_auto_class(cfg: TrainConfig) -> type:
         return AutoModelForImageTextToText
     if kind == "causal":
         return AutoModelForCausalLM
+    if kind == "seq2seq":
+        _check_seq2seq_run(cfg, config)
+        return AutoModelForSeq2SeqLM
     raise ConfigError(
         f"model.name_or_path = {name!r}: model type {config.model_type!r} is {kind}; "
-        "protrain train fine-tunes causal (decoder-only) language models and vision-language "
-        "models only"
+        "protrain train fine-tunes causal (decoder-only) language models, vision-language "
+        "models and text-to-text encoder-decoder models only"
     )
+
+
+def _check_seq2seq_run(cfg: TrainConfig, config) -> None:
+    """What an encoder-decoder run cannot take (see `protrain.train.seq2seq`)."""
+    name = cfg.model.name_or_path
+    start = getattr(config, "decoder_start_token_id", None)
+    if not isinstance(start, int):
+        raise ConfigError(
+            f"model.name_or_path = {name!r}: the encoder-decoder model has no "
+            "decoder_start_token_id in its config: the decoder's first input is not known"
+        )
+    if cfg.sample_packing:
+        raise ConfigError(
+            "sample_packing = true is not allowed with an encoder-decoder model "
+            f"({config.model_type!r}): each row is split into encoder input and decoder labels"
+        )
+    for i, dataset in enumerate(cfg.datasets):
+        if dataset.type == "text":
+            raise ConfigError(
+                f"datasets[{i}].type = 'text' is not allowed with an encoder-decoder model "
+                f"({config.model_type!r}): its rows have no prompt for the encoder; use chat "
+                "or completion rows"
+            )
 
 
 # Encoder-only families that transformers also maps to a causal-LM class (BertLMHeadModel,
@@ -261,7 +293,8 @@ def _encoder_only(config) -> bool:
 
 
 def model_kind(config) -> str:
-    """'causal', 'vision-language', or what else the model is, as the refusal says it."""
+    """'causal', 'vision-language', 'seq2seq' (a text-to-text encoder-decoder), or what else
+    the model is, as the refusal says it."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
@@ -270,19 +303,23 @@ def model_kind(config) -> str:
 
     model_type = getattr(config, "model_type", None)
     auto_map = getattr(config, "auto_map", None) or {}
-    if getattr(config, "is_encoder_decoder", False) or (
-        model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
-        or model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
-    ):
-        return "an encoder-decoder (sequence-to-sequence) model, not supported yet"
+    vision = type(config) in AutoModelForImageTextToText._model_mapping
+    if getattr(config, "is_encoder_decoder", False):
+        if vision or model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES:
+            return "an encoder-decoder model of images or speech, not supported yet"
+        if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+            return "seq2seq"
+        return "an encoder-decoder model with no sequence-to-sequence LM class in transformers"
     # the whole VLM (vision tower included), where transformers' causal-LM class of some
     # families (Mllama, Llama 4, Qwen3.5) would keep the text model alone
-    if type(config) in AutoModelForImageTextToText._model_mapping:
+    if vision:
         return "vision-language"
     if type(config) in AutoModelForCausalLM._model_mapping:
         return "an encoder-only model" if _encoder_only(config) else "causal"
     if "AutoModelForCausalLM" in auto_map:  # remote code
         return "causal"
+    if model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:  # Qwen2-Audio, Voxtral
+        return "an audio-language model, not supported yet"
     return "not a causal language model (transformers has no causal-LM class for it)"
 
 
@@ -327,6 +364,13 @@ def _bnb_config(adapter: AdapterConfig):
     )
 
 
+def is_seq2seq(model: nn.Module) -> bool:
+    """An encoder-decoder model (inside a PEFT wrapper or not)."""
+    get_base = getattr(model, "get_base_model", None)
+    base = get_base() if callable(get_base) else model
+    return bool(getattr(getattr(base, "config", None), "is_encoder_decoder", False))
+
+
 def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
@@ -336,7 +380,7 @@ def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
         lora_dropout=adapter.dropout,
         target_modules=adapter.target_modules,
         use_dora=adapter.type == "dora",
-        task_type="CAUSAL_LM",
+        task_type="SEQ_2_SEQ_LM" if is_seq2seq(model) else "CAUSAL_LM",
     )
     try:
         model = get_peft_model(model, lora)

@@ -48,6 +48,12 @@ def loss_sum(
 ) -> torch.Tensor:
     """Sum of token losses of one micro-batch, as the loop computes it (and the planner
     traces it)."""
+    causal_lm = _causal_lm(model)
+    if getattr(getattr(causal_lm, "config", None), "is_encoder_decoder", False):
+        from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
+
+        # encoder input and causal decoder labels: the same trained tokens as `batch`'s
+        batch = encoder_decoder_batch(batch, decoder_start_token_id(causal_lm))
     labels = batch["labels"]
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
     if chunked_loss_tokens is None:
@@ -56,7 +62,6 @@ def loss_sum(
     # chunk by chunk inside the loss, with the family's logit transform.
     from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
 
-    causal_lm = _causal_lm(model)
     head, transform = causal_lm_head(causal_lm)
     hidden = causal_lm.base_model(**inputs).last_hidden_state
     return chunked_causal_lm_loss_sum(
