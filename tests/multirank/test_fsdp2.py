@@ -1,6 +1,6 @@
 """The FSDP2 engine (`fsdp_version: 2`) through `protrain train` under torchrun: 2 gloo
 ranks train as one process of plain PyTorch with twice the accumulation (losses and weights
-to 1e-6), checkpoints are whole and resume on 2 ranks, QLoRA with the tiled MLP and the
+to 1e-6), checkpoints are sharded and resume on 2 ranks of either engine and in one process, QLoRA with the tiled MLP and the
 chunked loss exports its adapter; size-based units as FSDP1 chooses them; config errors.
 
 The one-process reference is built here from the application's own pieces (tokenizer,
@@ -14,12 +14,14 @@ policies, activation checkpointing and adapters in one process pair.
 from __future__ import annotations
 
 import functools
+import json
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 from tests.multirank.test_fsdp2_exact import one_thread
 from tests.multirank.test_train_ranks import _losses, _torchrun
@@ -28,6 +30,7 @@ from torch import nn
 
 from protrain.distributed.fsdp2 import size_based_units
 from protrain.train.config import load_config, validate_config
+from protrain.train.convert_checkpoint import convert_checkpoint
 from protrain.train.errors import ConfigError
 
 STEPS, ACCUM, WORLD = 3, 2, 2
@@ -143,23 +146,64 @@ def test_two_ranks_train_as_one_process(tmp_path, fsdp_config):
     run = tmp_path / "fsdp"
     assert _losses(run) == pytest.approx(losses, rel=1e-6)
     _assert_close(load_file(run / "final" / "model.safetensors"), weights)
-    # the last checkpoint is whole and equals the export
+    # every rank wrote its own shards; converted to the plain format, the last checkpoint
+    # equals the export
+    last = run / f"checkpoint-{STEPS}"
+    assert json.loads((last / "manifest.json").read_text())["format"] == "sharded"
+    assert json.loads((last / "state.json").read_text())["mode"] == "fsdp2"
+    plain = convert_checkpoint(last, tmp_path / "plain")
     _assert_close(
-        load_file(run / f"checkpoint-{STEPS}" / "model.safetensors"),
+        load_file(plain / "model.safetensors"),
         load_file(run / "final" / "model.safetensors"),
         rtol=0,
     )
     if fsdp_config.get("activation_checkpointing"):
-        _resume_from_checkpoint_2(run, config, weights)
+        _resume_from_checkpoint_2(tmp_path, run, config, weights)
 
 
-def _resume_from_checkpoint_2(run: Path, config: Path, weights: dict) -> None:
-    """The optimizer state written by rank 0 loads back into the shards of both ranks."""
+def _resume_from_checkpoint_2(tmp_path: Path, run: Path, config: Path, weights: dict) -> None:
+    """The sharded checkpoint of step 2 resumes on both ranks of the FSDP2 engine, on two
+    ranks of the chunked engine and in one process of plain PyTorch, each as the run that
+    did not stop (the other engines to 1e-5: their sums over ranks run in another order)."""
+    resumed = {}
+    for name, world, change in [
+        ("fsdp2", 2, {}),
+        ("chunked", 2, {"fsdp_version": None, "fsdp_config": None,
+                        "memory": {"n_persist": 1, "mode": "sharded", "chunk_size": "512KiB"}}),
+        ("plain", 1, {"fsdp_version": None, "fsdp_config": None,
+                      "gradient_accumulation_steps": ACCUM * WORLD}),
+    ]:  # fmt: skip
+        copy = tmp_path / f"resume-{name}"
+        shutil.copytree(run, copy)
+        for later in (copy / f"checkpoint-{STEPS}", copy / "final"):
+            shutil.rmtree(later)
+        cfg = {**yaml.safe_load(config.read_text()), "output_dir": str(copy), **change}
+        cfg = {k: v for k, v in cfg.items() if v is not None}
+        out = _run(world, write_config(tmp_path, cfg, f"resume-{name}.yaml"), "--resume")
+        assert "checkpoint-2 at step 2" in out, out[-3000:]
+        resumed[name] = load_file(copy / "final" / "model.safetensors")
+    _assert_close(resumed["fsdp2"], weights)
+    _assert_close(resumed["chunked"], weights, rtol=1e-5)
+    _assert_close(resumed["plain"], weights, rtol=1e-5)
+
+
+def test_chunked_checkpoint_resumes_in_fsdp2(tmp_path):
+    """The other way: the chunked engine's sharded checkpoint of step 2 (two ranks) resumes
+    on two ranks of the FSDP2 engine as the run that did not stop."""
+    fsdp = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    config = _config(tmp_path, "chunked", fsdp)
+    cfg = yaml.safe_load(config.read_text())
+    chunked = {k: v for k, v in cfg.items() if k not in ("fsdp_version", "fsdp_config")}
+    chunked["memory"] = {"n_persist": 1, "mode": "sharded", "chunk_size": "512KiB"}
+    _run(2, write_config(tmp_path, chunked, "chunked-engine.yaml"))
+    run = tmp_path / "chunked"
+    assert json.loads((run / "checkpoint-2" / "state.json").read_text())["mode"] == "sharded"
     for later in (run / f"checkpoint-{STEPS}", run / "final"):
         shutil.rmtree(later)
     out = _run(2, config, "--resume")
     assert "checkpoint-2 at step 2" in out, out[-3000:]
-    _assert_close(load_file(run / "final" / "model.safetensors"), weights)
+    _, weights = one_process_reference(config)
+    _assert_close(load_file(run / "final" / "model.safetensors"), weights, rtol=1e-5)
 
 
 def test_qlora_tiled_chunked_two_ranks(tmp_path):

@@ -15,11 +15,13 @@ per chunk are never units ([Note: modules that are never units] in
 sequence length. QLoRA's 4-bit base weights are sharded in the computing dtype
 ([Note: 4-bit weights under FSDP2]).
 
-Checkpoints are whole, in the same format as `PlainTrainable`'s (parameters by name, the
-optimizer's state keyed by parameter index): `model_state` and `optimizer_state` gather
-full tensors to rank 0's host (collectives: every rank calls them), and loading takes a
-whole state on every rank and keeps each rank's own shard, so a checkpoint moves between
-this engine, plain PyTorch and any world size.
+Checkpoints on several ranks are sharded (`train/sharded_checkpoint.py`): every rank writes
+its own dim-0 shards of the trainable parameters and their AdamW moments, named by
+parameter (`protrain.distributed.dcp_fsdp2`), with no gather, so that the chunked engine,
+plain PyTorch or this engine resume them at any world size. On one process the checkpoint
+is whole, in `PlainTrainable`'s format: `model_state` and `optimizer_state` gather full
+tensors to rank 0's host (collectives), and loading takes a whole state on every rank and
+keeps each rank's own shard. The export gathers the whole model to rank 0.
 
 On one process (no `torchrun`) the engine starts a single-rank process group itself and
 ends it in `close`.
@@ -101,6 +103,8 @@ def _own_shard(value: Any, param: torch.Tensor) -> Any:
 
 class FSDP2Trainable(Trainable):
     """`torch.distributed.fsdp.fully_shard` over the ranks (or one), as `fsdp_config` says."""
+
+    shards_checkpoints = True  # several ranks write sharded checkpoints (dcp_fsdp2)
 
     def __init__(
         self,

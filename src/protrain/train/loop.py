@@ -207,7 +207,7 @@ def _train(
                 trainer_state=trainer_state(),
                 save_total_limit=cfg.save_total_limit,
             )
-        # the FSDP2 engine on several ranks: the states put together on rank 0
+        # one process (plain PyTorch, or either engine on one rank): rank 0 writes it whole
         model_state = trainable.model_state(copy=False)
         optimizer_state = trainable.optimizer_state(copy=False)
         path = output_dir / f"checkpoint-{step}"

@@ -1,5 +1,6 @@
-"""Sharded checkpoints: every rank of the chunked engine writes its own part, in parallel,
-and any number of ranks in any mode (or one process) resumes from it.
+"""Sharded checkpoints: every rank of the chunked engine, or of the FSDP2 engine, writes its
+own part, in parallel, and any number of ranks in any mode or engine (or one process)
+resumes from it.
 
 Layout of `checkpoint-<step>/` (see `checkpoint.py` for the plain format beside it):
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint: the fp32 masters and Adam
@@ -53,6 +54,7 @@ from protrain.distributed.dcp_flat import (
     save_pieces,
     saved_keys,
 )
+from protrain.distributed.dcp_fsdp2 import fsdp2_pieces_to_save, plan_fsdp2_load
 from protrain.distributed.dcp_state import (
     STEP,
     model_key,
@@ -76,10 +78,15 @@ def engine_of(trainable) -> Any:
     return getattr(trainable.model, "_protrain_engine", None)
 
 
+def is_fsdp2(trainable) -> bool:
+    """The FSDP2 engine (`FSDP2Trainable.shards_checkpoints`), whose parameters are DTensors."""
+    return bool(getattr(trainable, "shards_checkpoints", False))
+
+
 def writes_sharded(trainable, ranks: Ranks) -> bool:
-    """Several ranks of the chunked engine save sharded; one process, and the FSDP2
-    engine, the plain format."""
-    return ranks.several and engine_of(trainable) is not None
+    """Several ranks of the chunked engine or of the FSDP2 engine save sharded; one
+    process the plain format."""
+    return ranks.several and (engine_of(trainable) is not None or is_fsdp2(trainable))
 
 
 def _about_to_write(name: str) -> None:
@@ -100,11 +107,19 @@ def save_sharded_checkpoint(
     """Write checkpoint-`step` from every rank (a collective: every rank calls it); see
     [Note: atomic across ranks]."""
     optimizer = trainable.optimizer
-    pieces = pieces_to_save(
-        trainable.model, optimizer, trainable.names, ranks.rank, ranks.world_size
-    )
+    engine = engine_of(trainable)
+    if engine is not None:
+        pieces = pieces_to_save(
+            trainable.model, optimizer, trainable.names, ranks.rank, ranks.world_size
+        )
+        mode = "sharded" if engine.manager.sharded else "replicated"
+    else:  # the FSDP2 engine: each rank its dim-0 shards
+        pieces = fsdp2_pieces_to_save(
+            trainable.model, optimizer, trainable.names, ranks.rank, ranks.world_size
+        )
+        mode = "fsdp2"
     state = {
-        "mode": "sharded" if engine_of(trainable).manager.sharded else "replicated",
+        "mode": mode,
         "parameters": _shapes(trainable),
         "trainer": trainer_state,
         "optimizer": _optimizer_meta(optimizer, trainable.model),
@@ -205,8 +220,18 @@ def load_sharded_checkpoint(path: Path, trainable, ranks: Ranks) -> Resumed:
     _check_parameters(path, state, trainable)
     group = ranks.ctx.group if ranks.several else None
     try:
-        if engine_of(trainable) is not None:
-            load = plan_engine_load(trainable.model, trainable.optimizer, trainable.names, path)
+        if engine_of(trainable) is not None or is_fsdp2(trainable):
+            if engine_of(trainable) is not None:
+                load = plan_engine_load(trainable.model, trainable.optimizer, trainable.names, path)
+            else:
+                load = plan_fsdp2_load(
+                    trainable.model,
+                    trainable.optimizer,
+                    trainable.names,
+                    path,
+                    ranks.rank,
+                    ranks.world_size,
+                )
             load_pieces(load.pieces, path, group)
             load.apply()
             _load_optimizer_meta(trainable.optimizer, state["optimizer"], path)
