@@ -84,6 +84,10 @@ class ProTrainTrainer(Trainer):
         protrain_config: ProTrainConfig | None = None,
         **trainer_kwargs: Any,
     ):
+        # A subclass whose parent builds the model before calling this (TRL's SFTTrainer) sets
+        # protrain_config on the instance first: see sft.py.
+        if protrain_config is None:
+            protrain_config = getattr(self, "protrain_config", None)
         config = protrain_config if protrain_config is not None else ProTrainConfig()
         _check_supported(model, args, trainer_kwargs)
         _check_private_hook()

@@ -1,0 +1,58 @@
+"""``ProTrainSFTTrainer``: TRL's ``SFTTrainer`` training with ProTrain's engine.
+
+``SFTTrainer`` builds its model (loading it from a name, attaching the PEFT adapter) before it
+calls ``Trainer.__init__``. ``ProTrainTrainer`` sits between the two in the method resolution
+order (``SFTTrainer -> _BaseTrainer -> ProTrainTrainer -> Trainer``), so it wraps the model
+SFTTrainer built, before the Trainer places it; everything ``ProTrainTrainer`` does (the
+engine's optimizer, clipping, ``step_in_backward``, saving and resuming) carries over.
+
+One thing does not: SFTTrainer's loss runs a fused LM head that reads ``lm_head.weight``
+directly instead of calling the ``lm_head`` module, and the engine gathers an offloaded
+chunk's weights in the hooks of the modules that use them, so the head would read a chunk
+that is not resident. ``compute_loss`` therefore computes the loss the Trainer's way (the
+model's own forward with ``labels``: the same token-mean cross-entropy, normalized over the
+accumulated batch by ``num_items_in_batch``); SFTTrainer's extra metrics (entropy, token
+accuracy), which come from the fused head, are not logged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import Trainer
+from trl import SFTTrainer
+
+from protrain.integrations.transformers.config import ProTrainConfig
+from protrain.integrations.transformers.trainer import ProTrainTrainer
+
+TESTED_TRL = "1.16.0"
+
+
+class ProTrainSFTTrainer(SFTTrainer, ProTrainTrainer):
+    """``trl.SFTTrainer`` whose model and optimizer are ProTrain's engine; the engine's knobs
+    in ``protrain_config``. The ``SFTConfig`` must turn off what the engine does itself:
+    ``gradient_checkpointing=False`` (``ProTrainConfig.n_checkpoint``), ``bf16=False`` and
+    ``fp16=False`` (``ProTrainConfig.compute_dtype``)."""
+
+    def __init__(self, *args: Any, protrain_config: ProTrainConfig | None = None, **kwargs: Any):
+        # Read by ProTrainTrainer.__init__, which SFTTrainer.__init__ reaches through super().
+        self.protrain_config = protrain_config
+        super().__init__(*args, **kwargs)
+
+    def compute_loss(
+        self,
+        model: nn.Module,
+        inputs: dict[str, torch.Tensor | Any],
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | int | None = None,
+    ):
+        inputs = {**inputs, "use_cache": False}  # as SFTTrainer.compute_loss
+        return Trainer.compute_loss(
+            self,
+            model,
+            inputs,
+            return_outputs=return_outputs,
+            num_items_in_batch=num_items_in_batch,
+        )
