@@ -93,12 +93,17 @@ class EngineTrainer(Recording, ProTrainTrainer):
 
 def run_plain(tmp: Path, lora: bool, max_grad_norm: float) -> tuple[list[float], dict]:
     model = tiny_model(lora)
-    trainer = PlainTrainer(model=model, args=arguments(tmp, max_grad_norm), train_dataset=dataset())
+    trainer = PlainTrainer(
+        model=model,
+        args=arguments(tmp, max_grad_norm),
+        train_dataset=dataset(),
+        eval_dataset=dataset(4),
+    )
     trainer.losses = []
     trainer.train()
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     state = {n: p.detach().clone() for n, p in model.named_parameters() if n in names}
-    return trainer.losses, state, trainer.state.log_history
+    return trainer.losses, state, trainer.state.log_history, trainer.evaluate()["eval_loss"]
 
 
 def engine_trainer(tmp: Path, lora: bool, max_grad_norm: float, **kw) -> EngineTrainer:
@@ -106,6 +111,7 @@ def engine_trainer(tmp: Path, lora: bool, max_grad_norm: float, **kw) -> EngineT
         model=tiny_model(lora),
         args=arguments(tmp, max_grad_norm, **kw),
         train_dataset=dataset(),
+        eval_dataset=dataset(4),
         protrain_config=ENGINE,
     )
     trainer.losses = []
@@ -120,7 +126,7 @@ def trained_state(trainer: ProTrainTrainer) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("max_grad_norm", [0.0, 0.05], ids=["noclip", "clip"])
 def test_same_losses_as_trainer(tmp_path, lora, max_grad_norm):
-    losses, state, history = run_plain(tmp_path / "plain", lora, max_grad_norm)
+    losses, state, history, eval_loss = run_plain(tmp_path / "plain", lora, max_grad_norm)
     trainer = engine_trainer(tmp_path / "engine", lora, max_grad_norm)
     assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
     trainer.train()
@@ -136,6 +142,8 @@ def test_same_losses_as_trainer(tmp_path, lora, max_grad_norm):
         assert min(norms) > max_grad_norm  # clipping did bite
     else:  # offloaded updates began inside the last backward of each step
         assert trainer.engine_optimizer.stats.get("updates_started_in_backward", 0) > 0
+    # evaluation runs the engine's forward without gradients
+    assert abs(trainer.evaluate()["eval_loss"] - eval_loss) <= 1e-6
     trainer.close()
 
 
