@@ -183,8 +183,9 @@ def test_t5_lora_exports_a_seq2seq_adapter(tmp_path):
             {"datasets": [{"path": str(QUICKSTART_DIR / "data" / "chat.jsonl"), "type": "text"}]},
             "datasets[0].type = 'text' is not allowed with an encoder-decoder model ('t5')",
         ),
+        ({"train_on_inputs": True}, "train_on_inputs = true is not allowed with an encoder-"),
     ],
-    ids=["packing", "text"],
+    ids=["packing", "text", "train_on_inputs"],
 )
 def test_what_a_seq2seq_run_cannot_take(tmp_path, overrides, message):
     model_dir = tmp_path / "t5"

@@ -271,10 +271,21 @@ def _check_seq2seq_run(cfg: TrainConfig, config) -> None:
             "sample_packing = true is not allowed with an encoder-decoder model "
             f"({config.model_type!r}): each row is split into encoder input and decoder labels"
         )
-    for i, dataset in enumerate(cfg.datasets):
+    if cfg.train_on_inputs:
+        raise ConfigError(
+            "train_on_inputs = true is not allowed with an encoder-decoder model "
+            f"({config.model_type!r}): the prompt is the encoder's input, never a label"
+        )
+    listed = [("datasets", cfg.datasets), ("eval_datasets", cfg.eval_datasets)]
+    for key, i, dataset in ((k, i, d) for k, ds in listed for i, d in enumerate(ds)):
+        if dataset.train_on_inputs:
+            raise ConfigError(
+                f"{key}[{i}].train_on_inputs = true is not allowed with an encoder-decoder "
+                f"model ({config.model_type!r}): the prompt is the encoder's input, never a label"
+            )
         if dataset.type == "text":
             raise ConfigError(
-                f"datasets[{i}].type = 'text' is not allowed with an encoder-decoder model "
+                f"{key}[{i}].type = 'text' is not allowed with an encoder-decoder model "
                 f"({config.model_type!r}): its rows have no prompt for the encoder; use chat "
                 "or completion rows"
             )
