@@ -260,3 +260,18 @@ def test_same_losses_as_trainer_on_gpu(tmp_path, max_grad_norm):
     trainer.train()
     torch.testing.assert_close(trainer.losses, plain.losses, rtol=0, atol=1e-5)
     trainer.close()
+
+
+def test_the_replaced_private_method_is_checked(tmp_path, monkeypatch):
+    """Trainer._load_from_checkpoint is replaced (see trainer.py): a transformers whose
+    method has other arguments is refused before anything is wrapped."""
+    import transformers
+
+    from protrain.integrations.transformers import trainer as module
+
+    assert transformers.__version__ == module.TESTED_TRANSFORMERS  # the pinned version
+    monkeypatch.setattr(Trainer, "_load_from_checkpoint", lambda self, path: None)
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match="_load_from_checkpoint"):
+        ProTrainTrainer(model=model, args=arguments(tmp_path, 1.0), train_dataset=[])
+    assert not hasattr(model, "_protrain_engine")

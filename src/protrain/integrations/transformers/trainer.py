@@ -40,6 +40,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import warnings
 from typing import Any
 
 import torch
@@ -229,11 +230,19 @@ def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str
 
 
 def _check_private_hook() -> None:
-    """[Note: the private hook]: the method must still exist with the arguments it had."""
+    """[Note: the private hook]: the method must still exist with the arguments it had; on
+    another transformers version than the tested one, say so once."""
     hook = getattr(Trainer, "_load_from_checkpoint", None)
     params = list(inspect.signature(hook).parameters) if hook is not None else []
     if params[:3] != ["self", "resume_from_checkpoint", "model"]:
         raise RuntimeError(
             f"transformers {transformers.__version__}: Trainer._load_from_checkpoint is not "
             f"the method ProTrainTrainer replaces (tested with {TESTED_TRANSFORMERS})"
+        )
+    if transformers.__version__ != TESTED_TRANSFORMERS:
+        warnings.warn(
+            f"ProTrainTrainer replaces Trainer._load_from_checkpoint, checked against "
+            f"transformers {TESTED_TRANSFORMERS}; this is {transformers.__version__}: test "
+            "resume_from_checkpoint before relying on it",
+            stacklevel=3,
         )
