@@ -2,7 +2,8 @@
 
 ``ProTrainTrainer`` is a ``transformers.Trainer`` whose model and optimizer are the
 engine's; ``ProTrainConfig`` holds the engine's knobs. See ``trainer.py`` for which
-Trainer methods it overrides and why.
+Trainer methods it overrides and why. TRL's ``SFTTrainer``: ``ProTrainSFTTrainer`` in
+``protrain.integrations.transformers.sft`` (needs ``trl``, not imported here).
 """
 
 from protrain.integrations.transformers.checkpoint import ENGINE_STATE_NAME

@@ -31,7 +31,8 @@ between that load and the training loop with the checkpoint's path, so the load 
 replaced: the engine's masters are read from the checkpoint with
 ``protrain.load_state_dict``. Checked against transformers 5.24.0 (constraints.txt):
 ``train`` calls ``_load_from_checkpoint(resume_from_checkpoint)`` before the loop when
-neither DeepSpeed, FSDP nor SageMaker MP runs, all three refused here; the signature is
+neither DeepSpeed, FSDP nor SageMaker MP runs (the first two are refused here, the third
+needs several processes, also refused); the signature is
 checked at construction and the resume is tested (tests/integrations/test_hf_trainer.py).
 """
 
