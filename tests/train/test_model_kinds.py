@@ -34,7 +34,18 @@ def _config_only_dir(tmp_path, model_type: str, **kwargs):
     return model_dir
 
 
+def _small_data(tmp_path):
+    """The first 32 quickstart rows: the data is read before the model, and a test needs
+    few of them."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "chat.jsonl"
+    lines = (QUICKSTART_DIR / "data" / "chat.jsonl").read_text().splitlines()[:32]
+    path.write_text("\n".join(lines) + "\n")
+    return [{"path": str(path), "type": "chat"}]
+
+
 def _cfg(tmp_path, model_dir, **overrides):
+    overrides.setdefault("datasets", _small_data(tmp_path))
     return validate_config(
         tiny_config(tmp_path, model={"name_or_path": str(model_dir)}, **overrides)
     )
@@ -43,7 +54,9 @@ def _cfg(tmp_path, model_dir, **overrides):
 def test_a_speech_encoder_decoder_is_refused_by_the_cli_before_loading(tmp_path):
     """Whisper has a causal-LM class in transformers: its decoder alone."""
     model_dir = _config_only_dir(tmp_path, "whisper")
-    raw = tiny_config(tmp_path, model={"name_or_path": str(model_dir)})
+    raw = tiny_config(
+        tmp_path, model={"name_or_path": str(model_dir)}, datasets=_small_data(tmp_path)
+    )
     proc = run_cli("train", str(write_config(tmp_path, raw)))
     assert_one_line_error(
         proc,

@@ -129,7 +129,18 @@ def _saved(tmp_path, model):
     return model_dir
 
 
+def _small_data(tmp_path):
+    """The first 32 quickstart rows: the data is read before the model, and a test needs
+    few of them."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    path = tmp_path / "chat.jsonl"
+    lines = (QUICKSTART_DIR / "data" / "chat.jsonl").read_text().splitlines()[:32]
+    path.write_text("\n".join(lines) + "\n")
+    return [{"path": str(path), "type": "chat"}]
+
+
 def _cfg(tmp_path, model_dir, **overrides):
+    overrides.setdefault("datasets", _small_data(tmp_path))
     raw = tiny_config(
         tmp_path,
         model={"name_or_path": str(model_dir)},
