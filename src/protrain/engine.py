@@ -41,6 +41,7 @@ from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
 from protrain.distributed import NO_GROUP, ChunkCollectives, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
+from protrain.model.readers import DirectReads, direct_reads
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.quant.four_bit import lift_quant_state
@@ -237,6 +238,23 @@ def _buffers_needed(model: nn.Module, layout: ChunkLayout) -> int:
     return min_resident_chunks(model, chunk_of)
 
 
+def _refuse_uncovered(reads: DirectReads, layout: ChunkLayout) -> None:
+    """Refuse an offloaded parameter that no module call brings to the device: read while
+    its chunk is released, it fails or crashes the process mid-step."""
+    offloaded = {n for c in layout.chunks if not c.persistent for pl in c.placements
+                 for n in pl.names}  # fmt: skip
+    for name, holder in reads.uncovered.items():
+        if name in offloaded:
+            raise ValueError(
+                f"protrain.wrap: parameter {name!r} would be offloaded, but no module call "
+                f"brings it in: it belongs to a {holder}, which has no forward, and no module "
+                "around it has one. The engine makes an offloaded parameter resident when a "
+                "module holding it is called (or a module around it, for a ParameterList, a "
+                "ParameterDict, a parametrization or a peft tuner layer). Keep the parameter "
+                "in a module that is called, or in a persistent chunk (a larger n_persist)"
+            )
+
+
 def wrap(
     model: nn.Module,
     n_persist: int | None = None,
@@ -385,6 +403,8 @@ def wrap(
         chunk_size_bytes=chunk_size_bytes,
         size_multiple=shard_multiple(ctx.world_size) if sharded else 1,
     )
+    reads = direct_reads(model)
+    _refuse_uncovered(reads, layout)
     need = _buffers_needed(model, layout)
     if need > layout.n_buffer:
         if n_buffer is not None:
@@ -414,7 +434,7 @@ def wrap(
             sink.reducer = GradReducer(
                 manager, collectives, sink.deliver, mean=grad_reduce == "mean"
             )
-        hooks = RuntimeHooks(model, manager, sink)
+        hooks = RuntimeHooks(model, manager, sink, reads)
         optimizer = HybridAdamW(
             groups,
             manager,

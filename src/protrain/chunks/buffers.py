@@ -4,10 +4,12 @@ The runtime gathers a module's chunks before the module runs and keeps them unti
 module's backward is done: a chunk of trainable parameters is let go once their gradients
 are accumulated, a chunk of frozen parameters (LoRA bases) only once the gradient of the
 module's inputs arrives. Two things bound how many offloaded chunks are resident together:
-the chunks holding one module's own parameters, and, in a block that holds frozen
-parameters, the chunks the whole block spans (its projections wait for the same input
-gradients, so their chunks are held together). A buffer pool smaller than this fails in the
-middle of a step; `protrain.wrap` and the planner check it before anything moves.
+the chunks holding what one module's call brings in (its own parameters and those its
+forward reads without calling their module: ``protrain.model.readers``), and, in a block
+that holds frozen parameters, the chunks the whole block spans (its projections wait for
+the same input gradients, so their chunks are held together). A buffer pool smaller than
+this fails in the middle of a step; `protrain.wrap` and the planner check it before
+anything moves.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from protrain.model.readers import direct_reads
+
 
 def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[str, ...]]:
-    """Parameter names (full) that are resident together: each module's own parameters, and
+    """Parameter names (full) that are resident together: each module's own parameters,
+    those a module's forward reads without calling their owners (``direct_reads``), and
     every parameter of a block that holds frozen ones. Independent of the chunk size, so the
     planner reads it once for every candidate size. ``blocks``: the model's discovered
     blocks, when the caller has them."""
@@ -28,6 +33,7 @@ def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[
         names = tuple(prefix + n for n, _ in module.named_parameters(recurse=False))
         if names:
             groups.append(names)
+    groups.extend(direct_reads(model).groups.values())
     if blocks is None:
         try:
             from protrain.model.blocks import discover_blocks

@@ -52,6 +52,20 @@ embedding breaks that assumption: its recomputation inside backward begins a for
 (pins reset, prefetch in forward order for the rest of that backward). A review found the
 results still exact on tiny Llama, full and LoRA, but the traffic is no longer the modelled
 one; ending the backward phase with a callback at the end of backward would remove it.
+
+[Note: parameters read without a call]
+Some forwards read parameters without calling the module that owns them: peft's
+``ParamWrapper`` (LoRA on fused MoE experts and routers) folds ``lora_B @ lora_A`` into the
+expert weights and never calls ``lora_A``/``lora_B``; a ``ParameterList`` is read by the
+module around it. Such a parameter's chunk was never gathered: "data is not allocated yet",
+or a segmentation fault inside ``baddbmm``, or a right result while the chunk happened to be
+resident. ``protrain.model.readers`` finds these reads (a decision made at wrap time, and
+in the planner's buffer count); here the reading module's call gathers and pins them with
+its own parameters, in forward, recomputation and backward, and its backward pin ends as
+any module's. A reader gathers in recomputation too, where it calls children that gather
+(the experts inside a ``ParamWrapper``): unpinned, its chunks could be evicted by theirs
+before it reads them, so it pins, and its post-hook runs even when the recomputation stops
+inside it (``always_call``), which gives the pin back.
 """
 
 from __future__ import annotations
@@ -62,6 +76,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.manager import ChunkManager, Phase
+from protrain.model.readers import DirectReads, direct_reads, has_forward
 from protrain.runtime.grad_offload import GradSink
 
 
@@ -97,7 +112,16 @@ class _Call:
 
 
 class RuntimeHooks:
-    def __init__(self, model: nn.Module, manager: ChunkManager, sink: GradSink):
+    def __init__(
+        self,
+        model: nn.Module,
+        manager: ChunkManager,
+        sink: GradSink,
+        reads: DirectReads | None = None,
+    ):
+        """``reads``: what each module's call brings in besides its own parameters
+        (``protrain.model.readers.direct_reads``; computed here when not given). See
+        [Note: parameters read without a call]."""
         self.manager = manager
         self.handles: list = []
         self._pinned_calls: dict[int, list[_Call]] = {}  # id(module) -> calls pinned in backward
@@ -112,9 +136,21 @@ class RuntimeHooks:
             self.handles.append(
                 entry.register_forward_pre_hook(self._entry_pre_forward, prepend=True)
             )
+        if reads is None:
+            reads = direct_reads(model)
+        extra: dict[int, list[nn.Parameter]] = {}
+        for name, names in reads.groups.items():
+            extra.setdefault(id(model.get_submodule(name)), []).extend(
+                model.get_parameter(n) for n in names
+            )
         owners: dict[nn.Parameter, list[nn.Module]] = {}
         for module in model.modules():
-            own = list(module.parameters(recurse=False))
+            if not has_forward(module):  # never called: an enclosing module covers it
+                continue
+            reader = id(module) in extra
+            own = list(
+                dict.fromkeys([*module.parameters(recurse=False), *extra.get(id(module), [])])
+            )
             ids = sorted({chunk_of[p] for p in own if p in chunk_of})
             ids = [i for i in ids if not manager.chunks[i].persistent]
             if not ids:
@@ -125,9 +161,15 @@ class RuntimeHooks:
             stack: list[_Call] = []
             self._stacks.append(stack)
             self.handles.append(
-                module.register_forward_pre_hook(self._pre_forward(ids, stack), with_kwargs=True)
+                module.register_forward_pre_hook(
+                    self._pre_forward(ids, stack, pin_in_recompute=reader), with_kwargs=True
+                )
             )
-            self.handles.append(module.register_forward_hook(self._post_forward(ids, stack)))
+            # A reader pins in recomputation too, so its post-hook must run even when the
+            # recomputation stops inside it: see [Note: parameters read without a call].
+            self.handles.append(
+                module.register_forward_hook(self._post_forward(ids, stack), always_call=reader)
+            )
         for s in manager.slots():
             if s.master is not None:
                 self.handles.append(
@@ -151,13 +193,13 @@ class RuntimeHooks:
         if self.manager.phase is Phase.BACKWARD:  # a backward ran since the last forward
             self._root_pre_forward(module, args)
 
-    def _pre_forward(self, ids: list[int], stack: list[_Call]):
+    def _pre_forward(self, ids: list[int], stack: list[_Call], pin_in_recompute: bool = False):
         def hook(module, args, kwargs):
             # See [Note: recomputation stops early] for why recomputation takes no pin.
-            recompute = self.manager.phase is Phase.BACKWARD
-            self.manager.use(ids, pin=not recompute)
+            pin = pin_in_recompute or self.manager.phase is not Phase.BACKWARD
+            self.manager.use(ids, pin=pin)
             call = _Call(ids)
-            call.forward_pinned = not recompute
+            call.forward_pinned = pin
             stack.append(call)
             if torch.is_grad_enabled():
                 for t in _tensors((args, kwargs)):
