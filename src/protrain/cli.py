@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="continue from the latest checkpoint in output_dir",
     )
+    p_train.add_argument(
+        "--new-global-batch",
+        action="store_true",
+        help="with --resume: continue although the rows per optimizer step (micro_batch_size "
+        "x gradient_accumulation_steps x ranks) differ from the checkpoint's; the data "
+        "continues where it stopped, the schedule is recomputed for the steps left",
+    )
 
     p_plan = sub.add_parser(
         "plan", help="profile one step and print the memory plan and its best candidates"
@@ -205,6 +212,7 @@ def _sdpa(cfg):
 
 def _run(args: argparse.Namespace) -> int:
     from protrain.train.config import load_config
+    from protrain.train.errors import ConfigError
     from protrain.train.log import setup_logging
 
     setup_logging()
@@ -218,10 +226,12 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from protrain.train.loop import train
 
+        if args.new_global_batch and not args.resume:
+            raise ConfigError("--new-global-batch is allowed only with --resume")
         if args.resume:
             _check_recorded_config(cfg)
 
-        result = train(cfg, resume=args.resume)
+        result = train(cfg, resume=args.resume, new_global_batch=args.new_global_batch)
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the job
             print(f"done: {result.steps} steps; model written to {result.final_dir}")
         return 0

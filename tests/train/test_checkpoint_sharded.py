@@ -143,3 +143,36 @@ def test_a_global_batch_change_is_one_error_naming_both(runs, tmp_path):
     assert "gradient_accumulation_steps: 2" in message
     saved = json.loads((run / "checkpoint-2" / "state.json").read_text())
     assert saved["trainer"]["data_order"]["world_size"] == 1
+
+
+def test_a_global_batch_change_continues_when_asked(runs, tmp_path):
+    """`--new-global-batch`: the data goes on from the checkpoint's position, 4 micro-batches
+    a step instead of 2, to max_steps; with num_epochs the steps left are recomputed."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "pristine", run)
+    saved = _trainer_state(run / "checkpoint-2")
+    start = saved["position"]
+    train(_cfg(tmp_path, "run", gradient_accumulation_steps=4), resume=True, new_global_batch=True)
+    end = _trainer_state(run / "checkpoint-4")["position"]
+    per_epoch = -(-saved["data_order"]["rows"] // 2)  # micro-batches of 2 rows an epoch
+    moved = (end["epoch"] - start["epoch"]) * per_epoch + end["micro_batch"] - start["micro_batch"]
+    assert moved == 2 * 4  # two steps of four micro-batches
+
+    epochs = tmp_path / "epochs"
+    shutil.copytree(runs / "pristine", epochs)
+    cfg = validate_config(
+        tiny_config(
+            tmp_path, output_dir=str(epochs), max_steps=None, num_epochs=1, save_steps=1000,
+            micro_batch_size=2, sequence_len=32, gradient_accumulation_steps=100,
+        )
+    )  # fmt: skip
+    result = train(cfg, resume=True, new_global_batch=True)
+    # 2 steps of 2 micro-batches done; the epoch's other micro-batches in steps of 100
+    assert result.steps == 2 + (per_epoch - 4) // 100
+
+
+def _trainer_state(checkpoint: Path) -> dict:
+    """The trainer state (data position and order) a checkpoint of either format records."""
+    if ckpt.checkpoint_format(checkpoint) == ckpt.SHARDED:
+        return json.loads((checkpoint / "state.json").read_text())["trainer"]
+    return ckpt.load_checkpoint(checkpoint).trainer_state

@@ -78,10 +78,12 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step run here
 
 
-def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
+def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = False) -> TrainResult:
     """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run,
     the output directory locked against a second run. Stopped by SIGINT or SIGTERM, it
-    saves and raises `TrainingStopped` (a SystemExit of status 130 or 143)."""
+    saves and raises `TrainingStopped` (a SystemExit of status 130 or 143).
+    ``new_global_batch``: a resume may change the rows per optimizer step (see
+    `_check_data_order`)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
     ranks, device = start_ranks(resolve_device(cfg.device))
@@ -91,7 +93,14 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
         sdpa_backend(cfg.model.sdpa_backend, device),
         RunLock(output_dir) if ranks.is_main else contextlib.nullcontext(),
     ):
-        result = _train(cfg, output_dir, resume=resume, ranks=ranks, device=device)
+        result = _train(
+            cfg,
+            output_dir,
+            resume=resume,
+            ranks=ranks,
+            device=device,
+            new_global_batch=new_global_batch,
+        )
     # Only after a run every rank finished: a failed rank leaves the group as it is (its
     # exit ends the job through torchrun), since tearing it down waits for the others.
     stop_ranks()
@@ -99,7 +108,13 @@ def train(cfg: TrainConfig, *, resume: bool = False) -> TrainResult:
 
 
 def _train(
-    cfg: TrainConfig, output_dir: Path, *, resume: bool, ranks: Ranks, device: torch.device
+    cfg: TrainConfig,
+    output_dir: Path,
+    *,
+    resume: bool,
+    ranks: Ranks,
+    device: torch.device,
+    new_global_batch: bool = False,
 ) -> TrainResult:
     resume_from = None
     if ranks.is_main:
@@ -165,7 +180,31 @@ def _train(
     position, step, tokens_seen = StreamPosition(), 0, 0
     last_saved = resume_from
     if resume_from is not None:
-        step, trainer_state = _resume(resume_from, trainable, scheduler, ranks, data_order)
+        step, trainer_state, scheduler_state = _resume(
+            resume_from, trainable, ranks, data_order, new_global_batch
+        )
+        saved_window = _saved_window(trainer_state) or window  # older checkpoints: unknown
+        if saved_window != window and cfg.max_steps is None:
+            # the steps left are those of the new window over the micro-batches left
+            consumed = (
+                trainer_state["position"]["epoch"] * stream.micro_batches_per_epoch
+                + trainer_state["position"]["micro_batch"]
+            )
+            left = stream.micro_batches_per_epoch * cfg.num_epochs - consumed
+            total_steps = step + left // window
+            scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
+        scheduler.load_state_dict(scheduler_state)
+        if saved_window != window:  # this step's learning rate on the new schedule
+            for group, lr in zip(trainable.optimizer.param_groups, scheduler.get_lr()):
+                group["lr"] = lr
+            logger.warning(
+                "--new-global-batch: %d micro-batches per step from step %d (the checkpoint's "
+                "%d), %d steps in all",
+                window,
+                step,
+                saved_window,
+                total_steps,
+            )
         position = StreamPosition(**trainer_state["position"])
         tokens_seen = trainer_state["tokens_seen"]
         logger.info("resumed from %s at step %d", resume_from, step)
@@ -539,12 +578,13 @@ class _NoMetrics:
         pass
 
 
-def _resume(path: Path, trainable, scheduler, ranks: Ranks, data_order: dict):
+def _resume(path: Path, trainable, ranks: Ranks, data_order: dict, new_global_batch: bool):
     """Load a checkpoint of either format (one process wrote it, or several ranks) into
-    this run, at any world size and mode; the step and trainer state it holds."""
+    this run, at any world size and mode; the step, trainer state and scheduler state it
+    holds."""
     if ckpt.checkpoint_format(path) == ckpt.SHARDED:
         trainer_state = sharded.read_state(path)["trainer"]
-        _check_data_order(trainer_state.get("data_order"), data_order, path)
+        _check_data_order(trainer_state.get("data_order"), data_order, path, new_global_batch)
         resumed = sharded.load_sharded_checkpoint(path, trainable, ranks)
         step, trainer_state, scheduler_state = (
             resumed.step,
@@ -553,7 +593,7 @@ def _resume(path: Path, trainable, scheduler, ranks: Ranks, data_order: dict):
         )
     else:
         state = ckpt.load_checkpoint(path)
-        _check_data_order(state.trainer_state.get("data_order"), data_order, path)
+        _check_data_order(state.trainer_state.get("data_order"), data_order, path, new_global_batch)
         trainable.load_model_state(state.model_state)
         trainable.optimizer.load_state_dict(state.optimizer_state)
         ckpt.restore_rng(state)
@@ -563,14 +603,24 @@ def _resume(path: Path, trainable, scheduler, ranks: Ranks, data_order: dict):
             state.scheduler_state,
         )
     trainable.load_extra_state(trainer_state.get("extra", {}))
-    scheduler.load_state_dict(scheduler_state)
-    return step, trainer_state
+    return step, trainer_state, scheduler_state
 
 
-def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
+def _saved_window(trainer_state: dict) -> int | None:
+    """Micro-batches per optimizer step, all ranks together, of the run that saved."""
+    order = trainer_state.get("data_order")
+    if order is None:
+        return None
+    return order["gradient_accumulation_steps"] * order.get("world_size", 1)
+
+
+def _check_data_order(
+    saved: dict | None, now: dict, checkpoint, new_global_batch: bool = False
+) -> None:
     """A checkpoint's data position means something only under the same data order: the
     same rows, seed and micro-batch size, and the same global batch (micro-batches per step,
-    accumulation times ranks), however it is split over ranks."""
+    accumulation times ranks), however it is split over ranks; ``new_global_batch`` (the
+    user's `--new-global-batch`) lets the global batch change."""
     if saved is None:
         return
     saved = {"world_size": 1, **saved}  # checkpoints from before several ranks
@@ -587,7 +637,7 @@ def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
         )
     before = saved["gradient_accumulation_steps"] * saved["world_size"]
     after = now["gradient_accumulation_steps"] * now["world_size"]
-    if before == after:
+    if before == after or new_global_batch:
         return
     mbs = now["micro_batch_size"]
     hint = (
@@ -600,7 +650,8 @@ def _check_data_order(saved: dict | None, now: dict, checkpoint) -> None:
         f"{saved['gradient_accumulation_steps']} x {saved['world_size']} = {mbs * before} rows "
         f"per step (micro_batch_size x gradient_accumulation_steps x ranks); this run's is "
         f"{mbs} x {now['gradient_accumulation_steps']} x {now['world_size']} = {mbs * after}: "
-        f"{hint}, or start a new output_dir"
+        f"{hint}, continue with the new one (--resume --new-global-batch), or start a new "
+        "output_dir"
     )
 
 
