@@ -55,9 +55,11 @@ from protrain.train.loss import count_trained_tokens
 from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
     DTYPES,
+    TINY,
     build_model,
     build_tiny_base,
     load_tokenizer,
+    model_auto_class,
     resolve_autocast_dtype,
     resolve_device,
 )
@@ -140,6 +142,8 @@ def _train(
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
+    if cfg.model.name_or_path != TINY:
+        model_auto_class(cfg)  # a model kind it cannot train is refused before the data work
     for line in describe_masking(cfg):
         logger.info(line)
     train_data = build_train_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
