@@ -24,7 +24,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from protrain.distributed.dcp_flat import FlatPiece, saved_keys
-from protrain.distributed.dcp_state import STEP, even_slice, model_key, optim_key
+from protrain.distributed.dcp_state import (
+    STEP,
+    even_slice,
+    model_key,
+    optim_key,
+    saved_moments,
+)
 
 
 def _flat_range(name: str, param: torch.Tensor, rank: int, world: int) -> tuple[int, int]:
@@ -139,17 +145,14 @@ def plan_fsdp2_load(
         local = _local(param)
         if b > a:
             load.pieces.append(FlatPiece(model_key(name), _target(load, local), a, n))
-        prefix = optim_key(name, "")
-        keys = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix))
-        if STEP not in keys:
+        keys = saved_moments(saved, name)
+        if keys is None:
             load.no_state.append(param)
             continue
         step = torch.zeros(1, dtype=torch.float32)
         load.pieces.append(FlatPiece(optim_key(name, STEP), step, 0, 1))
         moments = {}
         for k in keys:
-            if k == STEP:
-                continue
             moment = torch.zeros_like(param.detach(), dtype=torch.float32)
             if b > a:
                 load.pieces.append(

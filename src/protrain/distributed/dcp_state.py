@@ -110,6 +110,16 @@ def pieces_to_save(
     return pieces
 
 
+def saved_moments(saved, name: str) -> list[str] | None:
+    """The optimizer state keys a checkpoint holds for parameter ``name`` besides its step
+    count; None where it holds no step (no step taken with a gradient for it yet)."""
+    prefix = optim_key(name, "")
+    keys = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix))
+    if STEP not in keys:
+        return None
+    return [k for k in keys if k != STEP]
+
+
 @dataclass
 class EngineLoad:
     """Where a load writes (``pieces``), and what :meth:`apply` then puts in place."""
@@ -154,17 +164,14 @@ def plan_engine_load(model: nn.Module, optimizer, names: list[str], directory) -
         if hi > lo:
             load.pieces.append(FlatPiece(model_key(name), s.master.view(-1), lo, n))
         load.masters.append(s)
-        prefix = optim_key(name, "")
-        keys = sorted(k[len(prefix) :] for k in saved if k.startswith(prefix))
-        if STEP not in keys:  # no step taken with a gradient for it yet
+        keys = saved_moments(saved, name)
+        if keys is None:
             load.no_state.append(s)
             continue
         step = torch.zeros(1, dtype=torch.float32)
         load.pieces.append(FlatPiece(optim_key(name, STEP), step, 0, 1))
         moments = {}
         for k in keys:
-            if k == STEP:
-                continue
             t = torch.zeros(hi - lo, dtype=torch.float32, device=s.master.device)
             if hi > lo:
                 load.pieces.append(FlatPiece(optim_key(name, k), t, lo, n))
