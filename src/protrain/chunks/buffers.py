@@ -23,17 +23,22 @@ from protrain.model.readers import direct_reads
 
 def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[str, ...]]:
     """Parameter names (full) that are resident together: each module's own parameters,
-    those a module's forward reads without calling their owners (``direct_reads``), and
-    every parameter of a block that holds frozen ones. Independent of the chunk size, so the
-    planner reads it once for every candidate size. ``blocks``: the model's discovered
-    blocks, when the caller has them."""
+    with those that the modules around it read without calling their owners
+    (``direct_reads``: such a reader holds them for its whole call, its children's calls
+    included), and every parameter of a block that holds frozen ones. Independent of the
+    chunk size, so the planner reads it once for every candidate size. ``blocks``: the
+    model's discovered blocks, when the caller has them."""
+    reads = direct_reads(model).groups
     groups = []
     for mname, module in model.named_modules(remove_duplicate=False):
         prefix = f"{mname}." if mname else ""
         names = tuple(prefix + n for n, _ in module.named_parameters(recurse=False))
+        if reads:
+            parts = mname.split(".") if mname else []
+            for i in range(len(parts) + 1):
+                names += reads.get(".".join(parts[:i]), ())
         if names:
             groups.append(names)
-    groups.extend(direct_reads(model).groups.values())
     if blocks is None:
         try:
             from protrain.model.blocks import discover_blocks
