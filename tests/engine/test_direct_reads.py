@@ -224,3 +224,64 @@ def test_reader_the_engine_cannot_cover_is_refused_naming_the_parameter():
     (model.proj(x) * model.scales[0]).sum().backward()
     optimizer.step()
     protrain.close(model)
+
+
+def test_dora_reads_its_base_and_adapters():
+    """DoRA's magnitude module reads lora_A, lora_B and the base weight, which it does not
+    call (a segmentation fault with 16 KiB chunks before the fix)."""
+    from peft import LoraConfig, get_peft_model
+
+    from .models import batches, build
+
+    base = build("llama")
+    torch.manual_seed(123)
+    cfg = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", use_dora=True,
+                     init_lora_weights=False)  # fmt: skip
+    base = get_peft_model(base, cfg)
+    data = batches("llama", STEPS * ACCUM)
+    reference = copy.deepcopy(base)
+    ref_losses, ref_norms = train_plain(reference, data)
+    model, optimizer, _ = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, chunk_size_bytes=16384, lr=LR, weight_decay=WD,
+        device="cpu",
+    )  # fmt: skip
+    losses, norms = train_engine(model, data, optimizer)
+    _check_same(model, ref_losses, ref_norms, reference.state_dict(), losses, norms, "dora")
+    protrain.close(model)
+
+
+def test_parametrized_modules():
+    """A parametrized module reads ``parametrizations.weight.original*`` through its
+    property (weight norm here), offloaded one chunk per matrix."""
+    torch.manual_seed(0)
+    base = _Net()
+    for m in base.modules():
+        if isinstance(m, nn.Linear):
+            nn.utils.parametrizations.weight_norm(m)
+    xs = [torch.randn(4, 16) for _ in range(3)]
+    reference = copy.deepcopy(base)
+    opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD, fused=True)
+    ref_losses = []
+    for x in xs:
+        loss = reference(x).square().mean()
+        loss.backward()
+        ref_losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    model, optimizer, layout = protrain.wrap(
+        copy.deepcopy(base), n_persist=0, chunk_size_bytes=16 * 16 * 4, lr=LR, weight_decay=WD,
+        device="cpu",
+    )  # fmt: skip
+    assert any(".parametrizations." in n for n in direct_reads(model).groups["a.proj"])
+    losses = []
+    for x in xs:
+        loss = model(x).square().mean()
+        loss.backward()
+        losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+    assert losses == pytest.approx(ref_losses, abs=1e-6, rel=1e-6)
+    state = protrain.state_dict(model)
+    for name, ref in reference.state_dict().items():
+        torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
+    protrain.close(model)
