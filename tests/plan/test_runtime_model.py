@@ -12,6 +12,7 @@ from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
 from protrain.plan import PlanProblem, search
 from protrain.plan.memory import SWAP
 from protrain.plan.runtime import RuntimeModel, _lowest_first
+from protrain.plan.search import PLAIN_MARGIN
 from protrain.profile.chunk_table import ChunkTable
 from protrain.profile.trace import BlockProfile, Interval, ModelProfile
 
@@ -150,8 +151,8 @@ def test_everything_fits_chooses_all_persistent(clipping):
 
 
 def test_search_takes_all_persistent_on_a_tie():
-    """Synthetic profile, everything fits: wherever the model says all persistent is at least
-    as fast as any plan, the search chooses it."""
+    """Synthetic profile, everything fits: wherever no plan is predicted more than
+    PLAIN_MARGIN faster than all persistent, the search chooses it."""
     prof = syn.profile(6, 8)
     hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=1e12)
     problem = PlanProblem(prof, hw, gpu_budget_bytes=1 << 50)
@@ -159,9 +160,10 @@ def test_search_takes_all_persistent_on_a_tie():
     all_persistent = problem.evaluate(n, 0, 0, 0)["step_s"]
     others = [problem.evaluate(n_p, n - n_p, 0, 0)["step_s"] for n_p in range(n)]
     plan = search(problem).plan
-    if all_persistent <= min(others):
-        assert plan.n_persist == n
-    assert plan.predicted_step_s <= min(others + [all_persistent]) + 1e-12
+    if all_persistent * (1 - PLAIN_MARGIN) <= min(others):
+        assert plan.n_persist == n  # also when another plan is a little faster
+    else:
+        assert plan.predicted_step_s <= min(others) + 1e-12
 
 
 def test_swap_out_hides_only_under_forward_compute():

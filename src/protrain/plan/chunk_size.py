@@ -32,7 +32,7 @@ from torch import nn
 from protrain.chunks.layout import _align, choose_chunk_size
 from protrain.chunks.shard import shard_multiple
 from protrain.plan.memory import MemoryModel
-from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, search
+from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, ranking_step_s, search
 from protrain.plan.world import MODES, SINGLE, World
 from protrain.profile.chunk_table import chunk_table_and_index
 from protrain.profile.hardware import HardwareProfile
@@ -160,7 +160,7 @@ def search_chunk_sizes(
             errors.append(exc)
     if not found:
         raise errors[0]  # sharded's: it needs the least memory of the two
-    best = min(found, key=lambda m: found[m][0].plan.predicted_step_s)
+    best = min(found, key=lambda m: ranking_step_s(found[m][0].plan))
     result, problem = found[best]
     others = [
         f"{m} {found[m][0].plan.predicted_step_s:.3f} s" if m in found else f"{m} does not fit"
@@ -252,7 +252,7 @@ def _search_sizes(
                 for n_swap in swaps:
                     try:
                         knobs = {**fixed, "n_swap": n_swap}
-                        step = search(problem_at(size, knobs)).plan.predicted_step_s
+                        step = ranking_step_s(search(problem_at(size, knobs)).plan)
                     except NoPlanFits:
                         continue
                     screened.append((step, size))
@@ -268,7 +268,7 @@ def _search_sizes(
         except NoPlanFits as e:
             errors.append(e)
             continue
-        if best is None or result.plan.predicted_step_s < best[0].plan.predicted_step_s:
+        if best is None or ranking_step_s(result.plan) < ranking_step_s(best[0].plan):
             best = (result, problem)
     if best is None:
         # A size whose plans fit the GPU but not the host says more than the GPU budget
