@@ -57,11 +57,33 @@ def _huge_checkpoint(directory, rows: int, cols: int) -> None:
     (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
 
 
-def test_app_refuses_before_loading(tmp_path):
+@pytest.mark.parametrize("adapter", ["none", "lora"])
+def test_app_refuses_before_loading(tmp_path, adapter):
+    """Full fine-tuning: the disk check (12 bytes a parameter) refuses first; an adapter's
+    checkpoints are small, and the host-memory check refuses the load."""
     model = tmp_path / "huge"
     _huge_checkpoint(model, 2**24, 2**24)  # 2**48 parameters: 1 PiB in fp32
     cfg = tiny_config(tmp_path, model={"name_or_path": str(model),
-                                       "tokenizer": str(TINY_TOKENIZER_DIR)})  # fmt: skip
+                                       "tokenizer": str(TINY_TOKENIZER_DIR)},
+                      adapter={"type": adapter})  # fmt: skip
     proc = run_cli("train", str(write_config(tmp_path, cfg)))
-    assert_one_line_error(proc, "loading it needs 1048576.0 GiB of host memory", "Allowed:")
+    if adapter == "none":
+        assert_one_line_error(proc, "a checkpoint needs about 3145728.00 GiB")
+    else:
+        assert_one_line_error(proc, "loading it needs 1048576.0 GiB of host memory", "Allowed:")
     assert not (tmp_path / "run" / "checkpoint-1").exists()
+
+
+def test_disk_estimate_reads_the_headers_whatever_the_class(tmp_path):
+    """The disk check before a run counts a local model's parameters from its safetensors
+    headers (an encoder-decoder or a vision-language model as much as a causal LM)."""
+    from protrain.train.config import validate_config
+    from protrain.train.loop import _estimate_checkpoint_bytes
+
+    model = tmp_path / "model"
+    model.mkdir()
+    save_file(
+        {"encoder.w": torch.zeros(8, 4), "decoder.w": torch.zeros(4)}, model / "m.safetensors"
+    )
+    cfg = validate_config(tiny_config(tmp_path, model={"name_or_path": str(model)}))
+    assert _estimate_checkpoint_bytes(cfg, None) == 12 * (32 + 4)

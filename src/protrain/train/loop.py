@@ -49,7 +49,7 @@ from protrain.train.data import (
     describe_masking,
 )
 from protrain.train.errors import ConfigError, OutputDirError
-from protrain.train.host_memory import check_host_memory_for_loading
+from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
 from protrain.train.metrics import MetricsWriter, set_aside_metrics
@@ -485,16 +485,15 @@ def _estimate_checkpoint_bytes(cfg: TrainConfig, resume_from: Path | None) -> in
     from protrain.train.modeling import TINY, TINY_MODEL_CONFIG
 
     source = cfg.model.name_or_path
-    if source == TINY:
-        spec = json.loads(TINY_MODEL_CONFIG.read_text())
-    elif (Path(source) / "config.json").is_file():
-        spec = json.loads((Path(source) / "config.json").read_text())
-    else:
-        return 0
+    if source != TINY:
+        # the local checkpoint's safetensors headers, whatever the model's class
+        # (seq2seq and vision-language models too)
+        numel = checkpoint_numel(Path(source)) if Path(source).is_dir() else None
+        return 12 * numel if numel else 0
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = AutoConfig.for_model(**spec)
+        config = AutoConfig.for_model(**json.loads(TINY_MODEL_CONFIG.read_text()))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception:  # an estimate only: the save checks the exact size
