@@ -359,3 +359,30 @@ def test_axolotl_spellings(tmp_path):
     fsdp = validate_config(cfg).fsdp
     assert fsdp.transformer_layer_cls_to_wrap == ["LlamaDecoderLayer"]
     assert fsdp.offload_params
+
+
+def test_three_uneven_ranks_resume_on_two(tmp_path):
+    """Three ranks shard dim 0 unevenly (vocabulary 512 and width 128 over 3): their
+    checkpoint resumes on two FSDP2 ranks, the global batch kept (3 x 2 = 2 x 3 micro-batches),
+    as one process trained straight through (1e-5: the sums over ranks run in another order)."""
+    fsdp = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
+    base = {"lr_scheduler": "constant", "warmup_steps": 0}
+    first = {**yaml.safe_load(_config(tmp_path, "chain", fsdp, **base).read_text()),
+             "gradient_accumulation_steps": 2, "max_steps": 2}  # fmt: skip
+    three = write_config(tmp_path, first, "three.yaml")
+    _run(3, three)
+    run = tmp_path / "chain"
+    state = json.loads((run / "checkpoint-2" / "state.json").read_text())
+    assert (state["mode"], state["world_size"]) == ("fsdp2", 3)
+    cfg = {**yaml.safe_load(three.read_text()), "gradient_accumulation_steps": 3, "max_steps": 4}
+    out = _run(2, write_config(tmp_path, cfg, "two.yaml"), "--resume")
+    assert "checkpoint-2 at step 2" in out, out[-3000:]
+    straight = {k: v for k, v in cfg.items() if k not in ("fsdp_version", "fsdp_config")}
+    straight.update(gradient_accumulation_steps=6, output_dir=str(tmp_path / "straight"))
+    _run(1, write_config(tmp_path, straight, "straight.yaml"))
+    assert _losses(run) == pytest.approx(_losses(tmp_path / "straight"), rel=1e-5)
+    _assert_close(
+        load_file(run / "final" / "model.safetensors"),
+        load_file(tmp_path / "straight" / "final" / "model.safetensors"),
+        rtol=1e-5,
+    )
