@@ -22,7 +22,8 @@ class EngineStepCallback(TrainerCallback):
     clear the engine's gradients after it. ``last_grad_norm`` holds the norm of the last step
     (before clipping), for the Trainer's logs."""
 
-    def __init__(self, optimizer: HybridAdamW, max_grad_norm: float | None):
+    def __init__(self, optimizer: HybridAdamW | None, max_grad_norm: float | None):
+        # None until the model is wrapped (ProTrainConfig.gpu_budget: at the first batch)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from protrain.plan import parse_bytes
+
 
 @dataclass(frozen=True)
 class ProTrainConfig:
@@ -23,6 +25,12 @@ class ProTrainConfig:
     ``n_checkpoint``, ``offload_checkpoint``, ``tiled_mlp_tokens``: activation policies.
     ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
     last backward of the step (the same arithmetic, overlapped with the backward).
+
+    ``gpu_budget`` (bytes or a size such as ``"24GiB"``): plan the knobs left None from the
+    Trainer's first training batch (profile and search, ``protrain.plan``); the ones given
+    are kept. ``cpu_budget`` bounds the plan's host memory (default: 90% of what is
+    available). ``plan_sequence_len``: pad the planning batch to this many tokens, the
+    widest batch the collator can yield (None: the first batch as it comes).
     """
 
     n_persist: int | None = None
@@ -35,6 +43,9 @@ class ProTrainConfig:
     tiled_mlp_tokens: int | None = None
     host_threads: int | None = None
     step_in_backward: bool = True
+    gpu_budget: int | str | None = None
+    cpu_budget: int | str | None = None
+    plan_sequence_len: int | None = None
 
     def __post_init__(self) -> None:
         # fp16 needs the engine's loss scale in every backward, which the Trainer's
@@ -44,6 +55,35 @@ class ProTrainConfig:
                 f"ProTrainConfig.compute_dtype={self.compute_dtype} is not supported with the "
                 "Trainer: use torch.float32 or torch.bfloat16"
             )
+        for name in ("gpu_budget", "cpu_budget"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    parse_bytes(value)
+                except ValueError as exc:
+                    raise ValueError(f"ProTrainConfig.{name}: {exc}") from None
+        if self.gpu_budget is None and (
+            self.cpu_budget is not None or self.plan_sequence_len is not None
+        ):
+            raise ValueError(
+                "ProTrainConfig: cpu_budget and plan_sequence_len are read only by the "
+                "planner: set gpu_budget too"
+            )
+        if self.gpu_budget is not None and self.offload_checkpoint:
+            raise ValueError(
+                "ProTrainConfig: offload_checkpoint=True is not planned by gpu_budget; fix "
+                "n_persist, n_buffer and n_checkpoint without a budget to use it"
+            )
+        if self.plan_sequence_len is not None and self.plan_sequence_len < 1:
+            raise ValueError(
+                f"ProTrainConfig.plan_sequence_len={self.plan_sequence_len} is not allowed: "
+                "use a number of tokens >= 1"
+            )
+
+    @property
+    def planned(self) -> bool:
+        """Whether the knobs left None are chosen by the planner from the first batch."""
+        return self.gpu_budget is not None
 
     def wrap_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``protrain.wrap`` these knobs set."""

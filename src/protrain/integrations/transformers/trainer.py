@@ -9,6 +9,9 @@ changes, and through which hook:
   storage (what ``wrap`` itself does) and never holds the whole model on the device. The
   optimizer is the engine's ``HybridAdamW`` with the Trainer's parameter groups and AdamW
   hyperparameters (``create_optimizer`` returns it).
+- ``get_train_dataloader``: with ``ProTrainConfig.gpu_budget`` the wrap waits for the
+  Trainer's first training batch, the planner's sample (``planning.py``); the Trainer leaves
+  the model where it is until then (``TrainingArguments.place_model_on_device``).
 - Clipping: ``args.max_grad_norm`` is the engine's (``EngineStepCallback`` clips through the
   engine's optimizer in ``on_pre_optimizer_step``); the Trainer gets a copy of the arguments
   with ``max_grad_norm=0``, so that its own ``clip_grad_norm_``, which reads ``param.grad``
@@ -39,7 +42,9 @@ checked at construction and the resume is tested (tests/integrations/test_hf_tra
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
+import logging
 import os
 import warnings
 from typing import Any
@@ -47,6 +52,7 @@ from typing import Any
 import torch
 import transformers
 from torch import nn
+from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 
 import protrain
@@ -54,10 +60,13 @@ from protrain.integrations.transformers.callback import EngineStepCallback
 from protrain.integrations.transformers.checkpoint import load_engine_state, save_engine_state
 from protrain.integrations.transformers.config import ProTrainConfig
 from protrain.integrations.transformers.export import save_pretrained_gathered
+from protrain.integrations.transformers.planning import planning_batch, rng_devices
+from protrain.optim.hybrid_adamw import HybridAdamW
 
 TESTED_TRANSFORMERS = "5.24.0"
 TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer's name for it
 _ADAMW = ("adamw_torch", "adamw_torch_fused")  # HybridAdamW runs torch's fused AdamW
+log = logging.getLogger(__name__)
 
 
 class ProTrainTrainer(Trainer):
@@ -95,37 +104,94 @@ class ProTrainTrainer(Trainer):
         _check_private_hook()
         self.protrain_config = config
         self.max_grad_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
+        self._saved_args = args  # what training_args.bin holds: the caller's arguments
         args = copy.copy(args)  # the caller's arguments stay as they were
         args.max_grad_norm = 0.0  # the Trainer's clip reads param.grad: the engine clips
 
         named = list(model.named_parameters())
         self._param_dtypes = {name: p.dtype for name, p in named}
         self._trainable_names = [name for name, p in named if p.requires_grad]
-        model.train()
-        model, self.engine_optimizer, self.layout = protrain.wrap(
-            model,
-            device=args.device,
-            lr=args.learning_rate,
-            betas=(args.adam_beta1, args.adam_beta2),
-            eps=args.adam_epsilon,
-            weight_decay=args.weight_decay,
-            param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
-            clipping=self.max_grad_norm is not None,
-            **config.wrap_kwargs(),
-        )
         self._step_in_backward = config.step_in_backward and self.max_grad_norm is None
-        self.engine_step = EngineStepCallback(self.engine_optimizer, self.max_grad_norm)
+        self.engine_optimizer: HybridAdamW | None = None
+        self.layout = None
+        self.plan = None  # the protrain.plan.Plan, when ProTrainConfig.gpu_budget chose the knobs
+        self._resume_dir: str | None = None  # a checkpoint to load once the model is wrapped
+        self.engine_step = EngineStepCallback(None, self.max_grad_norm)
+        model.train()
+        if config.planned:
+            # Wrapped from the first batch (get_train_dataloader); until then the model stays
+            # where it is: TrainingArguments.place_model_on_device is the Trainer's public
+            # switch for integrations that place the model themselves.
+            args.__class__ = _unplaced(type(args))
+        else:
+            self._wrap(model, args, sample_batch=None)
         try:
             super().__init__(model=model, args=args, **trainer_kwargs)
         except BaseException:
-            protrain.close(model)
+            if self.engine_optimizer is not None:
+                protrain.close(model)
             raise
         self.add_callback(self.engine_step)
+
+    @property
+    def wrapped(self) -> bool:
+        """Whether the model is in the engine (with a budget: once training has begun)."""
+        return self.engine_optimizer is not None
+
+    def _wrap(self, model: nn.Module, args: TrainingArguments, sample_batch: dict | None) -> None:
+        """``protrain.wrap`` with the Trainer's optimizer settings; with a ``sample_batch``,
+        the knobs left None are planned for ``ProTrainConfig.gpu_budget``."""
+        config = self.protrain_config
+        plan_kwargs = {}
+        if sample_batch is not None:
+            plan_kwargs = dict(
+                gpu_budget=config.gpu_budget,
+                cpu_budget=config.cpu_budget,
+                sample_batch=sample_batch,
+                # the host optimizer's schedule the run uses (inside backward or after it)
+                clipping=not self._step_in_backward,
+            )
+        device = torch.device(args.device)
+        with torch.random.fork_rng(devices=rng_devices(device)):  # the trace's dropout
+            model, self.engine_optimizer, self.layout = protrain.wrap(
+                model,
+                device=device,
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+                param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
+                **{"clipping": self.max_grad_norm is not None, **config.wrap_kwargs(),
+                   **plan_kwargs},
+            )  # fmt: skip
+        self.engine_step.optimizer = self.engine_optimizer
+        self.plan = protrain.plan_of(model)
+        if self.plan is not None:
+            log.info("protrain memory plan from the first training batch %s:\n%s",
+                     _shape(sample_batch), self.plan)  # fmt: skip
+
+    def get_train_dataloader(self) -> DataLoader:
+        """The Trainer's loader; with ``ProTrainConfig.gpu_budget``, the model is wrapped here
+        under the plan for the loader's first batch (``planning.py``), before the Trainer
+        creates the optimizer."""
+        loader = super().get_train_dataloader()
+        if not self.wrapped:
+            batch = planning_batch(loader, torch.device(self.args.device), self.protrain_config)
+            self._wrap(self.model, self.args, sample_batch=batch)
+            if self._resume_dir is not None:
+                load_engine_state(self.model, self._trainable_names, self._resume_dir)
+                self._resume_dir = None
+        return loader
 
     # ---- optimizer and step -------------------------------------------------------------
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """The engine's optimizer (built at wrap time, with the Trainer's groups)."""
+        if not self.wrapped:
+            raise RuntimeError(
+                "ProTrainTrainer: with ProTrainConfig.gpu_budget the engine's optimizer exists "
+                "once train() has planned from the first batch"
+            )
         self.optimizer = self.engine_optimizer
         return self.optimizer
 
@@ -154,6 +220,8 @@ class ProTrainTrainer(Trainer):
         it); a checkpoint (``_internal_call``, from the Trainer) also holds the fp32 masters
         that an exact resume reads."""
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if not self.wrapped:  # a budget and no training yet: the plain model, as it is
+            return super().save_model(output_dir, _internal_call)
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             save_pretrained_gathered(self.model, output_dir, self._param_dtypes)
@@ -161,18 +229,41 @@ class ProTrainTrainer(Trainer):
                 save_engine_state(self.model, self._trainable_names, output_dir)
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
-            torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            torch.save(self._saved_args, os.path.join(output_dir, TRAINING_ARGS_NAME))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None):
-        # Private: see [Note: the private hook].
-        load_engine_state(self.model, self._trainable_names, resume_from_checkpoint)
+        # Private: see [Note: the private hook]. With a budget the model is wrapped later, in
+        # get_train_dataloader, which loads the checkpoint then.
+        if self.wrapped:
+            load_engine_state(self.model, self._trainable_names, resume_from_checkpoint)
+        else:
+            self._resume_dir = resume_from_checkpoint
 
     def close(self) -> nn.Module:
         """Give back the engine's memory, threads and hooks; return the plain model, each
         parameter holding its trained value in its own dtype."""
+        if not self.wrapped:
+            return self.model
         return protrain.close(self.model)
+
+
+def _shape(batch: dict | None) -> str:
+    ids = batch.get("input_ids") if batch else None
+    return "x".join(map(str, ids.shape)) if torch.is_tensor(ids) else ""
+
+
+@functools.cache
+def _unplaced(args_cls: type) -> type:
+    """``args_cls`` whose ``place_model_on_device`` is False (the property's documented use:
+    "can be subclassed and overridden for some specific integrations"). Defined once per
+    class, under this module, so that it pickles."""
+    name = f"Unplaced{args_cls.__name__}"
+    sub = type(name, (args_cls,), {"place_model_on_device": property(lambda self: False),
+                                   "__module__": __name__})  # fmt: skip
+    globals()[name] = sub
+    return sub
 
 
 def _param_groups(model: nn.Module, decay_names: list[str], args: TrainingArguments) -> list[dict]:

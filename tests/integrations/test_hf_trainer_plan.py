@@ -1,0 +1,124 @@
+"""ProTrainTrainer with a GPU budget: the memory plan from the Trainer's own first batch
+(ProTrainConfig.gpu_budget), logged once, training to the Trainer's own losses (the
+tolerance of the application's auto tests), and resuming exactly from its checkpoints."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from protrain.integrations.transformers import ProTrainConfig
+from protrain.integrations.transformers.planning import pad_to
+
+from .test_hf_trainer import EngineTrainer, dataset, run_plain, tiny_model, trained_state
+from .test_hf_trainer import arguments as trainer_arguments
+
+BUDGET = "100MiB"  # on the CPU: the engine's tensor bytes as the planner counts them
+
+
+@pytest.fixture
+def plan_log():
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(logging.INFO)
+    logger = logging.getLogger("protrain.integrations")
+    logger.addHandler(handler)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(old)
+
+
+def planned_trainer(tmp, lora, max_grad_norm, config, **kw) -> EngineTrainer:
+    trainer = EngineTrainer(
+        model=tiny_model(lora),
+        args=trainer_arguments(tmp, max_grad_norm, **kw),
+        train_dataset=dataset(),
+        protrain_config=config,
+    )
+    trainer.losses = []
+    return trainer
+
+
+@pytest.mark.parametrize(
+    ("lora", "max_grad_norm", "config"),
+    [
+        # the user fixes n_persist=1 and the chunk size: offloaded chunks; the planner
+        # chooses n_buffer and the activation knobs
+        (False, 0.05, ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19)),
+        # everything planned, from a batch padded to the widest the data can give
+        (True, 0.0, ProTrainConfig(gpu_budget=BUDGET, plan_sequence_len=32)),
+    ],
+    ids=["full-clip-fixed", "lora-noclip-auto"],
+)
+def test_plan_from_first_batch_gives_the_trainers_losses(
+    tmp_path, plan_log, lora, max_grad_norm, config
+):
+    losses, state, _, _ = run_plain(tmp_path / "plain", lora, max_grad_norm)
+    trainer = planned_trainer(tmp_path / "planned", lora, max_grad_norm, config)
+    assert not trainer.wrapped and trainer.plan is None  # until the first batch
+    assert next(trainer.model.parameters()).device.type == "cpu"
+    trainer.train()
+    plan = trainer.plan
+    assert plan is not None and trainer.layout.n_persist == plan.n_persist
+    if config.n_persist is not None:
+        assert plan.n_persist == 1 and plan.chunk_size_bytes == 1 << 19
+        assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
+    shape = "2x32" if config.plan_sequence_len else "2x24"  # per_device_train_batch_size=2
+    lines = [m for m in plan_log if m.startswith("protrain memory plan from the first")]
+    assert len(lines) == 1 and f"batch {shape}:" in lines[0] and str(plan) in lines[0]
+    torch.testing.assert_close(trainer.losses, losses, rtol=1e-5, atol=1e-6)
+    got = trained_state(trainer)
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+    trainer.close()
+
+
+def test_resume_with_a_budget_continues_exactly(tmp_path):
+    """The checkpoint is read after the model is wrapped at the first batch."""
+    config = ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19)
+    save = dict(save_strategy="steps", save_steps=2)
+    whole = planned_trainer(tmp_path / "whole", False, 0.05, config, **save)
+    whole.train()
+    resumed = planned_trainer(tmp_path / "resumed", False, 0.05, config, **save)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert resumed.plan.knobs == whole.plan.knobs
+    torch.testing.assert_close(resumed.losses, whole.losses[len(resumed.losses) :], rtol=0, atol=0)
+    want, got = trained_state(whole), trained_state(resumed)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0)
+    whole.close()
+    resumed.close()
+
+
+def test_pad_to_keeps_the_batch_and_pads_its_tokens():
+    ids = torch.tensor([[5, 6, 7]])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
+             "position_ids": torch.tensor([[0, 1, 2]])}  # fmt: skip
+    padded = pad_to(batch, 5)
+    assert padded["input_ids"].tolist() == [[5, 6, 7, 0, 0]]
+    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0, 0]]
+    assert padded["labels"].tolist() == [[5, 6, 7, -100, -100]]
+    assert padded["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
+    assert pad_to(batch, 2) is batch
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpu_budget": "lots"}, "ProTrainConfig.gpu_budget: 'lots' is not a size"),
+        ({"cpu_budget": "8GiB"}, "read only by the planner: set gpu_budget"),
+        ({"gpu_budget": "1GiB", "offload_checkpoint": True}, "offload_checkpoint=True is not"),
+        ({"gpu_budget": "1GiB", "plan_sequence_len": 0}, "plan_sequence_len=0 is not allowed"),
+    ],
+)
+def test_bad_budget_settings_are_one_clear_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ProTrainConfig(**kwargs)
