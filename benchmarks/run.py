@@ -75,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--distributed-mode", choices=["sharded", "replicated"],
         help="protrain under torchrun: how offloaded chunks are kept across ranks",
     )  # fmt: skip
+    p.add_argument(
+        "--no-checkpointing", action="store_true",
+        help="plain / protrain with fixed knobs: no activation recompute (the default recomputes "
+             "every decoder layer); the row records checkpointing: none",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -128,6 +133,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         chunked_loss_tokens=args.chunked_loss_tokens,
         distributed_mode=args.distributed_mode,
         world_size=_world_size(),
+        checkpointing=not args.no_checkpointing,
     )
 
 
@@ -286,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": spec.world_size,
         # activation recompute: every decoder layer (HF) for the baselines and fixed knobs,
         # the plan's policies in auto mode
-        "checkpointing": "plan" if spec.auto else "every-layer",
+        "checkpointing": "plan" if spec.auto else ("every-layer" if spec.checkpointing else "none"),
         **result,  # extras: loss, error, and what the system reports per step
         "max_grad_norm": spec.max_grad_norm,
         "chunked_loss_tokens": spec.chunked_loss_tokens,

@@ -74,6 +74,24 @@ MODEL_SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
         rope_theta=500000.0,
     ),
+    "qwen3moe30b": dict(  # Qwen3-30B-A3B: 128 fused experts a layer, 8 routed a token
+        family="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        moe_intermediate_size=768,
+        num_hidden_layers=48,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
     "tiny": dict(
         family="llama",
         hidden_size=64,
@@ -121,6 +139,9 @@ WORKLOADS: dict[str, Workload] = {
     "lora-14b": Workload(
         "qwen14b", "lora", (4,), 2048, 24, ("protrain", "plain", "fsdp2_offload", "ds_z3_offload")
     ),
+    # LoRA, peft's all-linear: attention, router and the fused experts (through peft's
+    # ParamWrapper): 1.0 B trainable beside a 30.5 B bf16 base (61 GB, on the host)
+    "lora-moe30b": Workload("qwen3moe30b", "lora", (4,), 2048, 24, ("protrain", "fsdp2_offload")),
     # none of the baselines fits: the 4-bit base alone is 35 GB
     "qlora-70b": Workload("llama70b", "qlora", (1,), 2048, 24, ("protrain",)),
 }
@@ -145,7 +166,11 @@ def hf_config(model: str):
     shape = dict(MODEL_SHAPES[model])
     family = shape.pop("family")
     rope_theta = shape.pop("rope_theta")
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3_moe": transformers.Qwen3MoeConfig,
+    }[family]
     config = cls(
         **shape,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},

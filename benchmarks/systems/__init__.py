@@ -37,6 +37,7 @@ class RowSpec:
     chunked_loss_tokens: int | None = None  # protrain only: the app's chunked loss
     distributed_mode: str | None = None  # protrain only, several ranks: sharded | replicated
     world_size: int = 1  # ranks under torchrun; batch is per rank
+    checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer
 
 
 @dataclass

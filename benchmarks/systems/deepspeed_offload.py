@@ -75,7 +75,8 @@ def setup(spec: RowSpec) -> Trainer:
         keep_alive = None
         model = build_on_meta(hf_config_, dtype, spec.lora_rank)
         materialize(model, "cpu", fill_device=spec.device)
-    enable_checkpointing(model)
+    if spec.checkpointing:
+        enable_checkpointing(model)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)

@@ -42,7 +42,8 @@ def setup(spec: RowSpec) -> Trainer:
     model = build_on_meta(hf_config(spec.model), dtype, spec.lora_rank)
     # With CPU offload FSDP2 wants its sharded parameters on the host before sharding.
     materialize(model, "cpu", fill_device=spec.device)
-    enable_checkpointing(model)
+    if spec.checkpointing:
+        enable_checkpointing(model)
     model.train()
     policy = dict(
         # pinning needs an accelerator: the CPU-only check of the harness runs unpinned

@@ -14,7 +14,8 @@ def setup(spec: RowSpec) -> Trainer:
     dtype = torch.bfloat16 if spec.mode == "lora" else torch.float32
     model = build_on_meta(hf_config(spec.model), dtype, spec.lora_rank)
     materialize(model, spec.device, fill_device=spec.device)
-    enable_checkpointing(model)
+    if spec.checkpointing:
+        enable_checkpointing(model)
     model.train()
     return adamw_trainer(model, spec, autocast=True)
 

@@ -21,7 +21,7 @@ def setup(spec: RowSpec) -> Trainer:
     import protrain
 
     model = build_for_mode(hf_config(spec.model), spec.mode, spec.lora_rank, spec.device)
-    if not spec.auto:  # auto: the plan's activation policies instead
+    if not spec.auto and spec.checkpointing:  # auto: the plan's activation policies instead
         enable_checkpointing(model)
     model.train()
     knobs = {

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Session 13. PART=fits (one GPU): issue 21's fits check: Llama-3.2-1B full fine-tuning at
+# batch 1 and 8, auto mode beside plain PyTorch with and without recompute, no clipping,
+# 70 GiB on an H100 (80 on an H200); then issue 24's long run (benchmarks/long_run.py:
+# 500 LoRA steps under auto mode, killed twice and resumed, against two straight runs).
+source benchmarks/sessions/lib.sh
+nvidia-smi -L; nproc; free -g | head -2
+case "${PART:-fits}" in
+fits)
+  G=70; nvidia-smi -L | grep -q H200 && G=80
+  F="--workload fits --budget-gib $G --out $OUT/fits.jsonl"
+  for b in 1 8; do
+    row 100 $F --batch $b $A
+    row 80 $F --batch $b --system plain --no-checkpointing
+    row 80 $F --batch $b --system plain
+  done
+  l=$(left); [ "$l" -gt 60 ] && timeout $(( l - 10 )) python3 benchmarks/long_run.py \
+    --commit $C --gpu-budget 2GiB --work /tmp/long_run --out $OUT/long-run.jsonl 2>&1 | tail -3
+  tail -c 3000 /tmp/long_run/killed.log > $OUT/long-run-killed-tail.log 2>/dev/null
+  ;;
+esac
