@@ -4,10 +4,10 @@
   Content may be a string or a list of parts (`{"type": "text", "text": ...}`,
   `{"type": "image", ...}`, `{"type": "audio", ...}`); an assistant message may carry `reasoning_content`.
   Tool calling, in the OpenAI / transformers shape: an assistant message's `tool_calls`
-  (`[{"type": "function", "function": {"name": ..., "arguments": ...}}]`, `arguments` passed as
-  given: most templates want an object, DeepSeek's a JSON string) with `content` null, empty or
-  text; results as `tool` (or `ipython`, `function`) messages with `tool_call_id` / `name`. Every
-  other key of a message (`id`, `prefix`, ...) reaches the template as it is, and so does every
+  (`[{"type": "function", "function": {"name": ..., "arguments": ...}}]`, `arguments` an object
+  or JSON text of one, converted to what the template wants: `tool_arguments.py`) with `content`
+  null, empty or text; results as `tool` (or `ipython`, `function`) messages with `tool_call_id` /
+  `name`. Every other key of a message (`id`, `prefix`, ...) reaches the template as it is, and so does every
   column of the row that the template reads: `tools` (a list of schemas, or its JSON text),
   `builtin_tools`, `date_string`, `documents`, `enable_thinking`, ...
 - `completion`: `prompt` and `completion` (and an optional `system`).
@@ -24,8 +24,10 @@ from typing import Any
 
 from protrain.train.data.config import DEFAULT_ROLE_MAP, DatasetConfig
 from protrain.train.data.errors import DataError
+from protrain.train.data.tool_arguments import check_arguments
 
 MEDIA_PART_TYPES = ("image", "video", "audio")
+_EXAMPLE_ARGUMENTS = '{"city": "Paris"}'
 
 
 @dataclass
@@ -110,6 +112,16 @@ def _check_tool_calls(calls: Any, dataset: str, row: int, where: str) -> list[An
                 dataset=dataset,
                 row=row,
                 field=f"{where}[{j}]",
+            )
+        problem = check_arguments(fn["arguments"]) if "arguments" in fn else "no arguments"
+        if problem is not None:
+            raise DataError(
+                f"{problem}; a tool call's arguments must be an object, e.g. "
+                f"{_EXAMPLE_ARGUMENTS}, or JSON text of one, e.g. {json.dumps(_EXAMPLE_ARGUMENTS)} "
+                "({} for none)",
+                dataset=dataset,
+                row=row,
+                field=f"{where}[{j}]" + (".function" if fn is not call else "") + ".arguments",
             )
     return calls
 

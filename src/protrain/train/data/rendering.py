@@ -41,6 +41,12 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from protrain.train.data.tool_arguments import (
+    ArgumentsForm,
+    probe_arguments_form,
+    with_arguments_form,
+)
+
 logger = logging.getLogger("protrain.train.data")
 
 # End-of-turn markers of the template families; only those in the tokenizer's vocabulary count.
@@ -231,6 +237,8 @@ class ChatRenderer:
         )
         self._longest_special = max((len(s) for s in specials), default=0)
         self._warned_null_content = False
+        self._arguments_form: ArgumentsForm | None = None
+        self._warned_dropped_system = False
 
     # --- rendering ----------------------------------------------------------------------------
 
@@ -247,19 +255,13 @@ class ChatRenderer:
         add_generation_prompt: bool,
         with_generation_spans: bool = False,
     ):
-        if not self.renders_with_tokenizer:
-            # Processors place media parts themselves; they get the same template arguments.
-            return self.renderer.apply_chat_template(
-                messages,
-                chat_template=self.template,
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                **kwargs,
-            )
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        # Rendered like `apply_chat_template`, except that a null content stays None: templates
-        # branch on it (DeepSeek's tool calls are written only for `content is none`).
+        # Rendered as `apply_chat_template` renders (tokenizers and processors alike: processors
+        # take the same arguments, special tokens from their tokenizer), except that a null
+        # content stays None, where `apply_chat_template` drops the key: templates branch on it
+        # (DeepSeek writes tool calls only for `content is none`).
+        tokenizer = getattr(self.renderer, "tokenizer", None) or self.renderer
         extra = dict(kwargs)
         tools = extra.pop("tools", None)
         documents = extra.pop("documents", None)
@@ -270,7 +272,7 @@ class ChatRenderer:
             chat_template=self.template,
             add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_generation_spans,
-            **{**self.renderer.special_tokens_map, **extra},
+            **{**tokenizer.special_tokens_map, **extra},
         )
         if with_generation_spans:
             return rendered[0], [tuple(s) for s in spans[0]]
@@ -296,9 +298,11 @@ class ChatRenderer:
     ) -> tuple[list[dict[str, Any]], str]:
         """The messages as the template takes them, and their full rendering.
 
-        A null content is given to the template as None; a template that cannot render it
+        Tool-call arguments are given in the form the template wants (`tool_arguments.py`). A
+        null content is given to the template as None; a template that cannot render it
         (Qwen3 tests `'</think>' in content`) gets an empty string instead, said once.
         """
+        messages = with_arguments_form(messages, self.arguments_form)
         try:
             return messages, self.render(messages, kwargs=kwargs)
         except TemplateRenderError:
@@ -313,6 +317,15 @@ class ChatRenderer:
                 "contents are rendered as empty strings"
             )
         return emptied, text
+
+    @property
+    def arguments_form(self) -> ArgumentsForm:
+        """The form of tool-call arguments this template writes as JSON (probed once)."""
+        if self._arguments_form is None:
+            self._arguments_form = probe_arguments_form(
+                lambda messages: self._render_once(messages, {}, add_generation_prompt=False)
+            )
+        return self._arguments_form
 
     def generation_spans(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None
@@ -552,6 +565,15 @@ class ChatRenderer:
             stop = self._find_text(text, last, pos, len(text)) if pos >= 0 else -1
             if stop >= 0:
                 return pos, stop + len(last)
+            if not self._warned_dropped_system:
+                # Mistral v3 writes the system prompt only when the conversation ends with a
+                # user turn: a training row keeps the other messages, placed by their prefixes.
+                self._warned_dropped_system = True
+                logger.warning(
+                    "the chat template does not write the system message of some conversations "
+                    "(Mistral's writes it only into a final user turn); they are trained without it"
+                )
+            return None
         if message["role"] == "assistant" and _tool_call_names(message):
             return None  # templates may write only the tool calls (Llama 3.x, Mistral)
         raise TemplateMismatch(
