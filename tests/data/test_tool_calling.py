@@ -300,6 +300,55 @@ NEMO_EXPECTED = (
     "[INST]and?[/INST]⟦[INST]</s>⟧"
 )
 
+# --- Mistral v0.3 (v3 template): spaced markers, trimmed answers after a space, the system
+# prompt only in a final user turn (a conversation ending with an answer drops it) ---------------
+
+MISTRAL_V3_CONVO = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Weather in Paris and Rome?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            call("get_weather", '{"city": "Paris"}', "abcdefghi"),  # JSON text: made an object
+            call("get_weather", {"city": "Rome"}, "123456789"),
+        ],
+    },
+    {"role": "tool", "content": "Paris", "tool_call_id": "abcdefghi"},
+    {"role": "tool", "content": "rain", "tool_call_id": "123456789"},
+    {"role": "assistant", "content": "  Paris  "},
+    {"role": "user", "content": "And Oslo?"},
+    {"role": "assistant", "tool_calls": [call("get_weather", {"city": "Oslo"}, "oslo00001")]},
+    {"role": "tool", "content": '{"city": "Oslo"}', "tool_call_id": "oslo00001"},
+    {"role": "assistant", "content": "Snow."},
+    {"role": "user", "content": "ok"},
+    {"role": "assistant", "content": ""},
+    {"role": "user", "content": "and?"},
+    {"role": "assistant", "content": "[INST]"},
+]
+
+
+def mistral_v3_calls(*cities_ids):
+    calls = ", ".join(
+        f'{{"name": "get_weather", "arguments": {{"city": "{city}"}}, "id": "{call_id}"}}'
+        for city, call_id in cities_ids
+    )
+    return f"⟦[TOOL_CALLS] [{calls}]</s>⟧"
+
+
+MISTRAL_V3_EXPECTED = (
+    "<s>[INST] Weather in Paris and Rome?[/INST]"
+    + mistral_v3_calls(("Paris", "abcdefghi"), ("Rome", "123456789"))
+    + '[TOOL_RESULTS] {"content": Paris, "call_id": "abcdefghi"}[/TOOL_RESULTS]'
+    '[TOOL_RESULTS] {"content": rain, "call_id": "123456789"}[/TOOL_RESULTS]'
+    "⟦ Paris</s>⟧[INST] And Oslo?[/INST]"
+    + mistral_v3_calls(("Oslo", "oslo00001"))
+    + '[TOOL_RESULTS] {"content": {"city": "Oslo"}, "call_id": "oslo00001"}[/TOOL_RESULTS]'
+    "⟦ Snow.</s>⟧[INST] ok[/INST]⟦ </s>⟧"
+    "[AVAILABLE_TOOLS] [" + json.dumps(WEATHER) + "][/AVAILABLE_TOOLS]"
+    "[INST] and?[/INST]⟦ [INST]</s>⟧"
+)
+
 # --- DeepSeek: R1 (tool calls only for content null, arguments as JSON text) and V3.1 --------
 
 DEEPSEEK_CONVO = [
@@ -327,6 +376,55 @@ R1_EXPECTED = (
     "<｜tool▁outputs▁end｜>⟦Sunny.<｜end▁of▁sentence｜>⟧"
     "<｜User｜>ok<｜Assistant｜>⟦<｜end▁of▁sentence｜>⟧"
     "<｜User｜>who?<｜Assistant｜>⟦Assistant<｜end▁of▁sentence｜>⟧"
+)
+
+# DeepSeek-V3's first template: a single call is never closed, `is_first` and `is_output_first`
+# are never reset (a later call turn and its results lose their opening markers), the answer
+# after tool results follows `<｜tool▁outputs▁end｜>` without a header.
+V3_CONVO = [
+    *DEEPSEEK_CONVO[:2],
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            call("get_weather", {"city": "Paris"}),  # an object: written as JSON text
+            call("get_weather", '{"city": "Rome"}'),
+        ],
+    },
+    {"role": "tool", "content": '{"city": "Paris"}'},
+    {"role": "tool", "content": "rain"},
+    {"role": "assistant", "content": "Sunny."},
+    {"role": "user", "content": "And Oslo?"},
+    {"role": "assistant", "tool_calls": [call("get_weather", {"city": "Oslo"})]},
+    {"role": "tool", "content": "snow"},
+    {"role": "assistant", "content": "Snow."},
+    *DEEPSEEK_CONVO[5:8],
+    {"role": "assistant", "content": "<｜Assistant｜>"},
+]
+
+
+def v3_call(city, first=False):
+    opening = "<｜tool▁calls▁begin｜>" if first else "\n"
+    return (
+        f"{opening}<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+        f'```json\n{{"city": "{city}"}}\n```<｜tool▁call▁end｜>'
+    )
+
+
+V3_EXPECTED = (
+    "<｜begin▁of▁sentence｜>Use tools.<｜User｜>Weather in Paris?<｜Assistant｜>"
+    "⟦"
+    + v3_call("Paris", first=True)
+    + v3_call("Rome")
+    + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>⟧"
+    '<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>{"city": "Paris"}<｜tool▁output▁end｜>'
+    "\n<｜tool▁output▁begin｜>rain<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    "⟦Sunny.<｜end▁of▁sentence｜>⟧<｜User｜>And Oslo?"
+    "⟦" + v3_call("Oslo") + "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>⟧"
+    "\n<｜tool▁output▁begin｜>snow<｜tool▁output▁end｜><｜tool▁outputs▁end｜>"
+    "⟦Snow.<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>ok<｜Assistant｜>⟦<｜end▁of▁sentence｜>⟧"
+    "<｜User｜>who?<｜Assistant｜>⟦<｜Assistant｜><｜end▁of▁sentence｜>⟧"
 )
 
 V3_1_CONVO = [
@@ -402,7 +500,14 @@ CASES = {
         {"messages": NEMO_CONVO, "tools": [WEATHER]},
         NEMO_EXPECTED,
     ),
+    "mistral_v0_3": (
+        "mistral_v0_3",
+        "mistral",
+        {"messages": MISTRAL_V3_CONVO, "tools": [WEATHER]},
+        MISTRAL_V3_EXPECTED,
+    ),
     "deepseek_r1": ("deepseek_r1", "deepseek", {"messages": DEEPSEEK_CONVO}, R1_EXPECTED),
+    "deepseek_v3": ("deepseek_v3", "deepseek", {"messages": V3_CONVO}, V3_EXPECTED),
     "deepseek_v3_1": ("deepseek_v3_1", "deepseek", {"messages": V3_1_CONVO}, V3_1_EXPECTED),
     "phi3_5": ("phi3_5", "phi", {"messages": PHI_CONVO}, PHI_EXPECTED),
 }
@@ -445,17 +550,18 @@ def test_family_tool_conversation_trained_spans(tmp_path, case, kind):
     assert item["labels"] == labels
 
 
-@pytest.mark.parametrize("case", ["qwen2_5", "llama3_1", "mistral_nemo", "deepseek_v3_1"])
+@pytest.mark.parametrize(
+    "case", ["qwen2_5", "llama3_1", "mistral_nemo", "mistral_v0_3", "deepseek_v3", "deepseek_v3_1"]
+)
 def test_tool_calls_can_be_kept_as_context(tmp_path, case):
     """`train_on_tool_calls: false`: only the answers are trained."""
     template, family, row, expected = _case(case)
     tok = byte_tokenizer(**SPECIALS[family])
     item = _encode(tmp_path, tok, [row], template, train_on_tool_calls=False)[0]
-    # The first trained piece of each case is its tool-calling turn.
+    # The trained pieces that hold a call are the tool-calling turns; the first trained piece is one.
     pieces = marked_pieces(expected)
-    first = next(k for k, (_, trained) in enumerate(pieces) if trained)
-    assert "get_weather" in pieces[first][0]
-    pieces[first] = (pieces[first][0], False)
+    assert "get_weather" in next(text for text, trained in pieces if trained)
+    pieces = [(text, trained and "get_weather" not in text) for text, trained in pieces]
     assert item["labels"] == expected_labels(tok, pieces)[2]
 
 

@@ -14,7 +14,8 @@ sample_packing: true
 
 Masking keys (`train_on_inputs`, `roles_to_train`, `train_on_eos`, `train_on_tool_calls`,
 `chat_template`) may be set at the top level and overridden per dataset; `None` in a dataset
-entry means "inherit".
+entry means "inherit". `chat_template_kwargs` (variables for every render of the template) is
+merged: a dataset's keys over the top-level ones.
 """
 
 from __future__ import annotations
@@ -47,6 +48,36 @@ DEFAULT_ROLE_MAP = {
 
 # Keys of `from_pretrained` that the project sets itself; `processor_kwargs` cannot override them.
 MANAGED_PROCESSOR_KWARGS = ("revision", "trust_remote_code")
+
+
+# Names the renderer sets itself; `chat_template_kwargs` cannot set them.
+RESERVED_TEMPLATE_KWARGS = (
+    "messages",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_assistant_tokens_mask",
+    "tokenize",
+    "chat_template",
+)
+
+
+def check_template_kwargs(value: Any) -> dict[str, Any]:
+    """Config-time check of `chat_template_kwargs`: a mapping of template variable names."""
+    if not isinstance(value, dict):
+        raise ValueError(
+            f"chat_template_kwargs: must be a mapping of template variable names to values, "
+            f"e.g. {{enable_thinking: false}}; got {type(value).__name__} {value!r}"
+        )
+    bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise ValueError(f"chat_template_kwargs: {bad} are not template variable names")
+    reserved = [k for k in value if k in RESERVED_TEMPLATE_KWARGS]
+    if reserved:
+        raise ValueError(
+            f"chat_template_kwargs: {reserved} are set by protrain itself; "
+            f"not allowed: {list(RESERVED_TEMPLATE_KWARGS)}"
+        )
+    return value
 
 
 def _check_roles(roles: list[str] | None, key: str) -> list[str] | None:
@@ -96,6 +127,9 @@ class DatasetConfig(BaseModel):
     train_on_eos: TrainOnEos | None = None
     train_on_tool_calls: bool | None = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        default=None, description="template variables for this dataset, over the top-level ones"
+    )
 
     @field_validator("roles_to_train")
     @classmethod
@@ -106,6 +140,11 @@ class DatasetConfig(BaseModel):
     @classmethod
     def _template(cls, v: str | None) -> str | None:
         return check_template_spec(v)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v: Any) -> Any:
+        return None if v is None else check_template_kwargs(v)
 
     @field_validator("roles")
     @classmethod
@@ -175,6 +214,11 @@ class DataSettings(BaseModel):
         default=None,
         description="built-in name, Jinja string or file; default: the tokenizer's own template",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="variables passed to the chat template on every render (enable_thinking, "
+        "date_string, ...); a row's own columns of the same name win",
+    )
     train_on_inputs: bool = False
     roles_to_train: list[str] = Field(default_factory=lambda: ["assistant"])
     train_on_eos: TrainOnEos = "turn"
@@ -200,6 +244,11 @@ class DataSettings(BaseModel):
     @classmethod
     def _template(cls, v: str | None) -> str | None:
         return check_template_spec(v)
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v: Any) -> Any:
+        return check_template_kwargs(v)
 
     @field_validator("processor_type")
     @classmethod

@@ -120,6 +120,8 @@ class DatasetEncoder:
         self.vision = None
         self.boundaries: list[Boundary] | None = None
         self._warned_tools = False
+        # Config variables for every render; a row's own columns of the same name win.
+        self.template_kwargs = {**settings.chat_template_kwargs, **(cfg.chat_template_kwargs or {})}
         if cfg.type == "chat":
             spec = cfg.chat_template if cfg.chat_template is not None else settings.chat_template
             source = processor if processor is not None else tokenizer
@@ -145,6 +147,8 @@ class DatasetEncoder:
     def encode_row(self, row: dict[str, Any], row_index: int) -> Encoded:
         variables = self.renderer.variables if self.renderer is not None else frozenset()
         sample = parse_row(row, self.cfg, row_index, variables)
+        if isinstance(sample, ChatSample) and self.template_kwargs:
+            sample.template_kwargs = {**self.template_kwargs, **sample.template_kwargs}
         if row.get("tools") and "tools" not in variables and not self._warned_tools:
             self._warned_tools = True
             logger.warning(

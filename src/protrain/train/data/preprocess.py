@@ -1,9 +1,9 @@
 """Tokenize once and cache: `protrain preprocess CONFIG`, and reuse by `build_train_dataset`.
 
 The cache lives under `dataset_prepared_path/<fingerprint>/` where the fingerprint hashes
-everything the tokenized data depends on: the data settings, the tokenizer (name, vocabulary
-size, special tokens, template), `sequence_len`, the seed, and the size and modification time
-of each local data file. A changed input gives a new folder, never a stale cache.
+everything the tokenized data depends on: the data settings (`chat_template_kwargs` included),
+the tokenizer (name, vocabulary size, special tokens, template), `sequence_len`, the seed, and
+the size and modification time of each local data file. A changed input gives a new folder, never a stale cache.
 Text-only data is stored with `datasets.save_to_disk` (Arrow, memory-mapped); data with media
 tensors with `torch.save`.
 """
@@ -23,7 +23,7 @@ from protrain.train.data.errors import DataError
 
 logger = logging.getLogger("protrain.train.data")
 
-_FORMAT_VERSION = 2  # masks of tool-calling rows and look-ahead templates changed
+_FORMAT_VERSION = 3  # tool-call arguments in the form the template wants
 
 
 class ArrowItems(torch.utils.data.Dataset):
