@@ -5,7 +5,7 @@
   `{"type": "image", ...}`, `{"type": "audio", ...}`); an assistant message may carry `reasoning_content`.
   Tool calling, in the OpenAI / transformers shape: an assistant message's `tool_calls`
   (`[{"type": "function", "function": {"name": ..., "arguments": ...}}]`, `arguments` an object
-  or JSON text of one, converted to what the template wants: `tool_arguments.py`) with `content`
+  or JSON text of one, converted to what the template wants: `tool_call_form.py`) with `content`
   null, empty or text; results as `tool` (or `ipython`, `function`) messages with `tool_call_id` /
   `name`. Every other key of a message (`id`, `prefix`, ...) reaches the template as it is, and so does every
   column of the row that the template reads: `tools` (a list of schemas, or its JSON text),
@@ -24,7 +24,7 @@ from typing import Any
 
 from protrain.train.data.config import DEFAULT_ROLE_MAP, DatasetConfig
 from protrain.train.data.errors import DataError
-from protrain.train.data.tool_arguments import check_arguments
+from protrain.train.data.tool_call_form import check_arguments
 
 MEDIA_PART_TYPES = ("image", "video", "audio")
 _EXAMPLE_ARGUMENTS = '{"city": "Paris"}'

@@ -41,10 +41,10 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
-from protrain.train.data.tool_arguments import (
-    ArgumentsForm,
-    probe_arguments_form,
-    with_arguments_form,
+from protrain.train.data.tool_call_form import (
+    ToolCallForm,
+    probe_tool_call_form,
+    with_tool_call_form,
 )
 
 logger = logging.getLogger("protrain.train.data")
@@ -237,7 +237,7 @@ class ChatRenderer:
         )
         self._longest_special = max((len(s) for s in specials), default=0)
         self._warned_null_content = False
-        self._arguments_form: ArgumentsForm | None = None
+        self._tool_call_form: ToolCallForm | None = None
         self._warned_dropped_system = False
 
     # --- rendering ----------------------------------------------------------------------------
@@ -298,11 +298,11 @@ class ChatRenderer:
     ) -> tuple[list[dict[str, Any]], str]:
         """The messages as the template takes them, and their full rendering.
 
-        Tool-call arguments are given in the form the template wants (`tool_arguments.py`). A
-        null content is given to the template as None; a template that cannot render it
+        Tool calls are given in the form the template wants (`tool_call_form.py`). A null
+        content is given to the template as None; a template that cannot render it
         (Qwen3 tests `'</think>' in content`) gets an empty string instead, said once.
         """
-        messages = with_arguments_form(messages, self.arguments_form)
+        messages = with_tool_call_form(messages, self.tool_call_form)
         try:
             return messages, self.render(messages, kwargs=kwargs)
         except TemplateRenderError:
@@ -319,13 +319,13 @@ class ChatRenderer:
         return emptied, text
 
     @property
-    def arguments_form(self) -> ArgumentsForm:
-        """The form of tool-call arguments this template writes as JSON (probed once)."""
-        if self._arguments_form is None:
-            self._arguments_form = probe_arguments_form(
+    def tool_call_form(self) -> ToolCallForm:
+        """The form in which this template writes tool calls and their arguments (probed once)."""
+        if self._tool_call_form is None:
+            self._tool_call_form = probe_tool_call_form(
                 lambda messages: self._render_once(messages, {}, add_generation_prompt=False)
             )
-        return self._arguments_form
+        return self._tool_call_form
 
     def generation_spans(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None = None
@@ -525,10 +525,15 @@ class ChatRenderer:
         if names:
             missing = [name for name in names if name not in text[start:end]]
             if missing:
+                why = (
+                    "it writes tool calls only beside a null content (DeepSeek R1, V3): drop the "
+                    "text or use another template"
+                    if self.tool_call_form.empty_content_as_null
+                    else "use a chat template with tool support"
+                )
                 raise TemplateMismatch(
                     i,
-                    f"the chat template does not render this message's tool call(s) {missing}; "
-                    "use a chat template with tool support",
+                    f"the chat template does not render this message's tool call(s) {missing}; {why}",
                 )
         if role == "system" and content is not None and not b <= content[0] < end:
             # A system prompt the template moved: its body is its content, wherever it went.
