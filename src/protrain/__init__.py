@@ -6,7 +6,15 @@ first use, so that ``import protrain`` stays light (no torch import) for the CLI
 
 __version__ = "0.1.0"
 
-_ENGINE_API = ("wrap", "close", "state_dict", "load_state_dict", "plan_of")
+_ENGINE_API = (
+    "wrap",
+    "close",
+    "state_dict",
+    "load_state_dict",
+    "full_tensor",
+    "own_values",
+    "plan_of",
+)
 __all__ = ["__version__", *_ENGINE_API]
 
 

@@ -49,7 +49,16 @@ from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.hooks import RuntimeHooks
 from protrain.runtime.host_worker import HostWorker, default_host_threads
 
-__all__ = ["wrap", "close", "state_dict", "load_state_dict", "plan_of", "Engine"]
+__all__ = [
+    "wrap",
+    "close",
+    "state_dict",
+    "load_state_dict",
+    "full_tensor",
+    "own_values",
+    "plan_of",
+    "Engine",
+]
 
 log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -110,6 +119,45 @@ class Engine:
             if wanted is None or names & wanted:
                 out.update(manager.whole_values(c))
         return out
+
+    @torch.no_grad()
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """See :func:`full_tensor`."""
+        self._check_open()
+        self.optimizer.check_between_steps("protrain.full_tensor()")
+        self.optimizer.synchronize()
+        s = self._slots_by_name().get(name)
+        if s is None:  # a buffer, or a parameter the engine does not hold
+            return self.model.state_dict(keep_vars=True)[name].detach().to("cpu", copy=True)
+        if s.shard is not None:  # this rank's elements of a sharded chunk, from every rank
+            own = s.master if s.master is not None else s.host_view
+            c = self.manager.chunks[s.chunk]
+            value = self.manager.collectives.gather_param(c, s, own)
+        elif s.master is not None:
+            value = s.master
+        else:
+            value = s.host_view if s.host_view is not None else s.device_view
+        return value.to("cpu", s.orig_dtype, copy=True)
+
+    @torch.no_grad()
+    def own_values(self, names=None) -> dict[str, torch.Tensor]:
+        """See :func:`own_values`."""
+        self._check_open()
+        self.optimizer.check_between_steps("protrain.own_values()")
+        self.optimizer.synchronize()
+        wanted = None if names is None else set(names)
+        out = {}
+        for name, s in self._slots_by_name().items():
+            if wanted is not None and name not in wanted:
+                continue
+            value = s.master
+            if value is None:
+                value = s.host_view if s.host_view is not None else s.device_view
+            out[name] = value
+        return out
+
+    def _slots_by_name(self) -> dict[str, object]:
+        return {n: s for s in self.manager.slots() for n in s.placement.names}
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
@@ -499,10 +547,37 @@ def _engine(model: nn.Module) -> Engine:
     return engine
 
 
-def close(model: nn.Module) -> nn.Module:
-    """Give back every resource of the engine wrapping ``model``; return the plain model."""
-    _engine(model).close()
+def close(model: nn.Module, keep_weights: bool = True) -> nn.Module:
+    """Give back every resource of the engine wrapping ``model``; return the plain model.
+    ``keep_weights=False``: the weights were written elsewhere and are not needed again
+    (the end of a run): every parameter is left empty (no elements) instead of holding its
+    value, so that nothing is gathered or copied."""
+    engine = _engine(model)
+    if keep_weights:
+        engine.close()
+    else:
+        engine.close(originals={
+            s.param: torch.empty(0, dtype=s.orig_dtype, device=s.orig_device)
+            for s in engine.manager.slots()
+        })  # fmt: skip
     return model
+
+
+def full_tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """One entry of :func:`state_dict` (a parameter in its original dtype, the fp32 master's
+    value for a trainable one; or a buffer), whole, on the CPU, on every rank. With sharded
+    chunks a collective: every rank asks for the same names in the same order; only this
+    parameter's elements are gathered, so an export written one tensor at a time never holds
+    the whole model on any rank."""
+    return _engine(model).full_tensor(name)
+
+
+def own_values(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """This rank's own values of the parameters the engine holds (``names``: only those), no
+    collective: the fp32 master of a trainable parameter (of a sharded chunk: the elements
+    this rank owns, flat), else its storage. Views of the engine's memory, to read at once
+    (a check over every rank's own shards)."""
+    return _engine(model).own_values(names)
 
 
 def state_dict(

@@ -6,7 +6,10 @@ died, it kills the others.
 
 A rank whose environment holds `KILL_AT="<file>:<n>"` SIGKILLs itself just before it writes
 `<file>` for the nth time (`sharded_checkpoint.before_write`), or, for `_trash:<n>`, right
-after the nth checkpoint leaves the namespace while pruning (`checkpoint._trash`).
+after the nth checkpoint leaves the namespace while pruning (`checkpoint._trash`). With
+`EXPORT_TWICE="<max_shard_size>"` the final export of several ranks is written twice:
+streamed (`final/`) and gathered as before streaming (`final-gathered/`), both split into
+files of at most that size.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ SERVER = r"""
 import json, os, signal, sys
 import torch
 import protrain.train.loop, protrain.cli, transformers, peft  # the imports, paid once
+import protrain.train.fsdp2_trainable
 from protrain.cli import main
 
 def install_kill(spec):
@@ -45,6 +49,20 @@ def install_kill(spec):
         count("_trash")
     ckpt._trash = trash
 
+def install_export_twice(max_shard_size):
+    # the streamed export split at `max_shard_size`, then the gathered one (the engine
+    # closed, rank 0's save_pretrained) into final-gathered, for a test to compare
+    import protrain.train.streamed_export as streamed
+    real = streamed.export_streamed
+    def twice(trainable, tokenizer, final_dir, ranks, **kwargs):
+        real(trainable, tokenizer, final_dir, ranks, **kwargs, max_shard_size=max_shard_size)
+        model = trainable.export_model()
+        if ranks.is_main:
+            model.save_pretrained(final_dir.with_name("final-gathered"),
+                                  safe_serialization=True, max_shard_size=max_shard_size)
+            tokenizer.save_pretrained(final_dir.with_name("final-gathered"))
+    streamed.export_streamed = twice
+
 def child(request):
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
@@ -53,6 +71,8 @@ def child(request):
     torch.set_num_threads(1)
     if os.environ.get("KILL_AT"):
         install_kill(os.environ["KILL_AT"])
+    if os.environ.get("EXPORT_TWICE"):
+        install_export_twice(os.environ["EXPORT_TWICE"])
     try:
         code = main(request["argv"])
     except SystemExit as exc:
@@ -90,10 +110,17 @@ class RankServer:
             raise RuntimeError("the rank server died")
         return json.loads(line)
 
-    def run(self, world: int, argv: list[str], logs: Path, kill: tuple[int, str] | None = None):
-        """`protrain <argv>` on `world` ranks; when one dies the others are killed (as
-        torchrun does). The exit status of each rank."""
-        port = _free_port()
+    def run(
+        self,
+        world: int,
+        argv: list[str],
+        logs: Path,
+        kill: tuple[int, str] | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        """`protrain <argv>` on `world` ranks, ``env`` added to each rank's environment; when
+        one dies the others are killed (as torchrun does). The exit status of each rank."""
+        extra, port = env, _free_port()
         pids = []
         for rank in range(world):
             env = {
@@ -106,7 +133,8 @@ class RankServer:
             if kill is not None and kill[0] == rank:
                 env["KILL_AT"] = kill[1]
             log = logs.with_name(f"{logs.name}.rank{rank}.log")
-            pids.append(self._ask({"argv": argv, "log": str(log), "env": env})["pid"])
+            request = {"argv": argv, "log": str(log), "env": {**env, **(extra or {})}}
+            pids.append(self._ask(request)["pid"])
         status: dict[int, int] = {}
         deadline = time.monotonic() + 240
         while len(status) < world:

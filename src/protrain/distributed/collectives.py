@@ -74,3 +74,8 @@ class ChunkCollectives:
         from protrain.distributed.sharded_state import gather_fp32
 
         return gather_fp32(self, chunk, fragments)
+
+    def gather_param(self, chunk, slot, own: torch.Tensor) -> torch.Tensor:
+        from protrain.distributed.sharded_state import gather_param
+
+        return gather_param(self, chunk, slot, own)

@@ -285,7 +285,21 @@ class FSDP2Trainable(Trainable):
             raise RuntimeError(f"fsdp2 export: no weights gathered for {left[:5]}")
         return model
 
-    def close(self) -> None:
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """A DTensor's whole value on every rank (one all-gather), else the tensor."""
+        value = self.model.state_dict(keep_vars=True)[name].detach()
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return value.to("cpu", copy=True)
+
+    def own_trainable_values(self) -> dict[str, torch.Tensor]:
+        params = dict(self.model.named_parameters())
+        return {
+            name: p.to_local() if isinstance(p, DTensor) else p
+            for name, p in ((n, params[n].detach()) for n in self.names)
+        }
+
+    def close(self, keep_weights: bool = True) -> None:
         self.remove_activation_policies()
         if not self._closed:
             self._closed = True

@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 
 from protrain.train import checkpoint as ckpt
 from protrain.train import sharded_checkpoint as sharded
+from protrain.train import streamed_export
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
@@ -63,7 +64,12 @@ from protrain.train.modeling import (
     resolve_autocast_dtype,
     resolve_device,
 )
-from protrain.train.nonfinite import NonFiniteGuard, assert_finite
+from protrain.train.nonfinite import (
+    NonFiniteError,
+    NonFiniteGuard,
+    assert_finite,
+    first_nonfinite,
+)
 from protrain.train.planning import sample_batch
 from protrain.train.ranks import Ranks, start_ranks, stop_ranks
 from protrain.train.run_lock import RunLock, check_free_space
@@ -411,7 +417,21 @@ def _train(
 
     # -- 6. export
     result.steps = step
-    assert_finite(trainable.model_state(copy=False), "the final model")
+    if ranks.several:  # each rank checks its own shards, one verdict for all
+        _check_finite_over_ranks(trainable, ranks)
+        why_not = streamed_export.streamable(trainable)
+        if why_not is None:
+            streamed_export.export_streamed(
+                trainable, built.tokenizer, result.final_dir, ranks,
+                write_extra=_tiny_base_writer(cfg, built),
+            )  # fmt: skip
+            ranks.barrier()
+            trainable.close(keep_weights=False)  # written: nothing to gather back
+            logger.info("exported the trained model to %s", result.final_dir)
+            return result
+        logger.warning("export gathered on every rank (not streamed): %s", why_not)
+    else:
+        assert_finite(trainable.model_state(copy=False), "the final model")
     if ranks.is_main:
         export(trainable, built, cfg, result.final_dir)
     else:
@@ -446,14 +466,42 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> No
     model = trainable.export_model()
     model.save_pretrained(tmp, safe_serialization=True)
     built.tokenizer.save_pretrained(tmp)
-    if cfg.adapter.enabled and built.is_tiny:
-        # The built-in base exists nowhere else: ship it beside the adapter. It is the
-        # frozen random init, which the run's seed rebuilds exactly.
-        build_tiny_base(cfg).save_pretrained(tmp / "base_model", safe_serialization=True)
-        built.tokenizer.save_pretrained(tmp / "base_model")
+    write_extra = _tiny_base_writer(cfg, built)
+    if write_extra is not None:
+        write_extra(tmp)
     if final_dir.exists():
         shutil.rmtree(final_dir)
     tmp.rename(final_dir)
+
+
+def _tiny_base_writer(cfg: TrainConfig, built):
+    """The built-in base exists nowhere else: an adapter ships it beside itself. It is the
+    frozen random init, which the run's seed rebuilds exactly. None where not needed."""
+    if not (cfg.adapter.enabled and built.is_tiny):
+        return None
+
+    def write(tmp: Path) -> None:
+        build_tiny_base(cfg).save_pretrained(tmp / "base_model", safe_serialization=True)
+        built.tokenizer.save_pretrained(tmp / "base_model")
+
+    return write
+
+
+def _check_finite_over_ranks(trainable: Trainable, ranks: Ranks) -> None:
+    """`assert_finite` over every rank's own trainable values (its shards): no gather."""
+    bad = first_nonfinite(trainable.own_trainable_values())
+    first_bad_rank = int(ranks.max(-1 if bad is None else ranks.world_size - ranks.rank)[0])
+    if first_bad_rank < 0:
+        return
+    what = (
+        f"weight {bad!r}"
+        if bad is not None
+        else f"a weight of rank {ranks.world_size - first_bad_rank}"
+    )
+    raise NonFiniteError(
+        f"the final model not written: {what} is not finite (NaN or inf); the checkpoints "
+        "already written are kept. Try a lower learning_rate, or set max_grad_norm"
+    )
 
 
 # --------------------------------------------------------------------------------------

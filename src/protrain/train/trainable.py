@@ -94,6 +94,12 @@ class Trainable(abc.ABC):
         if chunked_loss_tokens is not None:
             check_chunked_loss_supported(model)
         self.activations = None  # the handle of applied activation policies, if any
+        # what an export writes, as the model is before any placement changes its storage
+        self.export_shapes = {
+            name: (tuple(t.shape), t.dtype) for name, t in model.state_dict(keep_vars=True).items()
+        }
+        self.export_param_dtypes = [(name, p.dtype) for name, p in model.named_parameters()]
+        self.export_numel = sum(p.numel() for p in model.parameters())  # ties counted once
 
     def apply_activation_knobs(self, cfg: TrainConfig) -> None:
         """Per-block activation policies and tiled MLP, from the `memory:` knobs."""
@@ -188,9 +194,21 @@ class Trainable(abc.ABC):
     def export_model(self) -> nn.Module:
         """The model with its trained weights, ready for `save_pretrained`."""
 
-    def close(self) -> None:
+    def full_tensor(self, name: str) -> torch.Tensor:
+        """One entry of the model's state dict, whole, on the CPU, in the dtype an export
+        writes, on every rank (a collective where the placement shards it: every rank asks
+        for the same names in the same order)."""
+        return self.model.state_dict(keep_vars=True)[name].detach().to("cpu", copy=True)
+
+    def own_trainable_values(self) -> dict[str, torch.Tensor]:
+        """The trainable values this rank holds (its own shards where they are sharded), by
+        name; no collective."""
+        return self.model_state(copy=False)
+
+    def close(self, keep_weights: bool = True) -> None:
         """Give back what the placement holds (activation hooks; the engine's buffers,
-        threads and hooks)."""
+        threads and hooks). ``keep_weights=False``: the run is over and its weights are
+        written; the model need not hold them (no gather)."""
         self.remove_activation_policies()
 
     def _autocast(self):
@@ -400,12 +418,22 @@ class EngineTrainable(Trainable):
         self.close()
         return self.model
 
-    def close(self) -> None:
+    def full_tensor(self, name: str) -> torch.Tensor:
+        import protrain
+
+        return protrain.full_tensor(self.model, name)
+
+    def own_trainable_values(self) -> dict[str, torch.Tensor]:
+        import protrain
+
+        return protrain.own_values(self.model, self.names)
+
+    def close(self, keep_weights: bool = True) -> None:
         import protrain
 
         self.remove_activation_policies()
         if not self._closed:
-            protrain.close(self.model)
+            protrain.close(self.model, keep_weights=keep_weights)
             self._closed = True
 
 
@@ -577,9 +605,9 @@ class AutoTrainable(EngineTrainable):
         self.plan = plan
         logger.info("memory plan, corrected:\n%s", plan)
 
-    def close(self) -> None:
+    def close(self, keep_weights: bool = True) -> None:
         self._stop_peak_counter()
-        super().close()
+        super().close(keep_weights)
 
     def _now(self) -> float:
         if self.device.type == "cuda":
