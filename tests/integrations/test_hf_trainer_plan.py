@@ -5,6 +5,7 @@ tolerance of the application's auto tests), and resuming exactly from its checkp
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,24 +19,6 @@ from .test_hf_trainer import arguments as trainer_arguments
 BUDGET = "100MiB"  # on the CPU: the engine's tensor bytes as the planner counts them
 
 
-@pytest.fixture
-def plan_log():
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("protrain.integrations")
-    logger.addHandler(handler)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(old)
-
-
 def planned_trainer(tmp, lora, max_grad_norm, config, **kw) -> EngineTrainer:
     trainer = EngineTrainer(
         model=tiny_model(lora),
@@ -47,54 +30,64 @@ def planned_trainer(tmp, lora, max_grad_norm, config, **kw) -> EngineTrainer:
     return trainer
 
 
-@pytest.mark.parametrize(
-    ("lora", "max_grad_norm", "config"),
-    [
-        # the user fixes n_persist=1 and the chunk size: offloaded chunks; the planner
-        # chooses n_buffer and the activation knobs
-        (False, 0.05, ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19)),
-        # everything planned, from a batch padded to the widest the data can give
-        (True, 0.0, ProTrainConfig(gpu_budget=BUDGET, plan_sequence_len=32)),
-    ],
-    ids=["full-clip-fixed", "lora-noclip-auto"],
-)
-def test_plan_from_first_batch_gives_the_trainers_losses(
-    tmp_path, plan_log, lora, max_grad_norm, config
-):
-    losses, state, _, _ = run_plain(tmp_path / "plain", lora, max_grad_norm)
-    trainer = planned_trainer(tmp_path / "planned", lora, max_grad_norm, config)
-    assert not trainer.wrapped and trainer.plan is None  # until the first batch
-    assert next(trainer.model.parameters()).device.type == "cpu"
-    trainer.train()
+# The user fixes n_persist=1 and the chunk size (chunks offload); the planner chooses n_buffer
+# and the activation knobs, from a first batch padded to the widest the data can give.
+CONFIG = ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19,
+                        plan_sequence_len=32)  # fmt: skip
+SAVE = dict(save_strategy="steps", save_steps=2)
+
+
+@pytest.fixture(scope="module")
+def planned_run(tmp_path_factory):
+    """A planned run (clipping on, accumulation 2), its plan log and its checkpoints."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("protrain.integrations")
+    handler, old = Collect(logging.INFO), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer = planned_trainer(tmp_path_factory.mktemp("planned"), False, 0.05, CONFIG, **SAVE)
+        assert not trainer.wrapped and trainer.plan is None  # until the first batch
+        assert next(trainer.model.parameters()).device.type == "cpu"
+        trainer.train()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old)
+    yield trainer, records
+    trainer.close()
+
+
+def test_plan_from_first_batch_gives_the_trainers_losses(tmp_path, planned_run):
+    trainer, records = planned_run
+    losses, state, _, _ = run_plain(tmp_path / "plain", False, 0.05)
     plan = trainer.plan
-    assert plan is not None and trainer.layout.n_persist == plan.n_persist
-    if config.n_persist is not None:
-        assert plan.n_persist == 1 and plan.chunk_size_bytes == 1 << 19
-        assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
-    shape = "2x32" if config.plan_sequence_len else "2x24"  # per_device_train_batch_size=2
-    lines = [m for m in plan_log if m.startswith("protrain memory plan from the first")]
-    assert len(lines) == 1 and f"batch {shape}:" in lines[0] and str(plan) in lines[0]
+    assert plan is not None and trainer.layout.n_persist == plan.n_persist == 1
+    assert plan.chunk_size_bytes == 1 << 19
+    assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
+    lines = [m for m in records if m.startswith("protrain memory plan from the first")]
+    # per_device_train_batch_size=2 rows of 24 tokens, padded to plan_sequence_len
+    assert len(lines) == 1 and "batch 2x32:" in lines[0] and str(plan) in lines[0]
     torch.testing.assert_close(trainer.losses, losses, rtol=1e-5, atol=1e-6)
     got = trained_state(trainer)
     for name, value in state.items():
         torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
-    trainer.close()
 
 
-def test_resume_with_a_budget_continues_exactly(tmp_path):
+def test_resume_with_a_budget_continues_exactly(tmp_path, planned_run):
     """The checkpoint is read after the model is wrapped at the first batch."""
-    config = ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19)
-    save = dict(save_strategy="steps", save_steps=2)
-    whole = planned_trainer(tmp_path / "whole", False, 0.05, config, **save)
-    whole.train()
-    resumed = planned_trainer(tmp_path / "resumed", False, 0.05, config, **save)
-    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    whole, _ = planned_run
+    resumed = planned_trainer(tmp_path / "resumed", False, 0.05, CONFIG, **SAVE)
+    resumed.train(resume_from_checkpoint=str(Path(whole.args.output_dir) / "checkpoint-2"))
     assert resumed.plan.knobs == whole.plan.knobs
     torch.testing.assert_close(resumed.losses, whole.losses[len(resumed.losses) :], rtol=0, atol=0)
     want, got = trained_state(whole), trained_state(resumed)
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0)
-    whole.close()
     resumed.close()
 
 

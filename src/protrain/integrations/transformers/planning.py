@@ -17,6 +17,7 @@ as it would have without the plan.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -34,10 +35,11 @@ def first_batch(loader: DataLoader, device: torch.device) -> dict[str, Any]:
     base = getattr(loader, "base_dataloader", loader)
     with torch.random.fork_rng(devices=rng_devices(device)):
         batch = next(iter(base))
-    if not isinstance(batch, dict) or not torch.is_tensor(batch.get("input_ids")):
+    # collators return dicts or transformers' BatchEncoding (a Mapping)
+    if not isinstance(batch, Mapping) or not torch.is_tensor(batch.get("input_ids")):
         raise ValueError(
             "ProTrainConfig.gpu_budget plans from the first training batch, which must be a "
-            f"dict with an input_ids tensor (got {type(batch).__name__}); fix the knobs "
+            f"mapping with an input_ids tensor (got {type(batch).__name__}); fix the knobs "
             "(n_persist, n_buffer, n_checkpoint) without a budget instead"
         )
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}

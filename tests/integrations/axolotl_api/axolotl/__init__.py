@@ -1,0 +1,3 @@
+"""The parts of axolotl 0.19.0 a plugin meets (see ../README.md); not axolotl itself."""
+
+__version__ = "0.19.0"

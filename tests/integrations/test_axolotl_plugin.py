@@ -1,0 +1,253 @@
+"""ProTrainPlugin through axolotl 0.19.0's plugin API, hook by hook in axolotl's order
+(axolotl itself cannot be installed next to protrain[hf]: see axolotl_api/README.md).
+The example YAML trains with the engine under the auto plan from the first batch, to the
+same losses as axolotl's trainer without the plugin; the trained adapter is a normal PEFT
+directory; what the engine cannot run is one clear error naming the axolotl key."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+API = Path(__file__).resolve().parent / "axolotl_api"
+EXAMPLE = REPO / "examples/axolotl/protrain.yaml"
+QUICKSTART = REPO / "src/protrain/train/quickstart"
+PLUGIN = "protrain.integrations.axolotl.ProTrainPlugin"
+
+
+def _drop_modules(*prefixes: str) -> None:
+    for name in [n for n in sys.modules if n.split(".")[0] == "axolotl" or n.startswith(prefixes)]:
+        del sys.modules[name]
+
+
+@pytest.fixture(scope="module")
+def axolotl_api():
+    """axolotl's plugin API on the path, and the plugin imported under it."""
+    sys.path.insert(0, str(API))
+    _drop_modules("protrain.integrations.axolotl")
+    import axolotl.integrations.base as base
+
+    yield base
+    sys.path.remove(str(API))
+    _drop_modules("protrain.integrations.axolotl")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    sys.path.insert(0, str(REPO / "examples/axolotl"))
+    try:
+        from make_tiny_model import make_tiny_model
+    finally:
+        sys.path.remove(str(REPO / "examples/axolotl"))
+    return make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-llama")
+
+
+def example_config(tmp_path: Path, model_dir: Path, **overrides) -> dict:
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["base_model"] = str(model_dir)
+    raw["datasets"][0]["path"] = str(QUICKSTART / "data/chat.jsonl")
+    raw["output_dir"] = str(tmp_path / "out")
+    raw.update(max_steps=3, micro_batch_size=2, logging_steps=1, bf16=False)
+    raw.update(overrides)
+    return raw
+
+
+def chat_rows(tokenizer, cfg) -> list[dict]:
+    """axolotl's dataset step for ``type: chat_template`` (not the plugin's business), cut
+    short: every token trained."""
+    rows = []
+    for line in Path(cfg.datasets[0].path).read_text().splitlines()[:64]:
+        messages = json.loads(line)[cfg.datasets[0].field_messages]
+        ids = tokenizer.apply_chat_template(messages, tokenize=True)["input_ids"]
+        ids = ids[: cfg.sequence_len]
+        rows.append({"input_ids": ids, "attention_mask": [1] * len(ids), "labels": list(ids)})
+    return rows
+
+
+def run_like_axolotl(raw: dict):
+    """``axolotl train`` on one process, as 0.19.0 calls the plugin hooks: cli/config.py
+    (register, schema), loaders/model.py (ModelLoader.load), core/builders/causal.py
+    (build), train.py (train, execute_training, save_trained_model), cli/train.py."""
+    from axolotl.core.trainers.base import AxolotlTrainer
+    from axolotl.integrations.base import PluginManager
+    from axolotl.utils.dict import DictDefault
+    from peft import LoraConfig, get_peft_model
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoTokenizer,
+        DataCollatorForSeq2Seq,
+        TrainingArguments,
+    )
+
+    manager = PluginManager()
+    for name in raw.get("plugins") or []:
+        manager.register(name)
+    for plugin in manager.plugins.values():
+        plugin.register(raw)
+    for path in manager.get_input_args():  # merged into axolotl's schema and validated
+        module, name = path.rsplit(".", 1)
+        schema = getattr(importlib.import_module(module), name)
+        validated = schema.model_validate({k: raw[k] for k in schema.model_fields if k in raw})
+        raw = {**raw, **validated.model_dump(exclude_none=True)}
+    cfg = DictDefault(raw)
+    manager.cfg = cfg
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
+    train_dataset = chat_rows(tokenizer, cfg)
+
+    manager.pre_model_load(cfg)
+    model = AutoModelForCausalLM.from_pretrained(cfg.base_model)
+    manager.post_model_build(cfg, model)
+    manager.pre_lora_load(cfg, model)
+    if cfg.adapter == "lora":
+        model = get_peft_model(model, LoraConfig(
+            r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+            target_modules="all-linear", task_type="CAUSAL_LM"))  # fmt: skip
+        for name, p in model.named_parameters():  # a non-zero B: the adapter trains from step 1
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.02)
+    manager.post_lora_load(cfg, model)
+    manager.post_model_load(cfg, model)
+
+    callbacks = manager.add_callbacks_pre_trainer(cfg, model)
+    trainer_cls = manager.get_trainer_cls(cfg) or AxolotlTrainer
+    training_args = dict(
+        output_dir=cfg.output_dir, max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.micro_batch_size,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        learning_rate=cfg.learning_rate, lr_scheduler_type=cfg.lr_scheduler,
+        warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, optim=cfg.optimizer, bf16=bool(cfg.bf16), fp16=False,
+        gradient_checkpointing=bool(cfg.gradient_checkpointing), logging_steps=cfg.logging_steps,
+        save_strategy=cfg.save_strategy, seed=cfg.seed, report_to="none", disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
+    )  # fmt: skip
+    training_args.update(manager.get_training_args(cfg))
+    collator = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", padding=True)
+    trainer = trainer_cls(
+        model=model, train_dataset=train_dataset, eval_dataset=None,
+        args=TrainingArguments(**training_args), data_collator=collator, callbacks=callbacks,
+        eval_data_collator=collator, bench_data_collator=collator,
+        dataset_tags=[d["path"] for d in cfg.datasets], processing_class=tokenizer,
+    )  # fmt: skip
+    for callback in manager.add_callbacks_post_trainer(cfg, trainer):
+        trainer.add_callback(callback)
+    manager.post_trainer_create(cfg, trainer)
+
+    trainer.train(resume_from_checkpoint=None)
+    manager.post_train(cfg, trainer.model)
+    model.save_pretrained(cfg.output_dir)  # save_trained_model: one process, no FSDP
+    tokenizer.save_pretrained(cfg.output_dir)
+    manager.post_train(cfg, model)
+    manager.post_train_unload(cfg)
+    return trainer, model
+
+
+def step_losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_example_trains_under_the_plan_like_axolotls_trainer(axolotl_api, tiny_model_dir,
+                                                             tmp_path):  # fmt: skip
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from protrain.integrations.transformers import ProTrainTrainer
+
+    # chunks offloaded (n_persist, chunk_size fixed); the plan searches the rest
+    memory = {"auto": True, "gpu_budget": "100MiB", "n_persist": 1, "chunk_size": "512KiB"}
+    raw = example_config(tmp_path / "p", tiny_model_dir, protrain_memory=memory)
+    trainer, model = run_like_axolotl(raw)
+    assert isinstance(trainer, ProTrainTrainer)
+    from axolotl.core.trainers.base import AxolotlTrainer
+
+    assert isinstance(trainer, AxolotlTrainer)  # axolotl's trainer, ProTrainTrainer in front
+    assert trainer.plan is not None and trainer.plan.n_persist == 1
+    assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
+    assert not hasattr(model, "_protrain_engine")  # given back in post_train
+
+    plain_raw = {k: v for k, v in raw.items() if k not in ("plugins", "protrain_memory")}
+    plain, plain_model = run_like_axolotl({**plain_raw, "output_dir": str(tmp_path / "plain")})
+    assert type(plain).__name__ == "AxolotlTrainer"
+    losses = step_losses(trainer)
+    assert len(losses) == raw["max_steps"]
+    torch.testing.assert_close(losses, step_losses(plain), rtol=1e-5, atol=1e-6)
+
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model_dir), raw["output_dir"]
+    )
+    want = {n: p for n, p in plain_model.named_parameters() if p.requires_grad}
+    got = dict(reloaded.named_parameters())
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"protrain_memory": None}, "protrain_memory is not set"),
+        ({"protrain_memory": {"n_swap": 1}}, "protrain_memory sets no engine knob"),
+        ({"protrain_memory": {"auto": True, "gpu_budget": "1GiB", "chunked_loss_tokens": 64}},
+         "protrain_memory.chunked_loss_tokens is not supported"),
+        ({"gradient_checkpointing": True}, "gradient_checkpointing: the engine recomputes"),
+        ({"optimizer": "adamw_8bit"}, "optimizer: 'adamw_8bit' is not supported"),
+        ({"loraplus_lr_ratio": 16}, "loraplus_lr_ratio: not supported"),
+        ({"fp16": True}, "fp16: not supported"),
+        ({"deepspeed": "zero3.json"}, "deepspeed: another engine"),
+        ({"rl": "dpo"}, "rl: ProTrainPlugin trains with axolotl's causal LM trainer only"),
+    ],
+)  # fmt: skip
+def test_what_the_engine_cannot_run_names_the_key(axolotl_api, tmp_path, change, message):
+    from axolotl.utils.dict import DictDefault
+
+    plugin = axolotl_api.load_plugin(PLUGIN)
+    raw = {**example_config(tmp_path, tmp_path), **change}
+    with pytest.raises(ValueError, match=message):
+        plugin.pre_model_load(DictDefault({k: v for k, v in raw.items() if v is not None}))
+
+
+def test_protrain_memory_is_validated_with_the_config(axolotl_api):
+    from pydantic import ValidationError
+
+    from protrain.integrations.axolotl.args import ProTrainArgs
+
+    assert axolotl_api.load_plugin(PLUGIN).get_input_args().endswith(".args.ProTrainArgs")
+    with pytest.raises(ValidationError, match="memory.auto = true needs memory.gpu_budget"):
+        ProTrainArgs.model_validate({"protrain_memory": {"auto": True}})
+    with pytest.raises(ValidationError, match="n_persit"):
+        ProTrainArgs.model_validate({"protrain_memory": {"n_persit": 1}})
+
+
+def test_hooks_have_the_plugin_apis_signatures(axolotl_api):
+    from protrain.integrations.axolotl import ProTrainPlugin
+
+    assert issubclass(ProTrainPlugin, axolotl_api.BasePlugin)
+    overridden = [n for n, v in vars(ProTrainPlugin).items()
+                  if inspect.isfunction(v) and hasattr(axolotl_api.BasePlugin, n)]  # fmt: skip
+    assert {"get_input_args", "pre_model_load", "get_trainer_cls", "post_train"} <= set(overridden)
+    for name in overridden:
+        if name == "__init__":
+            continue
+        ours = list(inspect.signature(getattr(ProTrainPlugin, name)).parameters)
+        theirs = list(inspect.signature(getattr(axolotl_api.BasePlugin, name)).parameters)
+        assert ours == theirs, name
+
+
+def test_protrain_does_not_import_axolotl_or_the_plugin():
+    """Only the plugin's own package names axolotl or imports the plugin."""
+    plugin_dir = REPO / "src/protrain/integrations/axolotl"
+    for path in (REPO / "src/protrain").rglob("*.py"):
+        if plugin_dir in path.parents:
+            continue
+        text = path.read_text()
+        assert "import axolotl" not in text and "from axolotl" not in text, path
+        assert "integrations.axolotl" not in text, path
