@@ -18,4 +18,22 @@ fits)
     --commit $C --gpu-budget 2GiB --work /tmp/long_run --out $OUT/long-run.jsonl 2>&1 | tail -3
   tail -c 3000 /tmp/long_run/killed.log > $OUT/long-run-killed-tail.log 2>/dev/null
   ;;
+fits2)  # batch 1 again, 20 timed steps, alternating; the engine with every chunk persistent
+  # and no chunked loss beside it (the engine alone against plain)
+  G=70; nvidia-smi -L | grep -q H200 && G=80
+  F="--workload fits --budget-gib $G --batch 1 --steps 20 --out $OUT/fits2.jsonl"
+  for i in 1 2; do
+    row 100 $F $A
+    row 80 $F --system plain --no-checkpointing
+  done
+  row 80 $F --system protrain --no-checkpointing
+  ;;
+longdiag)  # the app's LoRA step at a 2 GiB and an 8 GiB budget: where the time goes
+  for g in 2GiB 8GiB; do
+    timeout 150 python3 benchmarks/long_run.py --commit $C --gpu-budget $g --steps 40 \
+      --save-steps 20 --kill-after 20 --work /tmp/ld-$g --out $OUT/longdiag.jsonl 2>&1 | tail -1
+    grep -v "^step" /tmp/ld-$g/straight.log | head -60 > $OUT/longdiag-$g.log
+    grep "^step" /tmp/ld-$g/straight.log | tail -5 >> $OUT/longdiag-$g.log
+  done
+  ;;
 esac
