@@ -104,12 +104,11 @@ class SafetensorsStreamWriter:
         self._next += 1
 
     def close(self) -> None:
+        self._file.close()
         if self._next != len(self.order):
             raise RuntimeError(
                 f"{self.path.name}: {len(self.order) - self._next} tensors unwritten"
             )
-        self._file.flush()
-        self._file.close()
 
 
 def saved_meta(trainable: Trainable) -> dict[str, torch.Tensor] | None:
