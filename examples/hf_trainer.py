@@ -6,6 +6,7 @@ engine's model and optimizer, with most chunks offloaded. Runs on the CPU in sec
 
     python examples/hf_trainer.py --max-steps 20
     python examples/hf_trainer.py --max-steps 20 --lora
+    python examples/hf_trainer.py --max-steps 20 --gpu-budget 100MiB   # the plan decides
 
 The trained model (or adapter) is written to ``<output-dir>/final``, a normal HF / PEFT
 directory.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -49,6 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lora", action="store_true", help="train a LoRA adapter")
     parser.add_argument("--n-persist", type=int, default=1, help="chunks kept on the device")
     parser.add_argument("--chunk-size", type=int, default=1 << 19, help="chunk size in bytes")
+    parser.add_argument(
+        "--gpu-budget",
+        help="plan the knobs from the Trainer's first batch for this budget (e.g. 24GiB; on "
+        "the CPU the plan counts the engine's tensor bytes), instead of --n-persist",
+    )
     args = parser.parse_args(argv)
 
     torch.manual_seed(0)
@@ -77,16 +84,22 @@ def main(argv: list[str] | None = None) -> None:
         report_to="none",
         use_cpu=not torch.cuda.is_available(),
     )
+    if args.gpu_budget:
+        logging.basicConfig(format="%(message)s")
+        logging.getLogger("protrain.integrations").setLevel(logging.INFO)  # the plan, once
+        engine_config = ProTrainConfig(gpu_budget=args.gpu_budget, plan_sequence_len=128)
+    else:
+        engine_config = ProTrainConfig(n_persist=args.n_persist, chunk_size_bytes=args.chunk_size)
     trainer = ProTrainTrainer(
         model=model,
         args=training_args,
         train_dataset=chat_dataset(tokenizer, max_len=128),
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         processing_class=tokenizer,
-        protrain_config=ProTrainConfig(n_persist=args.n_persist, chunk_size_bytes=args.chunk_size),
+        protrain_config=engine_config,
     )
+    result = trainer.train()  # with --gpu-budget: the plan is made and logged first
     print(trainer.layout)
-    result = trainer.train()
     final = Path(args.output_dir) / "final"
     trainer.save_model(str(final))
     trainer.close()
