@@ -11,6 +11,11 @@ forwards read parameters without calling the module that owns them:
   ``lora_A`` and ``lora_B``); such a layer's call brings in its whole subtree;
 - modules parametrized with ``torch.nn.utils.parametrize``: the parametrized module reads
   ``parametrizations.<name>.original`` through its property; the same;
+- modules whose own code reads a child's ``weight`` or ``bias`` (``self.conv1d.weight``):
+  ``nn.MultiheadAttention`` (its ``out_proj``), the Mamba-style and gated-delta-net mixers
+  of state-space and linear-attention models, which pass their ``conv1d`` (and in kernel
+  paths ``out_proj`` and ``norm``) weights to functions; found in the source of the
+  module's class, once per class; the same;
 - parameters of a module that has no ``forward`` (``nn.ParameterList``,
   ``nn.ParameterDict``, a container): they are read by the nearest enclosing module that
   has one.
@@ -23,8 +28,11 @@ reading ``lm_head.weight`` outside ``lm_head``'s call) are not found here.
 
 from __future__ import annotations
 
+import inspect
+import re
 import sys
 from dataclasses import dataclass
+from functools import cache
 
 from torch import nn
 from torch.nn.utils import parametrize
@@ -45,6 +53,39 @@ def has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
+# a read of the values, not of ``.dtype``/``.device``/``.shape`` (which need no residency)
+_CHILD_PARAM_READ = re.compile(
+    r"self\.(\w+)\.(?:weight|bias)\b(?!\.(?:dtype|device|shape|requires_grad|is_meta))"
+)
+
+
+@cache
+def _children_read_in_source(cls: type) -> frozenset[str]:
+    """Attribute names ``x`` of ``self.x.weight`` / ``self.x.bias`` in the code of ``cls``
+    and its bases (nn.Module itself excluded). Whole Hugging Face models are skipped: their
+    code reads children's weights to initialize and tie them, and calls the children."""
+    names: set[str] = set()
+    if any(k.__name__ == "PreTrainedModel" for k in cls.__mro__):
+        return frozenset()
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object) or klass.__module__.startswith("torch.nn.modules.module"):
+            continue
+        try:
+            source = inspect.getsource(klass)
+        except (OSError, TypeError):  # built in, or defined where no source is kept
+            continue
+        names.update(_CHILD_PARAM_READ.findall(source))
+    return frozenset(names)
+
+
+def _reads_child_params(module: nn.Module) -> bool:
+    read = _children_read_in_source(type(module))
+    return any(
+        name in read and any(True for _ in child.parameters())
+        for name, child in module.named_children()
+    )
+
+
 def _reads_subtree(module: nn.Module) -> bool:
     """Whether ``module``'s forward reads parameters of its subtree without calling the
     modules that own them (see the module docstring)."""
@@ -52,7 +93,7 @@ def _reads_subtree(module: nn.Module) -> bool:
         return True
     tuners = sys.modules.get("peft.tuners.tuners_utils")
     if tuners is None or not isinstance(module, tuners.BaseTunerLayer):
-        return False  # peft not imported: no tuner layer in any model
+        return _reads_child_params(module)
     lora = sys.modules.get("peft.tuners.lora.layer")
     if lora is None or not isinstance(module, lora.LoraLayer):
         return True  # other tuner types: not known to call their children
