@@ -206,3 +206,29 @@ def test_processor_rows_keep_a_null_content_beside_tool_calls(tmp_path):
     _, ids, labels = expected_labels(proc.tokenizer, marked_pieces(marked))
     assert item["input_ids"] == ids
     assert item["labels"] == labels
+
+
+def test_parquet_arguments_and_tools_lose_the_nulls_of_the_struct_schema(tmp_path, caplog):
+    """Arrow gives every call (and schema) of a column every key seen; the fill is not kept."""
+    import datasets
+
+    search = {"type": "function", "function": {"name": "search", "parameters": {"q": "str"}}}
+    rows = [_oslo_row({"city": "Oslo"}), _oslo_row({"city": "Bergen", "days": 2})]
+    rows[1]["tools"] = [search]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "chat.parquet"))
+    tok = byte_tokenizer(**SPECIALS["qwen"])
+    template = str(TEMPLATES / "qwen2_5.jinja")
+    with caplog.at_level("WARNING", logger="protrain.train.data"):
+        from_parquet = build_train_dataset(
+            DataSettings(
+                datasets=[{"path": str(tmp_path / "chat.parquet")}], chat_template=template
+            ),
+            tok,
+            sequence_len=4096,
+            seed=0,
+        )
+    from_json = _encode(tmp_path, tok, rows, "qwen2_5")
+    assert [i["input_ids"] for i in from_parquet] == [i["input_ids"] for i in from_json]
+    assert '"arguments": {"city": "Oslo"}}' in tok.decode(from_parquet[0]["input_ids"])
+    assert "null" not in tok.decode(from_parquet[0]["input_ids"] + from_parquet[1]["input_ids"])
+    assert sum("read through Arrow had null fields" in r.getMessage() for r in caplog.records) == 1

@@ -8,12 +8,16 @@ reported with its row index; Parquet, CSV and hub datasets go through `datasets`
 from __future__ import annotations
 
 import json
+import logging
 import random
 from pathlib import Path
 from typing import Any
 
 from protrain.train.data.config import DatasetConfig
 from protrain.train.data.errors import DataError, not_utf8_place
+from protrain.train.data.tool_call_form import drop_struct_fill
+
+logger = logging.getLogger("protrain.train.data")
 
 _FORMAT_BY_SUFFIX = {
     ".jsonl": "json",
@@ -103,7 +107,24 @@ def _read_with_datasets(files: list[Path], fmt: str, dataset: str) -> list[dict[
         raise DataError(
             f"cannot read {fmt} file(s) {[str(f) for f in files]}: {e}", dataset=dataset
         ) from e
-    return ds.to_list()
+    return _arrow_rows(ds, dataset)
+
+
+def _arrow_rows(ds, dataset: str) -> list[dict[str, Any]]:
+    """A `datasets` table as rows; tool-call arguments and tool schemas lose the nulls of the
+    struct schema (`drop_struct_fill`)."""
+    rows = ds.to_list()
+    changed = drop_struct_fill(rows)
+    if changed:
+        logger.warning(
+            "dataset %r: %d tool call(s) or tool schema(s) read through Arrow had null fields "
+            "(Arrow keeps the objects of a column as one struct of every key seen, so each gets "
+            "the others' keys as null); the nulls were dropped (store arguments and tools as "
+            "JSON text to keep a genuine null)",
+            dataset,
+            changed,
+        )
+    return rows
 
 
 def _data_files(cfg: DatasetConfig, root: Path) -> list[Path]:
@@ -172,7 +193,7 @@ def _read_saved(path: Path, cfg: DatasetConfig) -> list[dict[str, Any]]:
                 field="split",
             )
         ds = ds[cfg.split]
-    return ds.to_list()
+    return _arrow_rows(ds, cfg.path)
 
 
 def _read_hub(cfg: DatasetConfig) -> list[dict[str, Any]]:
@@ -186,7 +207,7 @@ def _read_hub(cfg: DatasetConfig) -> list[dict[str, Any]]:
             dataset=cfg.path,
             field="path",
         ) from e
-    return ds.to_list()
+    return _arrow_rows(ds, cfg.path)
 
 
 def read_rows(cfg: DatasetConfig) -> list[dict[str, Any]]:

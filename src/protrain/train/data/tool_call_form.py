@@ -135,3 +135,45 @@ def check_arguments(arguments: Any) -> str | None:
             f"arguments {arguments!r} are JSON text of a {type(value).__name__}, not of an object"
         )
     return f"arguments of type {type(arguments).__name__} ({arguments!r})"
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def drop_struct_fill(rows: list[dict[str, Any]]) -> int:
+    """Arrow (Parquet, hub and saved datasets) stores a column of objects as one struct of every
+    key seen in it: a call's arguments come back with the other calls' keys as null, a tool
+    schema with the other schemas' keys. Those nulls are dropped, in place, from the arguments
+    of every tool call and from the `tools` column (a genuine null cannot be told apart; JSON
+    text keeps it). Returns how many calls and schemas changed."""
+    changed = 0
+
+    def clean(holder: dict[str, Any] | list[Any], key: Any) -> None:
+        nonlocal changed
+        value = holder[key]
+        if isinstance(value, dict):
+            cleaned = _without_nulls(value)
+            if cleaned != value:
+                holder[key] = cleaned
+                changed += 1
+
+    for row in rows:
+        tools = row.get("tools")
+        for k in range(len(tools) if isinstance(tools, list) else 0):
+            clean(tools, k)
+        for value in row.values():
+            if not isinstance(value, list):
+                continue
+            for message in value:
+                calls = message.get("tool_calls") if isinstance(message, dict) else None
+                for call in calls if isinstance(calls, list) else ():
+                    fn = call.get("function") if isinstance(call, dict) else None
+                    fn = fn if isinstance(fn, dict) else call
+                    if isinstance(fn, dict) and "arguments" in fn:
+                        clean(fn, "arguments")
+    return changed
