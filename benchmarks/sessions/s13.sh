@@ -28,6 +28,23 @@ fits2)  # batch 1 again, 20 timed steps, alternating; the engine with every chun
   done
   row 80 $F --system protrain --no-checkpointing
   ;;
+fits3)  # auto mode as a user of a model that fits runs it: the model's own loss (no
+  # chunked loss), batch 1 and 8, beside plain PyTorch's fastest configuration that fits
+  G=70; nvidia-smi -L | grep -q H200 && G=80
+  F="--workload fits --budget-gib $G --steps 20 --out $OUT/fits3.jsonl"
+  row 80 $F --batch 1 --system plain --no-checkpointing
+  row 100 $F --batch 1 --system protrain --auto
+  row 80 $F --batch 1 --system plain --no-checkpointing
+  row 100 $F --batch 8 --system protrain --auto
+  row 80 $F --batch 8 --system plain
+  ;;
+long)  # issue 24's long run: 500 LoRA steps under auto mode, checkpoints every 100, killed
+  # (SIGKILL) after checkpoints 200 and 400 and resumed, against two straight runs
+  timeout $(( $(left) - 10 )) python3 benchmarks/long_run.py --commit $C --gpu-budget 2GiB \
+    --hidden 512 --layers 8 --seq 256 --work /tmp/long --out $OUT/long-run.jsonl 2>&1 | tail -1
+  grep -i "plan\|persist\|chunk" /tmp/long/straight.log | head -20 > $OUT/long-run-plan.log
+  grep "^step" /tmp/long/straight.log | tail -3 >> $OUT/long-run-plan.log
+  ;;
 longdiag)  # the app's LoRA step at a 2 GiB and an 8 GiB budget: where the time goes
   for g in 2GiB 8GiB; do
     timeout 150 python3 benchmarks/long_run.py --commit $C --gpu-budget $g --steps 40 \
