@@ -261,7 +261,9 @@ class ChatRenderer:
         # take the same arguments, special tokens from their tokenizer), except that a null
         # content stays None, where `apply_chat_template` drops the key: templates branch on it
         # (DeepSeek writes tool calls only for `content is none`).
-        tokenizer = getattr(self.renderer, "tokenizer", None) or self.renderer
+        source = self.renderer
+        if not hasattr(source, "special_tokens_map"):  # a processor: its tokenizer's tokens
+            source = source.tokenizer
         extra = dict(kwargs)
         tools = extra.pop("tools", None)
         documents = extra.pop("documents", None)
@@ -272,7 +274,7 @@ class ChatRenderer:
             chat_template=self.template,
             add_generation_prompt=add_generation_prompt,
             return_assistant_tokens_mask=with_generation_spans,
-            **{**tokenizer.special_tokens_map, **extra},
+            **{**source.special_tokens_map, **extra},
         )
         if with_generation_spans:
             return rendered[0], [tuple(s) for s in spans[0]]
