@@ -91,6 +91,29 @@ def test_resume_with_a_budget_continues_exactly(tmp_path, planned_run):
     resumed.close()
 
 
+def test_the_peek_leaves_the_random_state_and_the_first_batch_as_they_were():
+    """A sampler and a collator that draw from torch's global generator (the Trainer's
+    sampler with use_seedable_sampler=False, a random-masking collator): the peek changes
+    neither what training then draws nor the first batch it gets."""
+    from torch.utils.data import DataLoader, RandomSampler
+
+    from protrain.integrations.transformers.planning import first_batch
+
+    def collate(rows):
+        ids = torch.stack([r["input_ids"] for r in rows])
+        return {"input_ids": ids, "noise": torch.rand(ids.shape)}
+
+    rows = dataset(8)
+    loader = DataLoader(rows, batch_size=2, sampler=RandomSampler(rows), collate_fn=collate)
+    torch.manual_seed(3)
+    state = torch.get_rng_state()
+    peeked = first_batch(loader, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    real = next(iter(loader))
+    assert torch.equal(peeked["input_ids"], real["input_ids"])
+    assert torch.equal(peeked["noise"], real["noise"])
+
+
 def test_pad_to_keeps_the_batch_and_pads_its_tokens():
     ids = torch.tensor([[5, 6, 7]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),

@@ -9,9 +9,10 @@ real shape (``per_device_train_batch_size`` rows, the collator's padded length).
 The batch is read from the loader under the accelerate adapter (``base_dataloader``), not
 from the adapter itself: iterating the adapter registers it with accelerate's gradient
 state until the iteration ends, and a peek never ends it. The read and the trace run under
-``torch.random.fork_rng``, so the sampler's seed draw and the trace's dropout leave the
-run's random state as it was: the Trainer then yields the same first batch again and trains
-as it would have without the plan.
+``torch.random.fork_rng``, so that what draws from torch's global generator (a
+``RandomSampler`` when ``use_seedable_sampler=False``, a random-masking collator, the trace's
+dropout) leaves the run's random state as it was: the Trainer then yields the same first
+batch again and trains as it would have without the plan.
 """
 
 from __future__ import annotations
