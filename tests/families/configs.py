@@ -77,7 +77,11 @@ FAMILIES: dict[str, Family] = {
     for f in [
         # dense decoders
         Family("llama", "dense", _DECODER),
+        Family("qwen2", "dense", _DECODER),
         Family("qwen3", "dense", dict(_DECODER, head_dim=8)),
+        Family("mistral", "dense", _DECODER),
+        Family("gemma", "dense", dict(_DECODER, head_dim=8)),
+        Family("gemma2", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
         Family("gemma3_text", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
         Family("phi3", "dense", _DECODER),
         Family("gpt_neox", "dense", dict(_DECODER, hidden_dropout=0.0, attention_dropout=0.0)),
