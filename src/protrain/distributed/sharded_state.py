@@ -71,21 +71,22 @@ def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torc
     """One parameter of sharded ``chunk`` put back together on every rank (its shape, on the
     CPU) from each rank's ``own`` elements (``slot.shard``, flat): the masters of a
     trainable one, the host bytes of a frozen one. A collective over the group; only this
-    parameter's elements travel, each rank's run padded to the longest (the runs of all
-    ranks are known from the chunk's shard ranges)."""
+    parameter's elements travel (as bytes, whatever the dtype), each rank's run padded to
+    the longest (the runs of all ranks are known from the chunk's shard ranges)."""
     from protrain.chunks.shard import shard_range
 
     pl = slot.placement
+    size = own.dtype.itemsize
     world = coll.world_size
     runs = [shard_range(chunk.nbytes, r, world).owned_elements(pl) for r in range(world)]
-    longest = max(hi - lo for lo, hi in runs)
+    longest = max(hi - lo for lo, hi in runs) * size
     comm = coll.comm_device
-    piece = torch.zeros(longest, dtype=own.dtype, device=comm)
-    piece[: own.numel()].copy_(own.reshape(-1))
-    every = torch.empty(world * longest, dtype=own.dtype, device=comm)
+    piece = torch.zeros(longest, dtype=torch.uint8, device=comm)
+    piece[: own.numel() * size].copy_(own.reshape(-1).view(torch.uint8))
+    every = torch.empty(world * longest, dtype=torch.uint8, device=comm)
     coll.all_gather_chunk(every, piece)
     every = every.cpu()
     whole = torch.cat(
-        [every[r * longest : r * longest + hi - lo] for r, (lo, hi) in enumerate(runs)]
+        [every[r * longest : r * longest + (hi - lo) * size] for r, (lo, hi) in enumerate(runs)]
     )
-    return whole.view(pl.shape)
+    return whole.view(own.dtype).view(pl.shape)
