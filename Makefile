@@ -9,15 +9,17 @@ ifeq ($(HAS_GPU),1)
 TORCH_SPEC ?= torch>=2.6
 else
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?= $(if $(wildcard /etc/xdg/pip),,--index-url https://download.pytorch.org/whl/cpu)
+# PyTorch's CPU index, unless this machine's pip is set up with its own wheels
+# (/etc/xdg/pip); scripts/install_torch.sh falls back to PyPI where the index does not answer.
+USE_CPU_INDEX ?= $(if $(wildcard /etc/xdg/pip),0,1)
 endif
 
 .PHONY: install run test test-quick lint format clean
 
-$(BIN)/protrain: pyproject.toml constraints.txt
+$(BIN)/protrain: pyproject.toml constraints.txt scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	TORCH_SPEC="$(TORCH_SPEC)" USE_CPU_INDEX="$(USE_CPU_INDEX)" scripts/install_torch.sh $(BIN)/python
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(BIN)/protrain
 
