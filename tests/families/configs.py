@@ -54,6 +54,7 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                image_size=16)  # fmt: skip
 # peft 0.21 refuses all-linear on Mamba models (out_proj): the projections it allows
 _MAMBA_LORA = dict(target_modules=["in_proj", "x_proj", "dt_proj"])
+_NO_SDPA = dict(attn_implementation="eager")
 N_IMAGE_TOKENS = 4
 
 
@@ -66,6 +67,9 @@ class Family:
     lora: dict = field(default_factory=dict)
     # the MLP of every block can be tiled (token-wise, one tensor in and out)
     tiles: bool = True
+    # keys of the app's `model:` section this family needs (transformers 5.24 refuses the
+    # app's default attn_implementation 'sdpa' for Gemma 2 and attention-free models)
+    app_model: dict = field(default_factory=dict)
     # a vision-language model's text and vision sub-configs, and its image inputs
     text: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)
@@ -81,7 +85,8 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "dense", dict(_DECODER, head_dim=8)),
         Family("mistral", "dense", _DECODER),
         Family("gemma", "dense", dict(_DECODER, head_dim=8)),
-        Family("gemma2", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
+        Family("gemma2", "dense", dict(_DECODER, head_dim=8, sliding_window=4),
+               app_model=_NO_SDPA),
         Family("gemma3_text", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
         Family("phi3", "dense", _DECODER),
         Family("gpt_neox", "dense", dict(_DECODER, hidden_dropout=0.0, attention_dropout=0.0)),
@@ -98,11 +103,11 @@ FAMILIES: dict[str, Family] = {
         # linear-attention and state-space layers (beside attention)
         Family("mamba", "hybrid", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                state_size=8, expand=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-               tiles=False, lora=_MAMBA_LORA),
+               tiles=False, lora=_MAMBA_LORA, app_model=_NO_SDPA),
         Family("mamba2", "hybrid", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=1, chunk_size=4,
                pad_token_id=0, bos_token_id=1, eos_token_id=2), tiles=False,
-               lora=_MAMBA_LORA),
+               lora=_MAMBA_LORA, app_model=_NO_SDPA),
         Family("qwen3_next", "hybrid", dict(_MOE, head_dim=8, linear_num_key_heads=2,
                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                layer_types=["linear_attention", "full_attention"], num_experts=4,
@@ -143,8 +148,9 @@ FAMILIES: dict[str, Family] = {
 }  # fmt: skip
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """The family's tiny model, random weights from ``seed``, in train mode."""
+def build(name: str, seed: int = 0, vocab_size: int = VOCAB) -> nn.Module:
+    """The family's tiny model, random weights from ``seed``, in train mode; ``vocab_size``
+    replaces the vocabulary size of a text model (the app's tests use a real tokenizer's)."""
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -159,7 +165,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
         )
         auto = AutoModelForImageTextToText
     else:
-        config = AutoConfig.for_model(name, **family.config)
+        sizes = {k: vocab_size for k in ("vocab_size", "decoder_vocab_size") if k in family.config}
+        config = AutoConfig.for_model(name, **{**family.config, **sizes})
         auto = AutoModelForSeq2SeqLM if family.kind == "seq2seq" else AutoModelForCausalLM
     torch.manual_seed(seed)
     return auto.from_config(config, dtype=torch.float32).train()

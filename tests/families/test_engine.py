@@ -3,7 +3,7 @@ plain PyTorch: fp32 on the CPU, the model's default ``use_cache``, a padded
 ``attention_mask``, 3 AdamW steps of gradient accumulation 2 with global-norm clipping.
 
 One engine run per family and mode (full fine-tuning, LoRA ``all-linear``), which holds
-persistent and offloaded chunks (the first two of at least six persistent, a chunk no larger
+persistent and offloaded chunks (the first two of at least four persistent, a chunk no larger
 than the model's largest parameter) and swapped and checkpointed blocks (the first block
 swapped, the others checkpointed): losses, gradient norms and parameters to 1e-6. Block
 discovery finds every layer, and a MoE layer's experts sit in chunks of their own layer, in
@@ -68,7 +68,7 @@ def test_family_trains_as_in_plain_pytorch(name, mode):
         device="cpu",
     )
     try:
-        assert layout.n_chunks >= 6, f"{name}: want several chunks, got {layout.n_chunks}"
+        assert layout.n_chunks >= 4, f"{name}: want several chunks, got {layout.n_chunks}"
         if FAMILIES[name].kind == "moe":
             _experts_in_layer_order(model, layout)
         losses, norms = train_engine(model, data, optimizer)
