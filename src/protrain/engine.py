@@ -128,16 +128,17 @@ class Engine:
         self.optimizer.synchronize()
         s = self._slots_by_name().get(name)
         if s is None:  # a buffer, or a parameter the engine does not hold
-            return self.model.state_dict(keep_vars=True)[name].detach().to("cpu", copy=True)
+            return self.model.state_dict(keep_vars=True)[name].detach().to("cpu")
         if s.shard is not None:  # this rank's elements of a sharded chunk, from every rank
             own = s.master if s.master is not None else s.host_view
             c = self.manager.chunks[s.chunk]
             value = self.manager.collectives.gather_param(c, s, own)
-        elif s.master is not None:
+            return value.to(s.orig_dtype)  # already a tensor of its own
+        if s.master is not None:
             value = s.master
         else:
             value = s.host_view if s.host_view is not None else s.device_view
-        return value.to("cpu", s.orig_dtype, copy=True)
+        return value.to("cpu", s.orig_dtype)
 
     @torch.no_grad()
     def own_values(self, names=None) -> dict[str, torch.Tensor]:
@@ -568,7 +569,8 @@ def full_tensor(model: nn.Module, name: str) -> torch.Tensor:
     value for a trainable one; or a buffer), whole, on the CPU, on every rank. With sharded
     chunks a collective: every rank asks for the same names in the same order; only this
     parameter's elements are gathered, so an export written one tensor at a time never holds
-    the whole model on any rank."""
+    the whole model on any rank. What already lives on the host in that dtype is given as a
+    view of the engine's memory (as ``state_dict(copy=False)``): to be written out at once."""
     return _engine(model).full_tensor(name)
 
 

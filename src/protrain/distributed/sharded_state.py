@@ -81,12 +81,19 @@ def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torc
     runs = [shard_range(chunk.nbytes, r, world).owned_elements(pl) for r in range(world)]
     longest = max(hi - lo for lo, hi in runs) * size
     comm = coll.comm_device
-    piece = torch.zeros(longest, dtype=torch.uint8, device=comm)
-    piece[: own.numel() * size].copy_(own.reshape(-1).view(torch.uint8))
+    mine = own.reshape(-1).view(torch.uint8)
+    if mine.numel() == longest and mine.device == comm:
+        piece = mine  # no padding to add: sent as it is
+    else:
+        piece = torch.zeros(longest, dtype=torch.uint8, device=comm)
+        piece[: mine.numel()].copy_(mine)
     every = torch.empty(world * longest, dtype=torch.uint8, device=comm)
     coll.all_gather_chunk(every, piece)
-    every = every.cpu()
-    whole = torch.cat(
-        [every[r * longest : r * longest + (hi - lo) * size] for r, (lo, hi) in enumerate(runs)]
-    )
+    del piece
+    whole = torch.empty(pl.numel * size, dtype=torch.uint8)
+    at = 0
+    for r, (lo, hi) in enumerate(runs):
+        n = (hi - lo) * size
+        whole[at : at + n].copy_(every[r * longest : r * longest + n])
+        at += n
     return whole.view(own.dtype).view(pl.shape)

@@ -286,11 +286,12 @@ class FSDP2Trainable(Trainable):
         return model
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        """A DTensor's whole value on every rank (one all-gather), else the tensor."""
+        """A DTensor's whole value on every rank (one all-gather), else the tensor (itself
+        where it is on the host: to be read, not changed)."""
         value = self.model.state_dict(keep_vars=True)[name].detach()
         if isinstance(value, DTensor):
             value = value.full_tensor()
-        return value.to("cpu", copy=True)
+        return value.to("cpu")
 
     def own_trainable_values(self) -> dict[str, torch.Tensor]:
         params = dict(self.model.named_parameters())

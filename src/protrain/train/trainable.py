@@ -197,8 +197,9 @@ class Trainable(abc.ABC):
     def full_tensor(self, name: str) -> torch.Tensor:
         """One entry of the model's state dict, whole, on the CPU, in the dtype an export
         writes, on every rank (a collective where the placement shards it: every rank asks
-        for the same names in the same order)."""
-        return self.model.state_dict(keep_vars=True)[name].detach().to("cpu", copy=True)
+        for the same names in the same order). It may be the model's own memory: to be read
+        (written out) at once, not changed."""
+        return self.model.state_dict(keep_vars=True)[name].detach().to("cpu")
 
     def own_trainable_values(self) -> dict[str, torch.Tensor]:
         """The trainable values this rank holds (its own shards where they are sharded), by
@@ -225,6 +226,16 @@ class Trainable(abc.ABC):
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                 f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
             )
+        # shapes too: a model of another size has the same names (the engine's offloaded
+        # parameters and FSDP2's DTensors keep their whole shape)
+        params = dict(self.model.named_parameters())
+        for name in self.names:
+            want = tuple(params[name].shape) if name in params else None
+            if want is not None and tuple(state[name].shape) != want:
+                raise ValueError(
+                    f"checkpoint does not match the model: {name} is "
+                    f"{tuple(state[name].shape)} in the checkpoint, {want} in the model"
+                )
 
 
 class PlainTrainable(Trainable):
