@@ -387,6 +387,8 @@ def _train(
                     last_saved = save(step)
                     last_save_s = time.monotonic()
                     logger.info("saved %s", last_saved)
+                    # a signal that came during the save stops the run here, not a step later
+                    stopping = ranks.any(stops.requested is not None)
             if ranks.several:  # a signal to any rank stops them all, saved alike
                 signum = int(ranks.max(stops.requested or 0)[0])
                 stops.requested = signum or None
@@ -645,8 +647,15 @@ def _resume(path: Path, trainable, ranks: Ranks, data_order: dict, new_global_ba
     else:
         state = ckpt.load_checkpoint(path)
         _check_data_order(state.trainer_state.get("data_order"), data_order, path, new_global_batch)
-        trainable.load_model_state(state.model_state)
-        trainable.optimizer.load_state_dict(state.optimizer_state)
+        try:
+            trainable.load_model_state(state.model_state)
+            trainable.optimizer.load_state_dict(state.optimizer_state)
+        except ValueError as exc:  # names or shapes of another model (or adapter)
+            raise OutputDirError(
+                f"--resume: {path / 'model.safetensors'} is a checkpoint of another model "
+                f"({exc}); resume with the config that wrote it, or move {path.name} away to "
+                "resume from the one before"
+            ) from None
         ckpt.restore_rng(state)
         step, trainer_state, scheduler_state = (
             state.step,
