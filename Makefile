@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 USE_CPU_INDEX ?= $(if $(wildcard /etc/xdg/pip),0,1)
 endif
 
-.PHONY: install run test test-quick lint format clean
+.PHONY: install run test test-newest test-quick lint format clean
 
 $(BIN)/protrain: pyproject.toml constraints.txt scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# The suite against the newest releases pyproject.toml allows (no constraints.txt), in a venv
+# of its own: run it before raising the pins.
+NEWEST ?= .venv-newest
+test-newest:
+	$(PYTHON) -m venv $(NEWEST)
+	$(NEWEST)/bin/python -m pip install -q --upgrade pip
+	TORCH_SPEC="$(TORCH_SPEC)" USE_CPU_INDEX="$(USE_CPU_INDEX)" scripts/install_torch.sh $(NEWEST)/bin/python
+	$(NEWEST)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(NEWEST)/torch.txt
+	$(NEWEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager \
+		-c $(NEWEST)/torch.txt -e ".[dev]"  # torch stays the build TORCH_SPEC chose
+	$(NEWEST)/bin/python -m pip list --format=freeze | grep -iE "^(torch|transformers|peft|trl|accelerate|datasets|tokenizers|safetensors|pydantic|bitsandbytes)=="
+	$(NEWEST)/bin/python -m pytest -q
+
 # The unit tests of data, config, block discovery and the planner's search: no training run.
 QUICK_TESTS ?= tests/data tests/model tests/train/test_config.py tests/plan/test_search.py \
 	tests/plan/test_runtime_model.py tests/plan/test_segments.py
@@ -46,4 +59,4 @@ format: install
 	$(BIN)/ruff check --fix src tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) outputs .pytest_cache
+	rm -rf $(VENV) $(NEWEST) outputs .pytest_cache
