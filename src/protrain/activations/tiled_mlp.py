@@ -24,8 +24,8 @@ backward; with the norms tiled, 95.3 KB. Norms inside the attention (Qwen3's ``q
 not tokens, and are left alone.
 
 [Note: what tiling rounds differently]
-In fp32 the tiled forward is bit for bit the untiled one (a row's matmul result does not
-depend on the other rows). Backward differs only in the order of fp32 sums: a weight's
+In fp32 the tiled forward is bit for bit the untiled one where a row's matmul result does
+not depend on the other rows (so on the CPU, measured on Llama). Backward differs only in the order of fp32 sums: a weight's
 gradient is summed per tile and then over tiles, and a tiled norm's input gradient is
 grouped ``r + (a + b)`` (residual, then the tile's two uses inside the norm) where the
 untiled graph adds ``(r + a) + b``; in bf16 and fp16 the norm's upcast isolates its uses
@@ -36,8 +36,9 @@ an element whose gradient is near zero moves by up to ``lr`` on a rounding-sized
 difference; plain fp32 training is itself that far from exact arithmetic. The tolerance is
 therefore relative to fp32's own rounding: against the same training in float64, tiled
 parameters are off by at most 3 times plain PyTorch's RMS error and 5 times its largest
-error (``tests/families/test_tiled.py``; measured at most 2.1 and 3.6). No summation order
-of tiles reproduces the untiled matmul's own, so this is as tight as tiling allows.
+error (``tests/families/test_tiled.py``; measured at most 2.1 and 3.6). The untiled matmul's
+own summation order is the BLAS library's, which no per-tile sum can follow; within fp32's
+own rounding is as tight as tiling allows.
 
 [Note: tiles under torch.distributed]
 No collective is issued here, with or without a process group: ranks may even tile
