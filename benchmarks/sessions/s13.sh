@@ -45,6 +45,21 @@ long)  # issue 24's long run: 500 LoRA steps under auto mode, checkpoints every 
   grep -i "plan\|persist\|chunk" /tmp/long/straight.log | head -20 > $OUT/long-run-plan.log
   grep "^step" /tmp/long/straight.log | tail -3 >> $OUT/long-run-plan.log
   ;;
+trainer)  # issue 20: Trainer + ProTrain on full-3b beside run.py's auto row; SFTTrainer LoRA 8B
+  l=$(left); timeout $(( l > 330 ? 330 : l )) python3 benchmarks/trainer_speed.py \
+    --row trainer-full-3b --with-wrap-row --commit $C --run-id $RID --out $OUT/trainer.jsonl \
+    2>&1 | grep '^{' | cut -c1-400
+  l=$(left); timeout $(( l - 5 )) python3 benchmarks/trainer_speed.py --row sft-lora-8b \
+    --commit $C --run-id $RID --out $OUT/trainer.jsonl 2>&1 | grep '^{\|Error' | cut -c1-400
+  ;;
+fits4)  # batch 1, 100 timed steps, alternating: is auto mode's plain layout within 2%?
+  G=70; nvidia-smi -L | grep -q H200 && G=80
+  F="--workload fits --budget-gib $G --batch 1 --steps 100 --warmup 5 --out $OUT/fits4.jsonl"
+  for i in 1 2; do
+    row 90 $F --system plain --no-checkpointing
+    row 110 $F --system protrain --auto
+  done
+  ;;
 longdiag)  # the app's LoRA step at a 2 GiB and an 8 GiB budget: where the time goes
   for g in 2GiB 8GiB; do
     timeout 150 python3 benchmarks/long_run.py --commit $C --gpu-budget $g --steps 40 \
