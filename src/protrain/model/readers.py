@@ -53,9 +53,11 @@ def has_forward(module: nn.Module) -> bool:
     return type(module).forward is not nn.Module.forward
 
 
-# a read of the values, not of ``.dtype``/``.device``/``.shape`` (which need no residency)
+# a read of the values: not of ``.dtype``/``.device``/``.shape`` nor an ``isinstance`` test
+# (T5's MLP checks ``self.wo.weight``'s type and dtype), which need no residency
 _CHILD_PARAM_READ = re.compile(
-    r"self\.(\w+)\.(?:weight|bias)\b(?!\.(?:dtype|device|shape|requires_grad|is_meta))"
+    r"(?<!isinstance\()self\.(\w+)\.(?:weight|bias)\b"
+    r"(?!\.(?:dtype|device|shape|requires_grad|is_meta))"
 )
 
 
