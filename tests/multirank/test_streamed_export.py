@@ -31,6 +31,7 @@ CASES = [
     (2, "replicated", "lora"),
     (3, "fsdp2", "full"),  # uneven dim-0 shards
     (2, "fsdp2", "lora"),
+    (2, "sharded", "local"),  # full, from a directory (transformers attaches its conversions)
 ]
 
 
@@ -46,12 +47,32 @@ def _config(root: Path, world: int, engine: str, kind: str) -> Path:
     )
     if kind == "lora":
         cfg["adapter"] = {"type": "lora", "r": 4, "dropout": 0.0}
+    if kind == "local":
+        cfg["model"] = {"name_or_path": str(_local_model(root))}
     if engine == "fsdp2":
         cfg.update(fsdp_version=2, fsdp_config={"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"})
     else:
         cfg["memory"] = {"n_persist": 1, "mode": engine, "chunk_size": f"{128 * world}KiB"}
     path = root / f"{run.name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _local_model(root: Path) -> Path:
+    """The tiny model saved as a Hugging Face directory with the quickstart tokenizer."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from protrain.train.modeling import TINY_MODEL_CONFIG, TINY_TOKENIZER_DIR
+
+    path = root / "local-model"
+    spec = json.loads(TINY_MODEL_CONFIG.read_text())
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    for f in TINY_TOKENIZER_DIR.iterdir():
+        shutil.copy(f, path / f.name)
     return path
 
 
@@ -86,9 +107,17 @@ def test_streamed_export_is_the_gathered_one(runs, case):
     for name, data in gathered.items():
         if name == INDEX:  # below
             continue
+        if name == "adapter_config.json":  # peft writes target_modules, a set, in any order
+            got, want = json.loads(streamed[name]), json.loads(data)
+            got["target_modules"], want["target_modules"] = (
+                sorted(got["target_modules"]),
+                sorted(want["target_modules"]),
+            )
+            assert got == want
+            continue
         assert streamed[name] == data, name
     kind = case[2]
-    if kind == "full":
+    if kind in ("full", "local"):
         from transformers import AutoModelForCausalLM
 
         index, before = json.loads(streamed[INDEX]), json.loads(gathered[INDEX])

@@ -125,9 +125,13 @@ def saved_meta(trainable: Trainable) -> dict[str, torch.Tensor] | None:
     for key in getattr(model, "_keys_to_ignore_on_save", None) or []:
         meta.pop(key, None)
     meta = remove_tied_weights_from_state_dict(meta, model)
-    if revert_weight_conversion(model, meta) is not meta:  # the same dict: no conversion
+    try:  # what save_pretrained writes: the same names and tensors where nothing converts
+        reverted = revert_weight_conversion(model, dict(meta))
+    except Exception:  # a conversion that cannot run on shapes alone: converts
         return None
-    return meta
+    if set(reverted) != set(meta) or any(reverted[k] is not meta[k] for k in meta):
+        return None
+    return reverted  # in its order, which decides the split into files
 
 
 def streamable(trainable: Trainable) -> str | None:
