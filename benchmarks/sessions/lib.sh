@@ -6,7 +6,7 @@
 T0=$SECONDS; LIMIT=${LIMIT:-585}
 left() { echo $(( LIMIT - (SECONDS - T0) )); }  # seconds left of this call's budget
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  --target /tmp/site ${WHL:-.whl}/*.whl >/dev/null 2>&1  # WHL=.whl-lite: no bitsandbytes
 export PYTHONPATH=/tmp/site:$PWD/src:$PWD PYTHONUNBUFFERED=1
 C=${COMMIT:-unknown}; RID=${RID:-"$(date -u +%Y-%m-%dT%H:%MZ)-$C"}  # a given RID: rows beside an earlier call's on the same warm machine
 row() {  # row <max seconds> <args...>: one benchmarks/run.py row ($R: its command), JSON out

@@ -60,6 +60,22 @@ fits4)  # batch 1, 100 timed steps, alternating: is auto mode's plain layout wit
     row 110 $F --system protrain --auto
   done
   ;;
+moe)  # on one GPU of a two-GPU host (256 GiB: the 61 GB bf16 base and its pinned copy):
+  # issue 20's SFTTrainer LoRA 8B row (where the image has pyarrow), then issue 27's LoRA on
+  # the Qwen3-30B-A3B shape, auto mode beside FSDP2 CPU offload, 24 GiB, no clipping
+  export CUDA_VISIBLE_DEVICES=0
+  if python3 -c "import pyarrow" 2>/dev/null; then
+    timeout 200 python3 benchmarks/trainer_speed.py --row sft-lora-8b --commit $C --run-id $RID \
+      --out $OUT/trainer.jsonl 2>&1 | grep '^{\|Error' | cut -c1-400
+  else
+    echo "no pyarrow on this image: the SFTTrainer row (TRL needs datasets) is not run"
+  fi
+  R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 3 --warmup 2 --max-grad-norm 0"
+  M="--workload lora-moe30b --out $OUT/moe.jsonl"
+  row 300 $M $A
+  row 240 $M --system fsdp2_offload
+  free -g | head -2
+  ;;
 longdiag)  # the app's LoRA step at a 2 GiB and an 8 GiB budget: where the time goes
   for g in 2GiB 8GiB; do
     timeout 150 python3 benchmarks/long_run.py --commit $C --gpu-budget $g --steps 40 \
