@@ -73,7 +73,10 @@ moe)  # on one GPU of a two-GPU host (256 GiB: the 61 GB bf16 base and its pinne
   R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 3 --warmup 2 --max-grad-norm 0"
   M="--workload lora-moe30b --out $OUT/moe.jsonl"
   row 300 $M $A
-  row 240 $M --system fsdp2_offload
+  for b in 4 2 1; do  # FSDP2 at its largest batch that fits
+    out=$(row 200 $M --system fsdp2_offload --batch $b); echo "$out"
+    echo "$out" | grep -q '"status": "oom"' || break
+  done
   free -g | head -2
   ;;
 longdiag)  # the app's LoRA step at a 2 GiB and an 8 GiB budget: where the time goes
