@@ -13,6 +13,19 @@ The model is a random Llama of the given size, saved once under ``--work`` with 
 quickstart's tokenizer; the data is the quickstart's chat set. One JSON line per chain.
 
 Usage: ``python benchmarks/resume_ranks.py --chains 4,2,1 2,4 --out rows.jsonl``
+
+``--save-on N --resume-on M ...``: instead of chains, one large model's save and resumes,
+as on GPUs (``--device cuda``): a model of a shape of ``workloads.py`` (``--shape llama8b``,
+random weights, bf16, ``--layers`` fewer where the disk is short) trains ``--steps`` on N
+ranks under ``--gpu-budget`` (the planner's knobs, the given ``--mode``) and saves; each M
+resumes that checkpoint and trains one step more, without saving (each resume's export
+is removed before the next). Every launch runs under ``checkpoint_probe.py``, which times
+each save, load and export of every rank and records its peak resident memory. One JSON
+line: per segment its seconds, losses and probe rows, and the checkpoint's bytes.
+
+``python benchmarks/resume_ranks.py --shape llama8b --device cuda --gpu-budget 24GiB
+--save-on 2 --resume-on 2 1 --window 2 --out rows.jsonl`` (on the CPU: ``--shape quickstart
+--hidden 256 --layers 2 --device cpu --seq 64``)
 """
 
 from __future__ import annotations
@@ -44,6 +57,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tol", type=float, default=1e-4, help="largest relative loss difference")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--commit", default=os.environ.get("PROTRAIN_COMMIT", "unknown"))
+    p.add_argument("--save-on", type=int, help="save-and-resume: ranks of the saving run")
+    p.add_argument("--resume-on", type=int, nargs="+", default=[2, 1])
+    p.add_argument(
+        "--shape",
+        default="llama8b",
+        help="a MODEL_SHAPES key of workloads.py, or quickstart (a Llama of --hidden and --layers "
+        "over the quickstart tokenizer's vocabulary, for the CPU)",
+    )
+    p.add_argument("--layers-override", type=int, help="fewer decoder layers than the shape")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    p.add_argument("--gpu-budget", default="24GiB")
+    p.add_argument("--seq", type=int, default=512)
     return p.parse_args(argv)
 
 
@@ -143,8 +168,159 @@ def weights_diff(run: Path, ref: Path) -> float:
     return max(float((got[k].float() - w.float()).abs().max()) for k, w in want.items())
 
 
+def build_shape_dir(work: Path, shape: str, layers: int | None, device: str) -> tuple[Path, int]:
+    """A model of ``workloads.MODEL_SHAPES[shape]`` with cheap random weights
+    (``materialize.py``, filled on ``device``), saved in bf16 with the quickstart tokenizer."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from materialize import build_on_meta, materialize
+    from protrain.train.modeling import TINY_TOKENIZER_DIR
+    from workloads import hf_config
+
+    config = hf_config(shape)
+    if layers is not None:
+        config.num_hidden_layers = layers
+    path = work / f"{shape}-{config.num_hidden_layers}l"
+    if not (path / "config.json").exists():
+        torch.manual_seed(0)
+        model = materialize(build_on_meta(config, torch.bfloat16), "cpu", device)
+        model.save_pretrained(path)
+        for f in TINY_TOKENIZER_DIR.iterdir():
+            shutil.copy(f, path / f.name)
+        del model
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]  # fmt: skip
+    from safetensors import safe_open
+
+    n_params = 0
+    for name in files:
+        with safe_open(str(path / name), "pt") as f:
+            n_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    return path, n_params
+
+
+def probe_launch(world: int, config: Path, resume: bool, log: Path, probe: Path, device: str):
+    """`launch` under checkpoint_probe.py; its seconds and the probe's rows."""
+    env = dict(os.environ, CHECKPOINT_PROBE_DIR=str(probe))
+    if device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={world}", str(REPO / "benchmarks" / "checkpoint_probe.py"),
+           "train", str(config)] + (["--resume"] if resume else [])  # fmt: skip
+    shutil.rmtree(probe, ignore_errors=True)
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        done = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT)
+    seconds = round(time.perf_counter() - t0, 1)
+    if done.returncode != 0:
+        raise RuntimeError(f"{world} ranks, {config.name}: exit {done.returncode}\n"
+                           f"{log.read_text()[-2000:]}")  # fmt: skip
+    rows = [json.loads(line) for p in sorted(probe.glob("rank*.jsonl"))
+            for line in p.read_text().splitlines()]  # fmt: skip
+    return seconds, rows
+
+
+def save_and_resume(args) -> int:
+    """``--save-on N --resume-on M ...`` (see the module's docstring)."""
+    import yaml
+
+    from protrain.train.config import QUICKSTART_DIR
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.shape == "quickstart":  # the quickstart tokenizer's vocabulary: --hidden, --layers
+        model_dir, n_params = build_model_dir(args.work, args.hidden, args.layers)
+    else:
+        model_dir, n_params = build_shape_dir(
+            args.work, args.shape, args.layers_override, args.device
+        )
+    # bf16 model + the checkpoint (fp32 master, two AdamW moments) + one bf16 export
+    need = n_params * (2 + 12 + 2)
+    free = shutil.disk_usage(args.work).free + dir_bytes(model_dir)
+    if need > free:
+        raise SystemExit(
+            f"{args.shape}: {n_params / 1e9:.2f} B parameters need about {need / 2**30:.0f} GiB "
+            f"under {args.work} (model, checkpoint, export); {free / 2**30:.0f} GiB there: pass "
+            "--layers-override with fewer layers"
+        )
+    window = args.window
+    run = args.work / f"save-{args.save_on}"
+    shutil.rmtree(run, ignore_errors=True)
+
+    def config(world: int, end: int, save: bool) -> Path:
+        cfg = {
+            "model": {
+                "name_or_path": str(model_dir),
+                "dtype": "bfloat16" if args.device == "cuda" else "float32",
+            },
+            "mixed_precision": "bf16" if args.device == "cuda" else "no",
+            "datasets": [{"path": str(QUICKSTART_DIR / "data" / "chat.jsonl"), "type": "chat"}],
+            "sequence_len": args.seq,
+            "micro_batch_size": 1,
+            "gradient_accumulation_steps": window // world,
+            "max_steps": end,
+            "learning_rate": 1e-5,
+            "lr_scheduler": "constant",
+            "warmup_steps": 0,
+            "max_grad_norm": 1.0,
+            "logging_steps": 1,
+            "output_dir": str(run),
+            "seed": 7,
+            "device": args.device,
+            "memory": {"auto": True, "gpu_budget": args.gpu_budget, "mode": args.mode},
+        }
+        if save:
+            cfg["save_steps"] = end
+        path = run.with_name(f"{run.name}-{world}-{end}.yaml")
+        path.write_text(yaml.safe_dump(cfg))
+        return path
+
+    row: dict = {"bench": "resume_ranks_save", "shape": args.shape, "params": n_params,
+                 "layers": args.layers_override, "device": args.device, "mode": args.mode,
+                 "gpu_budget": args.gpu_budget, "seq": args.seq, "window": window,
+                 "commit": args.commit,
+                 "date": f"{datetime.now(timezone.utc):%Y-%m-%dT%H:%M:%SZ}"}  # fmt: skip
+    status = 0
+    try:
+        end = args.steps
+        seconds, probe = probe_launch(args.save_on, config(args.save_on, end, True), False,
+                                      run.with_name(f"{run.name}.log"), args.work / "probe",
+                                      args.device)  # fmt: skip
+        ckpt = run / f"checkpoint-{end}"
+        row["checkpoint_bytes"] = dir_bytes(ckpt)
+        row["segments"] = [{"world_size": args.save_on, "seconds": seconds,
+                            "losses": losses(run), "probe": probe}]  # fmt: skip
+        saved = losses(run)
+        for world in args.resume_on:
+            shutil.rmtree(run / "final", ignore_errors=True)
+            seconds, probe = probe_launch(world, config(world, end + 1, False), True,
+                                          run.with_name(f"{run.name}-resume{world}.log"),
+                                          args.work / "probe", args.device)  # fmt: skip
+            got = losses(run)
+            row["segments"].append({"world_size": world, "seconds": seconds,
+                                    "losses": got, "probe": probe,
+                                    "continues": got[:len(saved)] == saved
+                                    and len(got) == len(saved) + 1
+                                    and math.isfinite(got[-1])})  # fmt: skip
+        row["status"] = (
+            "ok" if all(s.get("continues", True) for s in row["segments"]) else "differs"
+        )
+    except Exception as e:
+        row.update(status="error", error=str(e)[-1500:])
+    if row["status"] != "ok":
+        status = 1
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.save_on is not None:
+        return save_and_resume(args)
     chains = [[int(w) for w in c.split(",")] for c in args.chains]
     for chain in chains:
         bad = [w for w in chain if args.window % w]
