@@ -16,7 +16,7 @@ Usage: ``python benchmarks/resume_ranks.py --chains 4,2,1 2,4 --out rows.jsonl``
 
 ``--save-on N --resume-on M ...``: instead of chains, one large model's save and resumes,
 as on GPUs (``--device cuda``): a model of a shape of ``workloads.py`` (``--shape llama8b``,
-random weights, bf16, ``--layers`` fewer where the disk is short) trains ``--steps`` on N
+random weights, bf16, ``--layers-override`` fewer where the disk is short) trains ``--steps`` on N
 ranks under ``--gpu-budget`` (the planner's knobs, the given ``--mode``) and saves; each M
 resumes that checkpoint and trains one step more, without saving (each resume's export
 is removed before the next). Every launch runs under ``checkpoint_probe.py``, which times
@@ -25,8 +25,9 @@ line: per segment its seconds, losses and probe rows, and the checkpoint's bytes
 
 ``python benchmarks/resume_ranks.py --shape llama8b --device cuda --gpu-budget 24GiB
 --save-on 2 --resume-on 2 1 --window 2 --out rows.jsonl`` (on the CPU: ``--shape quickstart
---hidden 256 --layers 2 --device cpu --seq 64``)
-"""
+--hidden 256 --layers 2 --device cpu --seq 64``). Split over calls of limited length:
+``--resume-on 2`` in one, ``--skip-save --resume-on 1`` in the next (the checkpoint under
+``--work`` is kept between calls)."""
 
 from __future__ import annotations
 
@@ -59,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit", default=os.environ.get("PROTRAIN_COMMIT", "unknown"))
     p.add_argument("--save-on", type=int, help="save-and-resume: ranks of the saving run")
     p.add_argument("--resume-on", type=int, nargs="+", default=[2, 1])
+    p.add_argument(
+        "--skip-save",
+        action="store_true",
+        help="resume the checkpoint an earlier --save-on call left under --work (to split "
+        "the work over several calls)",
+    )
     p.add_argument(
         "--shape",
         default="llama8b",
@@ -246,7 +253,8 @@ def save_and_resume(args) -> int:
         )
     window = args.window
     run = args.work / f"save-{args.save_on}"
-    shutil.rmtree(run, ignore_errors=True)
+    if not args.skip_save:
+        shutil.rmtree(run, ignore_errors=True)
 
     def config(world: int, end: int, save: bool) -> Path:
         cfg = {
@@ -284,14 +292,15 @@ def save_and_resume(args) -> int:
     status = 0
     try:
         end = args.steps
-        seconds, probe = probe_launch(args.save_on, config(args.save_on, end, True), False,
-                                      run.with_name(f"{run.name}.log"), args.work / "probe",
-                                      args.device)  # fmt: skip
-        ckpt = run / f"checkpoint-{end}"
-        row["checkpoint_bytes"] = dir_bytes(ckpt)
-        row["segments"] = [{"world_size": args.save_on, "seconds": seconds,
-                            "losses": losses(run), "probe": probe}]  # fmt: skip
-        saved = losses(run)
+        row["segments"] = []
+        if not args.skip_save:
+            seconds, probe = probe_launch(args.save_on, config(args.save_on, end, True), False,
+                                          run.with_name(f"{run.name}.log"), args.work / "probe",
+                                          args.device)  # fmt: skip
+            row["segments"].append({"world_size": args.save_on, "seconds": seconds,
+                                    "losses": losses(run), "probe": probe})  # fmt: skip
+        row["checkpoint_bytes"] = dir_bytes(run / f"checkpoint-{end}")
+        saved = losses(run)[:end]
         for world in args.resume_on:
             shutil.rmtree(run / "final", ignore_errors=True)
             seconds, probe = probe_launch(world, config(world, end + 1, False), True,
