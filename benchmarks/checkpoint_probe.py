@@ -3,7 +3,8 @@ load of this rank measured: seconds and peak resident memory (``VmHWM``, reset t
 ``/proc/self/clear_refs`` before each, as `checkpoint_ranks.py` measures; Linux), one JSON
 line per event appended to ``$CHECKPOINT_PROBE_DIR/rank<r>.jsonl``. The save and load are
 the application's own (`protrain.train.sharded_checkpoint`, `protrain.train.checkpoint`),
-wrapped here from outside, nothing else changed.
+wrapped here from outside; with ``CHECKPOINT_PROBE_NO_ROOM_CHECK=1`` (a resume that saves
+nothing) the loop's free-space check before the run is skipped; nothing else changed.
 
 Usage (what `resume_ranks.py --save-on` runs):
 ``CHECKPOINT_PROBE_DIR=out torchrun --nproc-per-node 2 benchmarks/checkpoint_probe.py train run.yaml``
@@ -64,6 +65,10 @@ def main() -> int:
     loop.streamed_export.export_streamed = _probe(
         "streamed_export", loop.streamed_export.export_streamed
     )
+    if os.environ.get("CHECKPOINT_PROBE_NO_ROOM_CHECK"):
+        # a resume that saves nothing: the loop's room for one more checkpoint (the size of
+        # the one resumed) is not asked of a disk that holds the model and that checkpoint
+        loop.check_free_space = lambda *args: None
     return protrain_main(sys.argv[1:])
 
 

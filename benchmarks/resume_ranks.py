@@ -209,8 +209,11 @@ def build_shape_dir(work: Path, shape: str, layers: int | None, device: str) -> 
 
 
 def probe_launch(world: int, config: Path, resume: bool, log: Path, probe: Path, device: str):
-    """`launch` under checkpoint_probe.py; its seconds and the probe's rows."""
+    """`launch` under checkpoint_probe.py; its seconds and the probe's rows. A resume saves
+    nothing here: the loop's room check for another checkpoint is skipped."""
     env = dict(os.environ, CHECKPOINT_PROBE_DIR=str(probe))
+    if resume:
+        env["CHECKPOINT_PROBE_NO_ROOM_CHECK"] = "1"
     if device == "cuda":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(world)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
