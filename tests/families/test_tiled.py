@@ -29,26 +29,15 @@ TILE = 5  # 12 tokens a row: a ragged last tile
 TILED = [name for name, f in FAMILIES.items() if f.tiles]
 
 
-def _exact(model: torch.nn.Module, data: list[dict]) -> dict[str, torch.Tensor]:
-    """``model`` trained in float64, the experts of MoE models by their eager loop (the
-    grouped matmul has no float64 kernel on the CPU)."""
+def _exact(name: str, model: torch.nn.Module, data: list[dict]) -> dict[str, torch.Tensor]:
+    """``model`` trained in float64; MoE experts by their eager loop (the grouped matmul
+    has no float64 kernel on the CPU)."""
     model = copy.deepcopy(model).double()
-    if hasattr(model, "set_experts_implementation") and FAMILIES[_type(model)].kind in (
-        "moe",
-        "hybrid",
-    ):
+    if FAMILIES[name].kind in ("moe", "hybrid"):
         model.set_experts_implementation("eager")
     data = [{k: v.double() if v.is_floating_point() else v for k, v in b.items()} for b in data]
     train_plain(model, data)
     return model.state_dict()
-
-
-def _type(model: torch.nn.Module) -> str:
-    return (
-        model.config.model_type
-        if hasattr(model, "config")
-        else model.base_model.model.config.model_type
-    )
 
 
 @pytest.mark.parametrize("name", TILED)
@@ -81,7 +70,7 @@ def test_tiled_parameters_within_plain_pytorch_s_own_rounding(name, mode):
     reference = copy.deepcopy(base)
     ref_losses, _ = train_plain(reference, data)
     plain = reference.state_dict()
-    exact = _exact(base, data)
+    exact = _exact(name, base, data)
     model, optimizer, layout = protrain.wrap(
         copy.deepcopy(base),
         n_persist=0,
