@@ -204,6 +204,7 @@ def test_example_trains_under_the_plan_like_axolotls_trainer(axolotl_api, tiny_m
         ({"fp16": True}, "fp16: not supported"),
         ({"deepspeed": "zero3.json"}, "deepspeed: another engine"),
         ({"rl": "dpo"}, "rl: ProTrainPlugin trains with axolotl's causal LM trainer only"),
+        ({"lora_mlp_kernel": True}, "lora_mlp_kernel: axolotl's fused LoRA kernels read"),
     ],
 )  # fmt: skip
 def test_what_the_engine_cannot_run_names_the_key(axolotl_api, tmp_path, change, message):
@@ -213,6 +214,14 @@ def test_what_the_engine_cannot_run_names_the_key(axolotl_api, tmp_path, change,
     raw = {**example_config(tmp_path, tmp_path), **change}
     with pytest.raises(ValueError, match=message):
         plugin.pre_model_load(DictDefault({k: v for k, v in raw.items() if v is not None}))
+
+
+def test_register_turns_off_the_lora_kernels_axolotl_would_enable(axolotl_api, tmp_path):
+    from protrain.integrations.axolotl.plugin import LORA_KERNEL_KEYS
+
+    raw = {**example_config(tmp_path, tmp_path), "lora_qkv_kernel": False}
+    axolotl_api.load_plugin(PLUGIN).register(raw)
+    assert all(raw[key] is False for key in LORA_KERNEL_KEYS)
 
 
 def test_protrain_memory_is_validated_with_the_config(axolotl_api):

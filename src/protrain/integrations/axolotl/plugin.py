@@ -3,6 +3,10 @@
 Checked against axolotl 0.19.0 (``axolotl/integrations/base.py``, ``core/builders/causal.py``,
 ``train.py``). Only public plugin hooks are used, in the order axolotl calls them:
 
+- ``register``: turns off axolotl's fused LoRA kernels where the config leaves them unset
+  (axolotl would switch them on), said once in the log: their autograd functions read the
+  base layers' weights directly, outside the modules whose hooks make an offloaded chunk
+  resident.
 - ``get_input_args``: the ``protrain_memory`` section joins axolotl's schema (``args.py``).
 - ``pre_model_load``: refuses, with the key's name, what the engine cannot run or would
   silently change (its own activation checkpointing, fp16, other optimizers or optimizer
@@ -54,6 +58,8 @@ _ADAMW = (None, "adamw_torch", "adamw_torch_fused")
 _OPTIMIZER_KEYS = ("loraplus_lr_ratio", "embedding_lr", "embedding_lr_scale", "lr_groups")
 _OTHER_ENGINES = ("deepspeed", "fsdp", "fsdp_config")
 _OTHER_TRAINERS = ("rl", "reward_model", "process_reward_model")
+# axolotl's fused LoRA kernels (axolotl/kernels/lora.py), switched on by default for LoRA
+LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
 
 
 class ProTrainPlugin(BasePlugin):
@@ -63,6 +69,17 @@ class ProTrainPlugin(BasePlugin):
     def __init__(self) -> None:
         super().__init__()
         self.trainer: ProTrainTrainer | None = None
+
+    def register(self, cfg: dict) -> None:
+        unset = [key for key in LORA_KERNEL_KEYS if cfg.get(key) is None]
+        for key in unset:
+            cfg[key] = False
+        if unset:
+            log.info(
+                "ProTrainPlugin: %s set to false (axolotl would enable them; they read "
+                "weights outside the modules the engine gathers for)",
+                ", ".join(unset),
+            )
 
     def get_input_args(self) -> str:
         return "protrain.integrations.axolotl.args.ProTrainArgs"
@@ -122,13 +139,22 @@ def check_config(cfg: Any) -> None:
             f"({SECTION}.n_checkpoint, or chosen by {SECTION}.auto); set "
             "gradient_checkpointing: false"
         )
+    for key in LORA_KERNEL_KEYS:
+        if cfg.get(key):
+            raise ValueError(
+                f"{key}: axolotl's fused LoRA kernels read weights outside the modules the "
+                f"engine gathers for; set {key}: false"
+            )
     if cfg.get("activation_offloading"):
         raise ValueError(
             f"activation_offloading: the engine swaps activations itself ({SECTION}.n_swap); "
             "remove activation_offloading"
         )
     if cfg.get("fp16") or cfg.get("float16"):
-        raise ValueError("fp16: not supported with ProTrainPlugin; use bf16: true (or neither)")
+        raise ValueError(
+            "fp16: not supported with ProTrainPlugin; use bf16: true, or set fp16: false "
+            "(axolotl's bf16: auto turns fp16 on where the GPU has no bf16)"
+        )
     if cfg.get("optimizer") not in _ADAMW:
         raise ValueError(
             f"optimizer: {cfg.get('optimizer')!r} is not supported with ProTrainPlugin; use "
