@@ -20,6 +20,13 @@ TOKENIZER_VOCAB = 512  # the quickstart tokenizer's
 TEXT = [name for name, f in FAMILIES.items() if f.kind != "vlm"]
 
 
+def _steps_logged(run_dir) -> list[int]:
+    import json
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if '"loss"' in line]
+
+
 @pytest.fixture(scope="module")
 def cli():
     server = CliServer()
@@ -63,6 +70,7 @@ def test_family_trains_through_the_app_and_reloads(name, cli, tmp_path):
     log = tmp_path / "log.txt"
     status = cli.wait(cli.start(["train", str(config)], log))
     assert status == 0, log.read_text()[-3000:]
+    assert _steps_logged(tmp_path / "run") == [1, 2, 3]
     final = tmp_path / "run" / "final"
     auto = _auto_class(name)
     if lora:
@@ -138,6 +146,7 @@ def test_a_vision_language_family_trains_through_the_app_and_reloads(cli, tmp_pa
     log = tmp_path / "log.txt"
     status = cli.wait(cli.start(["train", str(write_config(tmp_path, raw))], log))
     assert status == 0, log.read_text()[-3000:]
+    assert _steps_logged(tmp_path / "run") == [1, 2, 3]
     base = AutoModelForImageTextToText.from_pretrained(model_dir)
     assert type(base) is type(saved)
     model = PeftModel.from_pretrained(base, tmp_path / "run" / "final")
