@@ -68,7 +68,7 @@ moe)  # on one GPU of a two-GPU host (256 GiB: the 61 GB bf16 base and its pinne
     timeout 200 python3 benchmarks/trainer_speed.py --row sft-lora-8b --commit $C --run-id $RID \
       --out $OUT/trainer.jsonl 2>&1 | grep '^{\|Error' | cut -c1-400
   else
-    echo "no pyarrow on this image: the SFTTrainer row (TRL needs datasets) is not run"
+    echo "the SFTTrainer row is not run (NO_SFT, or no pyarrow on this image)"
   fi
   R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 3 --warmup 2 --max-grad-norm 0"
   M="--workload lora-moe30b --out $OUT/moe.jsonl"
