@@ -316,8 +316,12 @@ def test_config_errors(tmp_path):
     assert "memory.n_persist = 1, memory.n_buffer = 2 is not allowed" in m
     m = _error(tmp_path, fsdp_version=1)
     assert "fsdp_version = 1 is not allowed" in m
-    m = _error(tmp_path, fsdp_version=2, fsdp_config={"state_dict_type": "SHARDED_STATE_DICT"})
-    assert "FULL_STATE_DICT" in m
+    m = _error(tmp_path, fsdp_version=2, fsdp_config={"state_dict_type": "LOCAL_STATE_DICT"})
+    assert "'LOCAL_STATE_DICT' is not allowed: use FULL_STATE_DICT or SHARDED_STATE_DICT" in m
+    for kind in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):  # both of axolotl's values
+        validate_config(
+            tiny_config(tmp_path, fsdp_version=2, fsdp_config={"state_dict_type": kind})
+        )
     m = _error(tmp_path, fsdp_config={"offload_params": True})
     assert "fsdp_config needs fsdp_version = 2" in m
     m = _error(

@@ -65,7 +65,13 @@ class ModelConfig(StrictModel):
     dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "float32", description="Dtype of the trained weights (the master copy)."
     )
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] = "sdpa"
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2", "flex_attention"] | None = (
+        Field(
+            None,
+            description="Unset: sdpa where the model supports it, else eager (logged). "
+            "Set: used as given.",
+        )
+    )
     sdpa_backend: Literal["default", "flash", "cudnn", "efficient", "math"] = Field(
         "default",
         description="The SDPA kernel forced for the whole run (attn_implementation: sdpa); "
@@ -76,7 +82,8 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_sdpa_backend(self) -> ModelConfig:
-        if self.sdpa_backend != "default" and self.attn_implementation != "sdpa":
+        # unset: the backend asks for sdpa (refused at load where the model lacks it)
+        if self.sdpa_backend != "default" and self.attn_implementation not in (None, "sdpa"):
             raise ValueError(
                 f"model.sdpa_backend = {self.sdpa_backend!r} needs model.attn_implementation "
                 f"= 'sdpa' (it is {self.attn_implementation!r}); leave sdpa_backend at "
@@ -241,7 +248,11 @@ class FSDPConfig(StrictModel):
         False, description="Recompute every discovered block in backward (any wrap policy)."
     )
     state_dict_type: str = Field(
-        "FULL_STATE_DICT", description="Checkpoints hold whole tensors: FULL_STATE_DICT only."
+        "FULL_STATE_DICT",
+        description="FULL_STATE_DICT or SHARDED_STATE_DICT, as axolotl writes it. Several ranks "
+        "always write the sharded format (each rank its own shards, no gather; it resumes at any "
+        "world size and in either engine, and `protrain convert-checkpoint` makes a whole one); "
+        "one process writes whole tensors.",
     )
 
     @model_validator(mode="before")
@@ -268,10 +279,10 @@ class FSDPConfig(StrictModel):
     @field_validator("state_dict_type")
     @classmethod
     def _full_only(cls, value: str) -> str:
-        if value != "FULL_STATE_DICT":
+        if value not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             raise ValueError(
-                "checkpoints of protrain train hold whole tensors, written by rank 0; the "
-                "allowed value is FULL_STATE_DICT"
+                f"{value!r} is not allowed: use FULL_STATE_DICT or SHARDED_STATE_DICT (several "
+                "ranks write sharded checkpoints either way; one process writes whole tensors)"
             )
         return value
 

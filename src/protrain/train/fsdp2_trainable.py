@@ -145,6 +145,12 @@ class FSDP2Trainable(Trainable):
                 "fsdp_config.min_num_params not set: %d (accelerate's default)",
                 DEFAULT_MIN_NUM_PARAMS,
             )
+        if fsdp.state_dict_type == "FULL_STATE_DICT" and dist.get_world_size() > 1:
+            logger.info(
+                "fsdp_config.state_dict_type = FULL_STATE_DICT: checkpoints of several ranks "
+                "are written sharded all the same (each rank its own shards, no gather); "
+                "`protrain convert-checkpoint` makes a whole one"
+            )
         if fsdp.cpu_ram_efficient_loading:
             logger.info(
                 "fsdp_config.cpu_ram_efficient_loading: every rank builds the model on its "
