@@ -54,7 +54,6 @@ _VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_at
                image_size=16)  # fmt: skip
 # peft 0.21 refuses all-linear on Mamba models (out_proj): the projections it allows
 _MAMBA_LORA = dict(target_modules=["in_proj", "x_proj", "dt_proj"])
-_NO_SDPA = dict(attn_implementation="eager")
 N_IMAGE_TOKENS = 4
 
 
@@ -67,9 +66,6 @@ class Family:
     lora: dict = field(default_factory=dict)
     # the MLP of every block can be tiled (token-wise, one tensor in and out)
     tiles: bool = True
-    # keys of the app's `model:` section this family needs (transformers 5.24 refuses the
-    # app's default attn_implementation 'sdpa' for Gemma 2 and attention-free models)
-    app_model: dict = field(default_factory=dict)
     # a vision-language model's text and vision sub-configs, and its image inputs
     text: dict = field(default_factory=dict)
     vision: dict = field(default_factory=dict)
@@ -85,8 +81,7 @@ FAMILIES: dict[str, Family] = {
         Family("qwen3", "dense", dict(_DECODER, head_dim=8)),
         Family("mistral", "dense", _DECODER),
         Family("gemma", "dense", dict(_DECODER, head_dim=8)),
-        Family("gemma2", "dense", dict(_DECODER, head_dim=8, sliding_window=4),
-               app_model=_NO_SDPA),
+        Family("gemma2", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
         Family("gemma3_text", "dense", dict(_DECODER, head_dim=8, sliding_window=4)),
         Family("phi3", "dense", _DECODER),
         Family("gpt_neox", "dense", dict(_DECODER, hidden_dropout=0.0, attention_dropout=0.0)),
@@ -103,11 +98,11 @@ FAMILIES: dict[str, Family] = {
         # linear-attention and state-space layers (beside attention)
         Family("mamba", "hybrid", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                state_size=8, expand=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
-               tiles=False, lora=_MAMBA_LORA, app_model=_NO_SDPA),
+               tiles=False, lora=_MAMBA_LORA),
         Family("mamba2", "hybrid", dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=1, chunk_size=4,
                pad_token_id=0, bos_token_id=1, eos_token_id=2), tiles=False,
-               lora=_MAMBA_LORA, app_model=_NO_SDPA),
+               lora=_MAMBA_LORA),
         Family("qwen3_next", "hybrid", dict(_MOE, head_dim=8, linear_num_key_heads=2,
                linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
                layer_types=["linear_attention", "full_attention"], num_experts=4,

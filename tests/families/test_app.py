@@ -47,7 +47,7 @@ def _config(tmp_path, name: str, model_dir, lora: bool):
     data.write_text("\n".join(rows) + "\n")
     raw = tiny_config(
         tmp_path,
-        model={"name_or_path": str(model_dir), **FAMILIES[name].app_model},
+        model={"name_or_path": str(model_dir)},  # attention: the default
         datasets=[{"path": str(data), "type": "chat"}],
         max_steps=3,
         micro_batch_size=2,

@@ -1,4 +1,12 @@
-"""Which fused kernel runs scaled-dot-product attention: `model.sdpa_backend`.
+"""How attention runs: `model.attn_implementation` and `model.sdpa_backend`.
+
+Left unset, `attn_implementation` is SDPA where the model's class (and each of its
+sub-models: a vision tower, a text model) supports it in the installed transformers, else
+eager: transformers 5.24 refuses SDPA for Gemma 2 and the attention-free Mamba models. It is
+decided from the config before any weight is loaded, and logged. An explicit value is kept
+as given (transformers refuses an unsupported one).
+
+Which fused kernel runs scaled-dot-product attention: `model.sdpa_backend`.
 
 torch picks an SDPA kernel by itself; at long context attention is most of a step, and the
 kernels differ a lot there. On one H200 (`benchmarks/attention_backends.py`, 32 heads of
@@ -17,6 +25,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from protrain.train.errors import ConfigError
+from protrain.train.log import logger
 
 BACKENDS = {
     "flash": SDPBackend.FLASH_ATTENTION,
@@ -42,3 +51,65 @@ def sdpa_backend(name: str, device: torch.device) -> contextlib.AbstractContextM
             f"{', '.join(_CPU)}"
         )
     return sdpa_kernel([BACKENDS[name]])
+
+
+def choose_attn_implementation(
+    requested: str | None, sdpa_backend_name: str, model_class: type | None, config
+) -> str | None:
+    """The `attn_implementation` to load ``model_class`` (built from ``config``) with.
+
+    ``requested`` None: 'sdpa' where the class and its sub-models support it, else 'eager';
+    a forced ``sdpa_backend_name`` needs SDPA, so it is a `ConfigError` there. ``model_class``
+    None (remote code, not known before loading): None, transformers' own default, which
+    is the same rule applied to the class it loads. One line is logged saying which and why.
+    """
+    if requested is not None:
+        return requested
+    if model_class is None:
+        logger.info(
+            "attention: model.attn_implementation unset; the model's own code decides "
+            "(sdpa where it supports it, else eager)"
+        )
+        return None
+    lacking = [cls.__name__ for cls in _model_classes(model_class, config)
+               if not getattr(cls, "_supports_sdpa", False)]  # fmt: skip
+    if not lacking:
+        why = "model.sdpa_backend needs it" if sdpa_backend_name != "default" else "supported"
+        logger.info("attention: sdpa (model.attn_implementation unset; %s by %s)",
+                    why, model_class.__name__)  # fmt: skip
+        return "sdpa"
+    if sdpa_backend_name != "default":
+        raise ConfigError(
+            f"model.sdpa_backend = {sdpa_backend_name!r} needs SDPA attention, which "
+            f"{', '.join(lacking)} does not support in transformers {_transformers_version()}; "
+            "leave sdpa_backend at 'default'"
+        )
+    logger.info(
+        "attention: eager (model.attn_implementation unset; %s does not support sdpa in "
+        "transformers %s)",
+        ", ".join(lacking),
+        _transformers_version(),
+    )
+    return "eager"
+
+
+def _model_classes(model_class: type, config) -> list[type]:
+    """``model_class`` and the classes of its sub-models that transformers maps from their
+    sub-configs (each checks its attention implementation when built)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    classes = [model_class]
+    for key in getattr(config, "sub_configs", None) or {}:
+        sub = getattr(config, key, None)
+        found = MODEL_MAPPING.get(type(sub), None)
+        if isinstance(found, (list, tuple)):  # transformers builds the first by default
+            found = found[0]
+        if found is not None:
+            classes.append(found)
+    return classes
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__

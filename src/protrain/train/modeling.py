@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from protrain.train.attention import choose_attn_implementation
 from protrain.train.config import QUICKSTART_DIR, AdapterConfig, TrainConfig, one_line
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
@@ -170,19 +171,19 @@ def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
+    attn = _attn_implementation(cfg, AutoModelForCausalLM, config)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=cfg.model.attn_implementation
-        )
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn)
     return model
 
 
 def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    auto_class = model_auto_class(cfg)  # before any weight is read
+    config = _model_config(cfg)  # before any weight is read
+    auto_class = _auto_class_of(cfg, config)
     kwargs: dict = dict(
         dtype=dtype,
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=_attn_implementation(cfg, auto_class, config),
         revision=cfg.model.revision,
         trust_remote_code=cfg.model.trust_remote_code,
     )
@@ -222,12 +223,26 @@ def model_auto_class(cfg: TrainConfig) -> type:
     `ConfigError` naming the model type: loaded as a causal LM, an encoder-decoder would
     lose its encoder (and BERT-like encoders would be trained to predict tokens they
     already see), so the model trained and exported would not be the one named."""
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSeq2SeqLM,
+    return _auto_class_of(cfg, _model_config(cfg))
+
+
+def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | None:
+    """`model.attn_implementation`, or where unset the one the model's class supports
+    (see `protrain.train.attention`); the class is read from the auto class's mapping,
+    unknown (None) for remote code."""
+    found = auto_class._model_mapping.get(type(config), None)
+    if isinstance(found, (list, tuple)):  # several architectures: the config names its own
+        by_name = {c.__name__: c for c in found}
+        named = [by_name[a] for a in getattr(config, "architectures", None) or [] if a in by_name]
+        found = (named or list(found))[0]
+    return choose_attn_implementation(
+        cfg.model.attn_implementation, cfg.model.sdpa_backend, found, config
     )
+
+
+def _model_config(cfg: TrainConfig):
+    """The `transformers` config of `model.name_or_path` (no weight is read)."""
+    from transformers import AutoConfig
 
     name = cfg.model.name_or_path
     if _looks_like_path(name) and not Path(name).exists():
@@ -242,6 +257,17 @@ def model_auto_class(cfg: TrainConfig) -> type:
         raise ConfigError(
             f"model.name_or_path = {name!r}: cannot load it ({one_line(exc)})"
         ) from None
+    return config
+
+
+def _auto_class_of(cfg: TrainConfig, config) -> type:
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
+
+    name = cfg.model.name_or_path
     kind = model_kind(config)
     if kind == "vision-language":
         return AutoModelForImageTextToText

@@ -1,0 +1,94 @@
+"""`model.attn_implementation` left unset: SDPA where the model's class supports it, else
+eager, decided from the config before loading and logged in one line; set, it is kept (an
+unsupported 'sdpa' is refused by transformers, named in one line)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from tests.families.configs import build
+
+from protrain.train.config import TrainConfig, validate_config
+from protrain.train.errors import ConfigError
+from protrain.train.modeling import build_model
+
+from .helpers import tiny_config
+
+
+@pytest.fixture
+def protrain_log():
+    """INFO records of the `protrain` logger (it does not propagate to pytest's caplog)."""
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    handler = Collect(logging.INFO)
+    logger = logging.getLogger("protrain")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield records
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Tiny saved checkpoints: Llama (SDPA) and Gemma 2 (no SDPA in transformers 5.24)."""
+    root = tmp_path_factory.mktemp("models")
+    for name in ("llama", "gemma2"):
+        build(name).save_pretrained(root / name)
+    return root
+
+
+def _cfg(tmp_path, model_dir, **model):
+    return validate_config(tiny_config(tmp_path, model={"name_or_path": str(model_dir), **model}))
+
+
+def test_the_default_is_unset():
+    assert TrainConfig().model.attn_implementation is None
+
+
+@pytest.mark.parametrize(
+    ("name", "expected", "line"),
+    [
+        ("llama", "sdpa", "attention: sdpa (model.attn_implementation unset; supported by "
+                          "LlamaForCausalLM)"),
+        ("gemma2", "eager", "attention: eager (model.attn_implementation unset; "
+                            "Gemma2ForCausalLM does not support sdpa in transformers"),
+    ],
+)  # fmt: skip
+def test_unset_loads_sdpa_where_supported_else_eager_and_says_so(
+    name, expected, line, saved, tmp_path, protrain_log
+):
+    model = build_model(_cfg(tmp_path, saved / name), tokenizer=None).model
+    assert model.config._attn_implementation == expected
+    said = [r for r in protrain_log if r.startswith("attention: ")]
+    assert len(said) == 1 and said[0].startswith(line), said
+
+
+def test_the_tiny_model_takes_sdpa(tmp_path, protrain_log):
+    model = build_model(validate_config(tiny_config(tmp_path)), tokenizer=None).model
+    assert model.config._attn_implementation == "sdpa"
+    assert any(r.startswith("attention: sdpa") for r in protrain_log)
+
+
+def test_an_explicit_sdpa_stays_strict(saved, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        build_model(_cfg(tmp_path, saved / "gemma2", attn_implementation="sdpa"), None)
+    assert "cannot load it (Gemma2ForCausalLM does not support" in str(err.value)
+
+
+def test_a_forced_sdpa_kernel_needs_sdpa_support(saved, tmp_path):
+    """Unset with `sdpa_backend` forced: SDPA is needed, refused before any weight loads."""
+    with pytest.raises(ConfigError) as err:
+        build_model(_cfg(tmp_path, saved / "gemma2", sdpa_backend="math"), None)
+    assert (
+        "model.sdpa_backend = 'math' needs SDPA attention, which Gemma2ForCausalLM does "
+        "not support in transformers" in str(err.value)
+    )
+    model = build_model(_cfg(tmp_path, saved / "llama", sdpa_backend="math"), None).model
+    assert model.config._attn_implementation == "sdpa"
