@@ -59,6 +59,7 @@ from protrain.train.modeling import (
     TINY,
     build_model,
     build_tiny_base,
+    load_media_processor,
     load_tokenizer,
     model_auto_class,
     resolve_autocast_dtype,
@@ -148,12 +149,15 @@ def _train(
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
+    processor = None  # a vision-language model's: its rows' images go through it
     if cfg.model.name_or_path != TINY:
-        model_auto_class(cfg)  # a model kind it cannot train is refused before the data work
+        # a model kind it cannot train is refused before the data work
+        processor = load_media_processor(cfg, model_auto_class(cfg))
     for line in describe_masking(cfg):
         logger.info(line)
-    train_data = build_train_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
-    eval_data = build_eval_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
+    data_kwargs = dict(sequence_len=cfg.sequence_len, seed=cfg.seed, processor=processor)
+    train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
+    eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
     collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
     stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
     total_steps = _total_steps(cfg, stream, window)

@@ -102,6 +102,36 @@ def load_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
+def load_media_processor(cfg: TrainConfig, auto_class: type):
+    """The processor of a vision-language model (`processor_type`, default AutoProcessor):
+    its rows' images reach the model through it alone. None for other models. A checkpoint
+    whose processor is missing is refused: its images would be dropped from every row."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.processing_utils import ProcessorMixin
+
+    from protrain.train.data import load_processor
+
+    if auto_class is not AutoModelForImageTextToText:
+        return None
+    name = cfg.model.name_or_path
+    try:
+        processor = load_processor(
+            cfg, name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
+        )
+    except (OSError, ValueError, ImportError) as exc:
+        raise ConfigError(
+            f"model.name_or_path = {name!r}: cannot load the processor of this vision-language "
+            f"model ({one_line(exc)})"
+        ) from None
+    if not isinstance(processor, ProcessorMixin):  # AutoProcessor gave the tokenizer alone
+        raise ConfigError(
+            f"model.name_or_path = {name!r} is a vision-language model but has no processor "
+            f"(only a {type(processor).__name__}): its images could not be read; save the "
+            "processor beside the model or name its class in processor_type"
+        )
+    return processor
+
+
 # A tokenizer directory holds at least one of these (fast, sentencepiece, BPE, WordPiece).
 TOKENIZER_FILES = (
     "tokenizer.json",

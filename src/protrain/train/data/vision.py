@@ -74,6 +74,23 @@ def _split_placeholders(text: str, kinds: list[str]) -> str | list[dict[str, Any
     return parts
 
 
+def _is_prefix_lm(processor) -> bool:
+    """PaliGemma (1 and 2): its `token_type_ids` split a row into a prefix (0, attended
+    bidirectionally: image and prompt) and a suffix (1, causal: the answer)."""
+    from transformers import PaliGemmaProcessor
+
+    return isinstance(processor, PaliGemmaProcessor)
+
+
+def prefix_lm_token_types(labels: list[int]) -> list[int]:
+    """A prefix-LM row's token types: 0 before its first trained token, 1 from it on. Its
+    processor marks all 0 without a `suffix`, which would let every token attend to the
+    answer it is trained to predict; from the first trained token on attention is causal,
+    as PaliGemma was trained (its processor's `suffix`)."""
+    first = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(labels))
+    return [0] * first + [1] * (len(labels) - first)
+
+
 def processor_from_pretrained_kwargs(settings: DataSettings) -> dict[str, Any]:
     """`processor_kwargs` minus the keys the project manages itself (warned and ignored)."""
     kwargs = dict(settings.processor_kwargs)
@@ -386,12 +403,16 @@ class VisionEncoder:
             labels = self._untrain_video_text(labels, token_offsets, replacements)
         extras: dict[str, Any] = {}
         for key, value in out.items():
-            if key in ("input_ids", "attention_mask") or not isinstance(value, torch.Tensor):
+            # `labels`: PaliGemma's processor writes its own (none trained without a suffix)
+            skip = key in ("input_ids", "attention_mask", "labels")
+            if skip or not isinstance(value, torch.Tensor):
                 continue
             if key not in _MEDIA_KEYS and value.dim() == 2 and value.shape == (1, len(ids)):
                 extras[key] = value[0].tolist()  # per token, collated like input_ids
             else:
                 extras[key] = value
+        if "token_type_ids" in extras and _is_prefix_lm(self.processor):
+            extras["token_type_ids"] = prefix_lm_token_types(labels)
         return Encoded(ids, labels, text, extras)
 
     def _untrain_video_text(
