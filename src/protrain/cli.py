@@ -275,9 +275,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"profile of one step written to {path}")
         return 0
 
-    from protrain.train.modeling import load_tokenizer
+    from protrain.train.modeling import load_media_processor, load_tokenizer
 
     tokenizer = load_tokenizer(cfg)
+    processor = load_media_processor(cfg)  # a vision-language model's, as train reads rows
     if args.command == "preprocess":
         from protrain.train.data import preprocess
 
@@ -287,6 +288,7 @@ def _run(args: argparse.Namespace) -> int:
             sequence_len=cfg.sequence_len,
             seed=cfg.seed,
             output_path=cfg.dataset_prepared_path,
+            processor=processor,
         )
         print(f"tokenized datasets written to {path}")
         return 0
@@ -300,6 +302,7 @@ def _run(args: argparse.Namespace) -> int:
                 sequence_len=cfg.sequence_len,
                 n_samples=args.num_samples,
                 color=args.color,
+                processor=processor,
             )
         )
         return 0

@@ -50,3 +50,37 @@ def test_a_vision_language_model_gets_its_processor(tmp_path):
 def test_a_causal_model_needs_none(tmp_path):
     cfg = _cfg(tmp_path, _dir_with(tmp_path, "llama"))
     assert load_media_processor(cfg, model_auto_class(cfg)) is None
+
+
+def test_inspect_data_reads_rows_through_the_processor(tmp_path):
+    """`protrain inspect-data` shows what `train` trains on: the image expanded into the
+    processor's 4 image tokens, not the template's one placeholder."""
+    import json
+
+    from tests.data.vision_helpers import write_image
+    from tests.families.processors import IMAGE_SIZE, llava_processor
+    from transformers import AutoConfig
+
+    from .helpers import write_config
+    from .test_cli_errors import run_cli
+
+    model_dir = tmp_path / "llava"
+    llava_processor().save_pretrained(model_dir)
+    AutoConfig.for_model("llava").save_pretrained(model_dir)
+    write_image(tmp_path / "cat.png", (IMAGE_SIZE, IMAGE_SIZE))
+    row = {
+        "messages": [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What?"}]},
+            {"role": "assistant", "content": "A cat."},
+        ],
+        "images": ["cat.png"],
+    }
+    (tmp_path / "rows.jsonl").write_text(json.dumps(row) + "\n")
+    raw = tiny_config(
+        tmp_path,
+        model={"name_or_path": str(model_dir)},
+        datasets=[{"path": str(tmp_path / "rows.jsonl"), "type": "chat"}],
+    )
+    proc = run_cli("inspect-data", str(write_config(tmp_path, raw)), "-n", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "<image>" * 4 + "What?" in proc.stdout, proc.stdout

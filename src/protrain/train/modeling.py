@@ -102,16 +102,19 @@ def load_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
-def load_media_processor(cfg: TrainConfig, auto_class: type):
+def load_media_processor(cfg: TrainConfig, auto_class: type | None = None):
     """The processor of a vision-language model (`processor_type`, default AutoProcessor):
-    its rows' images reach the model through it alone. None for other models. A checkpoint
-    whose processor is missing is refused: its images would be dropped from every row."""
+    its rows' images reach the model through it alone. None for other models (``auto_class``:
+    `model_auto_class`'s answer, read here when not given). A checkpoint whose processor
+    cannot be loaded is refused: its images would be dropped from every row."""
     from transformers import AutoModelForImageTextToText
     from transformers.processing_utils import ProcessorMixin
 
     from protrain.train.data import load_processor
 
-    if auto_class is not AutoModelForImageTextToText:
+    if cfg.model.name_or_path == TINY:
+        return None
+    if (auto_class or model_auto_class(cfg)) is not AutoModelForImageTextToText:
         return None
     name = cfg.model.name_or_path
     try:

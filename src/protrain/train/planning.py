@@ -182,14 +182,25 @@ def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
     seed, data and model), writing nothing: for `protrain plan` and `protrain profile`."""
     from protrain.train import loop
     from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.modeling import build_model, load_tokenizer, resolve_device
+    from protrain.train.modeling import (
+        build_model,
+        load_media_processor,
+        load_tokenizer,
+        resolve_device,
+    )
 
     loop.seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
     autocast_dtype = loop.resolve_autocast_dtype(cfg.mixed_precision, device)
     settings = PlanSettings.from_config(cfg, device, autocast_dtype)
     tokenizer = load_tokenizer(cfg)
-    train_data = build_train_dataset(cfg, tokenizer, sequence_len=cfg.sequence_len, seed=cfg.seed)
+    train_data = build_train_dataset(
+        cfg,
+        tokenizer,
+        sequence_len=cfg.sequence_len,
+        seed=cfg.seed,
+        processor=load_media_processor(cfg),
+    )
     collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
     batch = sample_batch(cfg, train_data, collate)
     model = build_model(cfg, tokenizer).model
