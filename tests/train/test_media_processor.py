@@ -84,3 +84,17 @@ def test_inspect_data_reads_rows_through_the_processor(tmp_path):
     proc = run_cli("inspect-data", str(write_config(tmp_path, raw)), "-n", "1")
     assert proc.returncode == 0, proc.stderr
     assert "<image>" * 4 + "What?" in proc.stdout, proc.stdout
+
+
+def test_a_processor_class_transformers_cannot_rebuild_is_refused(tmp_path):
+    """AutoProcessor falls back to the tokenizer for a processor class it does not know
+    (here the tests' image-only Qwen2-VL processor): refused, never trained image-blind."""
+    from tests.data.vision_helpers import qwen2_vl_processor
+
+    model_dir = _dir_with(tmp_path, "qwen2_vl")
+    qwen2_vl_processor().save_pretrained(model_dir)
+    cfg = _cfg(tmp_path, model_dir)
+    with pytest.raises(ConfigError) as err:
+        load_media_processor(cfg, model_auto_class(cfg))
+    assert "is a vision-language model but AutoProcessor gave a " in str(err.value)
+    assert "not a processor: its images could not be read" in str(err.value)

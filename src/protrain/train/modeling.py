@@ -128,9 +128,10 @@ def load_media_processor(cfg: TrainConfig, auto_class: type | None = None):
         ) from None
     if not isinstance(processor, ProcessorMixin):  # AutoProcessor gave the tokenizer alone
         raise ConfigError(
-            f"model.name_or_path = {name!r} is a vision-language model but has no processor "
-            f"(only a {type(processor).__name__}): its images could not be read; save the "
-            "processor beside the model or name its class in processor_type"
+            f"model.name_or_path = {name!r} is a vision-language model but "
+            f"{cfg.processor_type or 'AutoProcessor'} gave a {type(processor).__name__}, not "
+            "a processor: its images could not be read; save the processor beside the model "
+            "or name its class in processor_type"
         )
     return processor
 
