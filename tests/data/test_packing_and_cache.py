@@ -220,3 +220,22 @@ def test_packed_batch_keeps_samples_apart_in_a_model(tmp_path, tok):
         for start, end in zip(starts, [*starts[1:], len(positions)]):
             alone = model(input_ids=ids[:, start:end], use_cache=False).logits[0]
             assert torch.allclose(logits[start:end], alone, atol=1e-5)
+
+
+def test_a_cache_is_keyed_by_the_media_processor(tmp_path, tok):
+    """Rows of a vision-language model depend on its processor (tokens per image, pixel
+    sizes): a cache written without it, or with another image processor, is not reused."""
+    from protrain.train.data.preprocess import fingerprint
+
+    from .vision_helpers import gemma3_processor
+
+    path = write_jsonl(tmp_path / "c.jsonl", _rows(2))
+    settings = _settings(path)
+    first, second = gemma3_processor(), gemma3_processor()
+    second.image_processor.size = {"height": 56, "width": 56}
+
+    def fp(processor):
+        return fingerprint(settings, tok, sequence_len=64, seed=1, processor=processor)
+
+    assert fp(None) != fp(first) != fp(second)
+    assert fp(first) == fp(gemma3_processor())

@@ -313,7 +313,7 @@ _held_out: dict[tuple, TokenizedDataset] = {}
 def _held_out_key(settings, tokenizer, processor, sequence_len: int, seed: int) -> tuple:
     from protrain.train.data.preprocess import fingerprint
 
-    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor)
     return (fp, id(tokenizer), id(processor))
 
 
@@ -327,7 +327,12 @@ def build_train_dataset(
         raise DataError("datasets is empty: training needs at least one dataset")
     check_settings(settings, tokenizer, processor)
     prepared = load_prepared(
-        settings, tokenizer, sequence_len=sequence_len, seed=seed, split="train"
+        settings,
+        tokenizer,
+        sequence_len=sequence_len,
+        seed=seed,
+        split="train",
+        processor=processor,
     )
     if prepared is not None:
         return prepared
@@ -357,7 +362,7 @@ def build_eval_dataset(
     if not settings.eval_datasets and not settings.val_set_size:
         return None
     prepared = load_prepared(
-        settings, tokenizer, sequence_len=sequence_len, seed=seed, split="eval"
+        settings, tokenizer, sequence_len=sequence_len, seed=seed, split="eval", processor=processor
     )
     if prepared is not None:
         return prepared

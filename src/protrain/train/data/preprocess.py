@@ -23,7 +23,9 @@ from protrain.train.data.errors import DataError
 
 logger = logging.getLogger("protrain.train.data")
 
-_FORMAT_VERSION = 3  # tool-call arguments in the form the template wants
+# 4: the app passes vision-language models' processors (caches of version 3 and before were
+# written without their images)
+_FORMAT_VERSION = 4
 
 
 class ArrowItems(torch.utils.data.Dataset):
@@ -51,7 +53,9 @@ def _file_stamps(settings: DataSettings) -> list[Any]:
     return stamps
 
 
-def fingerprint(settings: DataSettings, tokenizer, *, sequence_len: int, seed: int) -> str:
+def fingerprint(
+    settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
+) -> str:
     data_keys = DataSettings.model_fields.keys()
     payload = {
         "version": _FORMAT_VERSION,
@@ -67,9 +71,22 @@ def fingerprint(settings: DataSettings, tokenizer, *, sequence_len: int, seed: i
         "sequence_len": sequence_len,
         "seed": seed,
         "files": _file_stamps(settings),
+        # media rows depend on the processor (image sizes, patches, tokens per image)
+        "processor": _processor_stamp(processor),
     }
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def _processor_stamp(processor) -> list[str] | None:
+    if processor is None:
+        return None
+    parts = [type(processor).__qualname__]
+    for name in ("image_processor", "video_processor", "feature_extractor"):
+        sub = getattr(processor, name, None)
+        if sub is not None and hasattr(sub, "to_json_string"):
+            parts.append(sub.to_json_string())
+    return parts
 
 
 def _save(dataset: torch.utils.data.Dataset, folder: Path) -> None:
@@ -98,12 +115,18 @@ def _load(folder: Path) -> torch.utils.data.Dataset:
 
 
 def load_prepared(
-    settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, split: str
+    settings: DataSettings,
+    tokenizer,
+    *,
+    sequence_len: int,
+    seed: int,
+    split: str,
+    processor=None,
 ) -> torch.utils.data.Dataset | None:
     """The cached split if `dataset_prepared_path` holds one for exactly these inputs."""
     if not settings.dataset_prepared_path:
         return None
-    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor)
     folder = Path(settings.dataset_prepared_path).expanduser() / fp / split
     if not folder.exists():
         return None
@@ -135,7 +158,7 @@ def preprocess(
             "dataset_prepared_path is not set: preprocess needs a folder to write to, e.g. "
             "--set dataset_prepared_path=prepared"
         )
-    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed)
+    fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor)
     folder = Path(root).expanduser() / fp
     uncached = settings.model_copy(update={"dataset_prepared_path": None})
     splits = {
