@@ -2,8 +2,9 @@
 
 The cache lives under `dataset_prepared_path/<fingerprint>/` where the fingerprint hashes
 everything the tokenized data depends on: the data settings (`chat_template_kwargs` included),
-the tokenizer (name, vocabulary size, special tokens, template), `sequence_len`, the seed, and
-the size and modification time of each local data file. A changed input gives a new folder, never a stale cache.
+the tokenizer (name, vocabulary size, special tokens, template), a vision-language model's
+processor (its class and image/video processor settings), `sequence_len`, the seed, and the
+size and modification time of each local data file. A changed input gives a new folder, never a stale cache.
 Text-only data is stored with `datasets.save_to_disk` (Arrow, memory-mapped); data with media
 tensors with `torch.save`.
 """
