@@ -223,14 +223,19 @@ def test_refuses_what_the_engine_cannot_run(tmp_path, change, message):
     assert not hasattr(model, "_protrain_engine")  # refused before anything was wrapped
 
 
-def test_example_runs(tmp_path):
+@pytest.mark.parametrize("budget", [None, "100MiB"], ids=["knobs", "gpu-budget"])
+def test_example_runs(tmp_path, budget):
+    extra = ["--gpu-budget", budget] if budget else []
     out = subprocess.run(
         [sys.executable, str(REPO / "examples/hf_trainer.py"), "--max-steps", "2",
-         "--output-dir", str(tmp_path)],
+         "--output-dir", str(tmp_path), *extra],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file()
+    logged = out.stdout + out.stderr
+    # with a budget the plan is made from the Trainer's first batch and printed once
+    assert logged.count("protrain memory plan from the first training batch") == int(bool(budget))
 
 
 @pytest.mark.gpu
