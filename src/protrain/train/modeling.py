@@ -264,7 +264,7 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
     """`model.attn_implementation`, or where unset the one the model's class supports
     (see `protrain.train.attention`); the class is read from the auto class's mapping,
     unknown (None) for remote code."""
-    found = auto_class._model_mapping.get(type(config), None)
+    found = _auto_mappings()[auto_class].get(type(config), None)
     if isinstance(found, (list, tuple)):  # several architectures: the config names its own
         by_name = {c.__name__: c for c in found}
         named = [by_name[a] for a in getattr(config, "architectures", None) or [] if a in by_name]
@@ -272,6 +272,24 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
     return choose_attn_implementation(
         cfg.model.attn_implementation, cfg.model.sdpa_backend, found, config
     )
+
+
+def _auto_mappings() -> dict[type, object]:
+    """Each auto class's public config -> model class mapping (transformers' own tables)."""
+    from transformers import (
+        MODEL_FOR_CAUSAL_LM_MAPPING,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForSeq2SeqLM,
+    )
+
+    return {
+        AutoModelForCausalLM: MODEL_FOR_CAUSAL_LM_MAPPING,
+        AutoModelForSeq2SeqLM: MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+        AutoModelForImageTextToText: MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    }
 
 
 def _model_config(cfg: TrainConfig):
