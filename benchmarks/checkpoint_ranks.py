@@ -40,6 +40,27 @@ def _measured(fn):
     return round(time.perf_counter() - t0, 2), round((_kib("VmHWM") - before) * _KIB / 2**30, 3)
 
 
+def init_gloo(rank: int, world: int, init: str) -> None:
+    """This process as `rank` of a gloo group of `world`, one intra-op thread."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=600))  # fmt: skip
+
+
+def spawn_ranks(rank_fn, args) -> None:
+    """`rank_fn(rank, world, args, out, init)` in `args.world` processes, sharing a
+    temporary folder `out` and the group's rendezvous file `init`."""
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    with tempfile.TemporaryDirectory() as out:
+        init = os.path.join(out, "pg")
+        mp.spawn(rank_fn, args=(args.world, args, out, init), nprocs=args.world, join=True)
+
+
 def _rank(rank: int, world: int, args, out: str, init: str) -> None:
     import torch
     import torch.distributed as dist
@@ -53,10 +74,7 @@ def _rank(rank: int, world: int, args, out: str, init: str) -> None:
     from protrain.train import sharded_checkpoint as sharded
     from protrain.train.ranks import Ranks
 
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=600)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timeout)  # fmt: skip
+    init_gloo(rank, world, init)
     ranks = Ranks(resolve_context())
     torch.manual_seed(0)
     cfg = LlamaConfig(
@@ -116,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world", type=int, default=2)
-    args = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as out:
-        init = os.path.join(out, "pg")
-        mp.spawn(_rank, args=(args.world, args, out, init), nprocs=args.world, join=True)
+    spawn_ranks(_rank, p.parse_args(argv))
     return 0
 
 

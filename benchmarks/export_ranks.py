@@ -16,15 +16,12 @@ Usage: ``python benchmarks/export_ranks.py --hidden 640 --layers 8 --world 2``
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from checkpoint_ranks import _measured  # noqa: E402
+from checkpoint_ranks import _measured, init_gloo, spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, args, out: str, init: str) -> None:
@@ -38,10 +35,7 @@ def _rank(rank: int, world: int, args, out: str, init: str) -> None:
     from protrain.train.ranks import Ranks
     from protrain.train.streamed_export import export_streamed
 
-    torch.set_num_threads(1)
-    timeout = datetime.timedelta(seconds=600)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,
-                            timeout=timeout)  # fmt: skip
+    init_gloo(rank, world, init)
     ranks = Ranks(resolve_context())
     raw = {
         "model": {"name_or_path": "tiny"},
@@ -117,13 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--engine", choices=["sharded", "replicated", "fsdp2"], default="sharded")
-    args = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with tempfile.TemporaryDirectory() as out:
-        init = os.path.join(out, "pg")
-        mp.spawn(_rank, args=(args.world, args, out, init), nprocs=args.world, join=True)
+    spawn_ranks(_rank, p.parse_args(argv))
     return 0
 
 

@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from resume_ranks import build_model_dir  # noqa: E402 (a sibling script, not a package)
+from resume_ranks import append_row, build_model_dir  # noqa: E402 (a sibling script, not a package)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -208,10 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         and row["killed_loss_max_rel_diff"] <= row["again_loss_max_rel_diff"]
     )
     row["status"] = "ok" if ok else "differs"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    append_row(args.out, row)
     return 0 if ok else 1
 
 

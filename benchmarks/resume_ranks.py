@@ -161,6 +161,14 @@ def losses(run: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+def append_row(path: Path, row: dict) -> None:
+    """One JSON line appended to `path` (its folder made), and printed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -322,10 +330,7 @@ def save_and_resume(args) -> int:
         row.update(status="error", error=str(e)[-1500:])
     if row["status"] != "ok":
         status = 1
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    append_row(args.out, row)
     return status
 
 
@@ -396,10 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             row.update(status="error", error=str(e)[-1500:])
         if row["status"] != "ok":
             status = 1
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row), flush=True)
+        append_row(args.out, row)
     return status
 
 
