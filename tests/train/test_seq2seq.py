@@ -41,26 +41,10 @@ def _t5(**overrides):
 
 
 def _bart():
+    from tests.families.configs import _SEQ2SEQ  # the family matrix's tiny encoder-decoder
     from transformers import BartConfig, BartForConditionalGeneration
 
-    config = BartConfig(
-        vocab_size=VOCAB,
-        d_model=32,
-        encoder_layers=1,
-        decoder_layers=1,
-        encoder_attention_heads=4,
-        decoder_attention_heads=4,
-        encoder_ffn_dim=64,
-        decoder_ffn_dim=64,
-        dropout=0.0,
-        attention_dropout=0.0,
-        activation_dropout=0.0,
-        max_position_embeddings=64,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-        decoder_start_token_id=2,
-    )
+    config = BartConfig(**dict(_SEQ2SEQ, vocab_size=VOCAB, encoder_layers=1, decoder_layers=1))
     torch.manual_seed(0)
     return BartForConditionalGeneration(config)
 
