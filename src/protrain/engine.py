@@ -1,4 +1,6 @@
-"""The engine's public API: ``protrain.wrap`` and the calls that go with it.
+"""The engine's API: ``wrap`` with explicit knobs and the calls that go with it.
+``protrain.wrap`` is ``protrain/planned_wrap.py``, which plans the knobs for a budget (with
+``protrain.plan``) and then calls this ``wrap``; the engine never imports the planner.
 
 Ownership, in one place:
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -39,7 +42,7 @@ from protrain.chunks.buffers import min_resident_chunks
 from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
-from protrain.distributed import NO_GROUP, ChunkCollectives, resolve_context
+from protrain.distributed import ChunkCollectives, DistContext, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
 from protrain.model.readers import DirectReads, direct_reads
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
@@ -57,7 +60,9 @@ __all__ = [
     "full_tensor",
     "own_values",
     "plan_of",
+    "wrap_target",
     "Engine",
+    "WrapTarget",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,7 +79,7 @@ class Engine:
         self.worker = worker
         self.optimizer = optimizer
         self.layout = layout
-        self.plan = None  # the protrain.plan.Plan when wrap chose the knobs
+        self.plan = None  # the protrain.plan.Plan the knobs came from (protrain.wrap's)
         self.activations = None  # the activation-policy handle, when knobs were given
         self.closed = False
 
@@ -304,66 +309,26 @@ def _refuse_uncovered(reads: DirectReads, layout: ChunkLayout) -> None:
             )
 
 
-def wrap(
+@dataclass(frozen=True)
+class WrapTarget:
+    """Where and how a model will be wrapped: the device, the compute dtype and the ranks."""
+
+    device: torch.device
+    compute_dtype: torch.dtype
+    ctx: DistContext
+
+
+def wrap_target(
     model: nn.Module,
-    n_persist: int | None = None,
-    n_buffer: int | None = None,
     device: torch.device | str | None = None,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    param_groups: list[dict] | None = None,
     compute_dtype: torch.dtype | None = None,
-    chunk_size_bytes: int | None = None,
-    n_swap: int | None = None,
-    n_checkpoint: int | None = None,
-    offload_checkpoint: bool = False,
-    tiled_mlp_tokens: int | None = None,
-    gpu_budget: int | str | None = None,
-    cpu_budget: int | str | None = None,
-    sample_batch: dict | None = None,
-    loss_fn=None,
-    loss_scaling: dict | None = None,
-    host_threads: int | None = None,
-    clipping: bool = True,
-    discard_offloaded_grads: bool = False,
     process_group=None,
     distributed_mode: str | None = None,
     grad_reduce: str = "mean",
-) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
-    """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
-
-    ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
-    chunks resident at once (None: a small default, at least what one module or block
-    needs). ``compute_dtype``: float32 (default on CPU), bfloat16 (default on CUDA) or
-    float16; trainable parameters keep fp32 masters and fp32 optimizer state either way.
-    float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
-    ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
-    ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
-    factors powers of two. ``host_threads``: intra-op threads of the host AdamW
-    (default: :func:`default_host_threads`).
-    Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
-    (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
-    host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
-    With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
-    the real shape, the knobs left as None are chosen by profiling and search
-    (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
-    ``cpu_budget`` bounds the plan's host memory (default: 90% of what the host has
-    available after the trace, ``protrain.plan.host_budget``).
-    ``clipping=False`` plans for training without clipping, with ``step_in_backward``.
-    ``discard_offloaded_grads``: for the profiler's traced steps, which step with
-    ``optimizer.step_without_host_updates()`` only; offloaded gradients land in one shared
-    scratch area (see [Note: discarded gradients] in ``chunks/manager.py``).
-    Several ranks (``torch.distributed`` initialized, or ``process_group`` given; every rank
-    calls ``wrap`` on the same model with the same knobs): ``distributed_mode="sharded"``
-    (the default) splits every offloaded chunk across the ranks, each rank keeping and
-    updating its own shard (``protrain.distributed``); ``"replicated"`` keeps whole chunks
-    on every rank. Either way gradients are reduced chunk by chunk during backward:
-    averaged over ranks with ``grad_reduce="mean"`` (as DDP), summed with ``"sum"`` (for a
-    loss already divided by the tokens of the whole global batch).
-    Every knob is checked before anything is moved; a bad one raises ``ValueError``.
-    """
+) -> WrapTarget:
+    """The checks and defaults :func:`wrap` applies first (the model not wrapped yet, 4-bit
+    state lifted, the device, the ranks, the mode). ``protrain.wrap`` runs them before it
+    plans, so that a bad argument is refused before a trace."""
     if getattr(model, "_protrain_engine", None) is not None:
         raise RuntimeError(
             "protrain.wrap: this model is already wrapped; call protrain.close(model) first"
@@ -383,38 +348,66 @@ def wrap(
         raise ValueError(f"grad_reduce={grad_reduce!r} is not allowed: use 'mean' or 'sum'")
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    plan = None
-    if gpu_budget is not None:
-        if sample_batch is None:
-            raise ValueError("protrain.wrap: gpu_budget needs a sample_batch of the real shape")
-        from protrain.plan import profile_and_plan
+    return WrapTarget(device, compute_dtype, ctx)
 
-        # several ranks: planned on the first, the same plan (and its mode) on every rank
-        plan, _ = profile_and_plan(
-            model,
-            sample_batch,
-            gpu_budget_bytes=gpu_budget,
-            cpu_budget_bytes=cpu_budget,
-            device=device,
-            compute_dtype=compute_dtype,
-            chunk_size_bytes=chunk_size_bytes,
-            fixed_knobs={
-                "n_persist": n_persist,
-                "n_buffer": n_buffer,
-                "n_swap": n_swap,
-                "n_checkpoint": n_checkpoint,
-            },
-            tiled_mlp_tokens=tiled_mlp_tokens,
-            clipping=clipping or compute_dtype == torch.float16,
-            process_group=ctx.group if ctx.is_distributed else NO_GROUP,
-            distributed_mode=distributed_mode if ctx.is_distributed else None,
-            **({"loss_fn": loss_fn} if loss_fn is not None else {}),
-        )
-        n_persist, n_swap, n_checkpoint = plan.n_persist, plan.n_swap, plan.n_checkpoint
-        n_buffer = plan.n_buffer if plan.n_persist < plan.n_chunks else None
-        chunk_size_bytes = plan.chunk_size_bytes
-        distributed_mode = plan.distributed_mode
-        log.info("protrain.wrap: plan\n%s", plan)
+
+def wrap(
+    model: nn.Module,
+    n_persist: int | None = None,
+    n_buffer: int | None = None,
+    device: torch.device | str | None = None,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    param_groups: list[dict] | None = None,
+    compute_dtype: torch.dtype | None = None,
+    chunk_size_bytes: int | None = None,
+    n_swap: int | None = None,
+    n_checkpoint: int | None = None,
+    offload_checkpoint: bool = False,
+    tiled_mlp_tokens: int | None = None,
+    loss_scaling: dict | None = None,
+    host_threads: int | None = None,
+    discard_offloaded_grads: bool = False,
+    process_group=None,
+    distributed_mode: str | None = None,
+    grad_reduce: str = "mean",
+    plan=None,
+) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
+    """Place ``model``'s parameters in chunks with the knobs given and return ``(model,
+    optimizer, layout)``. The engine takes knobs, never a budget: ``protrain.wrap``
+    (``protrain/planned_wrap.py``) plans for a ``gpu_budget`` and then calls this.
+
+    ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
+    chunks resident at once (None: a small default, at least what one module or block
+    needs). ``compute_dtype``: float32 (default on CPU), bfloat16 (default on CUDA) or
+    float16; trainable parameters keep fp32 masters and fp32 optimizer state either way.
+    float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
+    ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
+    ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
+    factors powers of two. ``host_threads``: intra-op threads of the host AdamW
+    (default: :func:`default_host_threads`).
+    Activations: ``n_swap`` and ``n_checkpoint`` blocks placed by the paper's rule
+    (``protrain.activations.place_policies``; checkpointed blocks hold their inputs on the
+    host with ``offload_checkpoint``), ``tiled_mlp_tokens`` for tiled MLPs.
+    ``discard_offloaded_grads``: for the profiler's traced steps, which step with
+    ``optimizer.step_without_host_updates()`` only; offloaded gradients land in one shared
+    scratch area (see [Note: discarded gradients] in ``chunks/manager.py``).
+    Several ranks (``torch.distributed`` initialized, or ``process_group`` given; every rank
+    calls ``wrap`` on the same model with the same knobs): ``distributed_mode="sharded"``
+    (the default) splits every offloaded chunk across the ranks, each rank keeping and
+    updating its own shard (``protrain.distributed``); ``"replicated"`` keeps whole chunks
+    on every rank. Either way gradients are reduced chunk by chunk during backward:
+    averaged over ranks with ``grad_reduce="mean"`` (as DDP), summed with ``"sum"`` (for a
+    loss already divided by the tokens of the whole global batch).
+    ``plan``: the decision these knobs came from, kept for :func:`plan_of`; the engine does
+    not read it.
+    Every knob is checked before anything is moved; a bad one raises ``ValueError``.
+    """
+    target = wrap_target(model, device, compute_dtype, process_group, distributed_mode,
+                         grad_reduce)  # fmt: skip
+    device, compute_dtype, ctx = target.device, target.compute_dtype, target.ctx
     collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
     sharded = collectives is not None and distributed_mode != "replicated"
     with_activations = n_swap is not None or n_checkpoint is not None or tiled_mlp_tokens
@@ -537,7 +530,8 @@ def _check_activation_knobs(
 
 
 def plan_of(model: nn.Module):
-    """The ``protrain.plan.Plan`` that ``wrap(gpu_budget=...)`` chose (None for explicit knobs)."""
+    """The ``protrain.plan.Plan`` that ``protrain.wrap(gpu_budget=...)`` chose (None for
+    explicit knobs)."""
     return _engine(model).plan
 
 

@@ -125,3 +125,21 @@ def test_gpu_budget_plans_for_the_clipping_schedule_asked_for(monkeypatch, clipp
     )
     assert seen["clipping"] is clipping
     protrain.close(model)
+
+
+def test_the_engine_knows_no_planner():
+    """The engine's wrap takes knobs only and importing it loads no planner; protrain.wrap
+    (plan, then wrap) keeps the budget arguments."""
+    import inspect
+    import subprocess
+    import sys
+
+    import protrain.engine as engine
+
+    code = "import sys, protrain.engine; print(sorted(m for m in sys.modules if 'plan' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    own = inspect.signature(engine.wrap).parameters
+    assert not {"gpu_budget", "cpu_budget", "sample_batch", "loss_fn"} & set(own)
+    public = inspect.signature(protrain.wrap).parameters
+    assert {"gpu_budget", "cpu_budget", "sample_batch", "loss_fn", "clipping"} <= set(public)

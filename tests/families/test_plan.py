@@ -9,8 +9,8 @@ import pytest
 from tests.plan.plan_synthetic import hardware
 
 import protrain
-from protrain.plan import apply_plan
 from protrain.plan.auto import profile_and_plan
+from protrain.planned_wrap import apply_plan
 from protrain.profile.trace import hf_loss
 
 from .configs import FAMILIES, batches, n_layers

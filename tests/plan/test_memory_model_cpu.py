@@ -143,7 +143,7 @@ def test_lora_trace_and_memory_model():
 
 
 def test_apply_plan_executes_the_knobs():
-    from protrain.plan import apply_plan
+    from protrain.planned_wrap import apply_plan
 
     model = tiny_llama.build(seed=4)
     batch = tiny_llama.batch()

@@ -1,5 +1,6 @@
 """Profile plus search in one call: what ``protrain.wrap(gpu_budget=...)`` and the
-application's ``memory: {auto: true}`` use."""
+application's ``memory: {auto: true}`` use. Deciding only: executing a plan is
+``protrain.planned_wrap`` (above both the planner and the engine)."""
 
 from __future__ import annotations
 
@@ -316,43 +317,3 @@ def _plan_here(
 def plan_for(model: nn.Module, sample_batch: dict, **kwargs) -> Plan:
     """The fastest plan that fits: :func:`profile_and_plan` without the problem."""
     return profile_and_plan(model, sample_batch, **kwargs)[0]
-
-
-def apply_plan(
-    model: nn.Module,
-    plan: Plan,
-    *,
-    device: torch.device | str | None = None,
-    compute_dtype: torch.dtype | None = None,
-    tiled_mlp_tokens: int | None = None,
-    **wrap_kwargs,
-):
-    """Execute ``plan``: ``protrain.wrap`` with its chunk knobs, then its activation knobs
-    (with several ranks, in the plan's mode; ``process_group`` may be among ``wrap_kwargs``).
-
-    Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
-    undoes both (``activation_handle.remove()`` alone takes the policies off). ``wrap_kwargs`` are the
-    optimizer settings of ``protrain.wrap`` (lr, betas, eps, weight_decay, param_groups).
-    ``tiled_mlp_tokens`` must be what the profile was traced with.
-    """
-    import protrain
-    from protrain.engine import _engine
-
-    device = _device(device)
-    model, optimizer, layout = protrain.wrap(
-        model,
-        n_persist=plan.n_persist,
-        n_buffer=plan.n_buffer if plan.n_persist < plan.n_chunks else None,
-        device=device,
-        compute_dtype=compute_dtype,
-        chunk_size_bytes=plan.chunk_size_bytes,
-        n_swap=plan.n_swap,
-        n_checkpoint=plan.n_checkpoint,
-        tiled_mlp_tokens=tiled_mlp_tokens,
-        distributed_mode=plan.distributed_mode,
-        **wrap_kwargs,
-    )
-    engine = _engine(model)
-    engine.plan = plan
-    handle = engine.activations
-    return model, optimizer, layout, handle

@@ -500,7 +500,7 @@ class AutoTrainable(EngineTrainable):
         self._last_step_s = 0.0
 
     def _apply(self, plan) -> None:
-        from protrain.plan import apply_plan
+        from protrain.planned_wrap import apply_plan
 
         cfg = self.cfg
         try:
