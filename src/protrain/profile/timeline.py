@@ -1,129 +1,634 @@
-"""A picture of one traced step: memory over time, blocks and chunk traffic marked.
+"""A picture of one traced step: device memory over time against the budget, what holds it,
+and what moves.
 
-One self-contained HTML file with an inline SVG (no plotting library), or the same picture
-as a PNG drawn with Pillow: the memory curve
-through each interval's start, peak and end; a band per interval coloured by kind (forward
-of block i, head and loss, backward of block i, optimizer step) with the block index; and
-a lane of ticks, one per offloaded chunk gathered in that interval.
+From a :class:`~protrain.profile.trace.ModelProfile` (with the budget and the hardware
+profile when known): one self-contained HTML file with an inline SVG (no plotting library,
+no external assets; every element has a ``<title>`` tooltip with its figures), or the same
+picture as a PNG drawn with Pillow, for a quick look.
+
+- **Memory**: total device memory at each interval's start, peak and end, stacked in three
+  parts. *Model states*: the persistent chunks with their fp32 masters and AdamW state, the
+  offloaded chunks resident in the buffer pool, and the persistent chunks' gradient
+  accumulators made so far in backward. *Activations*: the other bytes above the step's
+  start that are live at the cuts around an interval, so held through it (checkpointed
+  blocks' inputs, the hidden state and its gradient passing from block to block).
+  *Transients*: the rest of the peak (a block's workspaces and recomputed activations, the
+  logits and loss; on CUDA also what was resident at the step's start beyond the model
+  states: module buffers, library workspaces). A dashed line marks the budget. At a peak the
+  pool counts as at the interval's end: on CUDA the total is then the allocator's peak.
+- **Blocks**: a band per stretch of the step (the embedding, forward of a block, head and
+  loss, backward of a block, optimizer step), named by the block's module name where it
+  fits and on hover.
+- **Chunks**: a mark per offloaded chunk gathered into the buffer pool (host to device) and
+  per offloaded chunk whose gradients went to the host in a stretch (device to host).
+- **Host AdamW**: per offloaded trainable chunk, when the step's host optimizer updates it.
+  The traced step leaves host updates out (``HybridAdamW.step_without_host_updates``), so
+  the lane is the engine's schedule at the hardware profile's host rates (AdamW while copies
+  run, and with clipping the clip pass): released at the end of backward with clipping,
+  else when the chunk's last gradient has gone to the host; one chunk at a time, the lowest
+  released one first (``runtime/host_worker.py``).
+
+The time axis is the traced step's seconds (a synchronization at every cut makes it longer
+than a training step), extended when the host lane runs past its end: the next forward
+waits for those chunks.
 """
 
 from __future__ import annotations
 
+import heapq
 import html
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
 
-_COLORS = {"pre": "#bbbbbb", "fwd": "#4e79a7", "head": "#b07aa1", "bwd": "#f28e2b",
-           "opt": "#59a14f"}  # fmt: skip
-_W, _H, _PAD = 1100, 420, 60
+# Geometry, shared by the SVG and the PNG (pixels).
+_W, _H = 1100, 420
+_X0, _X1 = 76, 1080  # plot's left and right
+_Y_TOP, _Y_BOT = 44, 256  # memory plot
+_LANE_BLOCKS, _LANE_CHUNKS, _LANE_HOST = 262, 282, 302  # lane tops, 16 px each
+_LANE_H = 16
+_AXIS_Y = 322
+
+_PART_COLORS = {"model states": "#4e79a7", "activations": "#f28e2b", "transients": "#e15759"}
+_KIND_COLORS = {"pre": "#bab0ac", "fwd": "#76b7b2", "head": "#b07aa1", "bwd": "#edc948",
+                "opt": "#59a14f"}  # fmt: skip
+_KIND_NAMES = {"pre": "embedding", "head": "head and loss", "opt": "optimizer step"}
+_GATHER_COLOR, _GRADS_COLOR, _HOST_COLOR = "#4e79a7", "#f28e2b", "#9c755f"
+_BUDGET_COLOR, _TOTAL_COLOR = "#b00020", "#222222"
+_CHAR_W = 6.0  # approximate width of one character of the labels
 
 
-def _axes(profile: ModelProfile):
-    """Time -> x and bytes -> y on the picture, the plot height, the byte range, the end."""
+@dataclass
+class MemoryPoint:
+    """Device memory at one moment of the step, in its three parts (bytes)."""
+
+    t_s: float
+    model_states: int
+    activations: int
+    transients: int
+    what: str  # the stretch and the moment, for the tooltip
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.transients
+
+
+@dataclass
+class Band:
+    """Consecutive intervals of one kind and block (a block's backward is cut at every
+    gradient accumulation; the band is the whole of it)."""
+
+    kind: str
+    block: int
+    name: str
+    start_s: float
+    end_s: float
+    peak: MemoryPoint | None = None
+    gathers: int = 0
+
+    @property
+    def label(self) -> str:
+        return self.kind if self.block < 0 else f"{self.kind} {self.block}"
+
+    @property
+    def where(self) -> str:
+        return self.name if self.block < 0 else f"{self.label} {self.name}"
+
+
+@dataclass
+class ChunkMark:
+    t_s: float
+    chunk: int | None  # None: gathered and released again inside one interval
+    direction: str  # "gather" (host to device) or "grads" (gradients device to host)
+    nbytes: int
+    where: str  # the band's label and name
+
+
+@dataclass
+class HostStep:
+    chunk: int
+    params: int
+    start_s: float
+    end_s: float
+
+
+@dataclass
+class StepPicture:
+    """What the picture shows, computed once and drawn by both the SVG and the PNG."""
+
+    points: list[MemoryPoint]
+    bands: list[Band]
+    marks: list[ChunkMark]
+    host_steps: list[HostStep]
+    host_note: str
+    budget_bytes: int | None
+    step_s: float
+    end_s: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> MemoryPoint:
+        return max(self.points, key=lambda p: p.total)
+
+
+def _fmt_bytes(n: float) -> str:
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.2f} GiB"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _band_name(profile: ModelProfile, kind: str, block: int) -> str:
+    if block >= 0 and block < len(profile.blocks):
+        return profile.blocks[block].name
+    return _KIND_NAMES.get(kind, kind)
+
+
+def _grad_times(profile: ModelProfile) -> list[tuple[float, int]]:
+    """Per ``grad_order`` entry: (seconds into the step when it was accumulated, index of
+    the interval it ended): the start of the first interval that counts it in
+    ``grads_done``."""
     ivs = profile.intervals
-    t_end = max((iv.end_s for iv in ivs), default=1.0) or 1.0
-    top = max([iv.peak_bytes for iv in ivs] + [1])
-    bottom = min([iv.end_bytes for iv in ivs] + [0])
-    plot_h = _H - 2 * _PAD - 40
-
-    def x(t: float) -> float:
-        return _PAD + (_W - 2 * _PAD) * t / t_end
-
-    def y(b: float) -> float:
-        return _PAD + plot_h * (1 - (b - bottom) / max(top - bottom, 1))
-
-    return x, y, plot_h, top, bottom, t_end
+    out: list[tuple[float, int]] = []
+    for i, iv in enumerate(ivs):
+        while len(out) < min(iv.grads_done, len(profile.grad_order)):
+            out.append((iv.start_s, max(i - 1, 0)))
+    while len(out) < len(profile.grad_order):  # accumulated in the last interval
+        out.append((ivs[-1].end_s if ivs else 0.0, len(ivs) - 1))
+    return out
 
 
-def timeline_svg(profile: ModelProfile) -> str:
+def host_optimizer_lane(
+    profile: ModelProfile, hardware: HardwareProfile, *, clipping: bool = True
+) -> list[HostStep]:
+    """When the step's host AdamW would update each offloaded trainable chunk of the traced
+    layout, at ``hardware``'s host rates (see the module docstring); seconds of the step."""
+    t = profile.chunks
+    offloaded = [i for i in range(profile.trace_n_persist, t.n_chunks) if t.trainable_numel[i]]
+    if not offloaded:
+        return []
+    rate = hardware.cpu_adam_busy_params_per_s or hardware.cpu_adam_params_per_s
+    s_per_param = 1.0 / rate
+    if clipping and hardware.cpu_clip_params_per_s:
+        s_per_param += 1.0 / hardware.cpu_clip_params_per_s
+    opt = next((iv for iv in profile.intervals if iv.kind == "opt"), None)
+    end_of_backward = opt.start_s if opt is not None else profile.step_s
+    release = dict.fromkeys(offloaded, end_of_backward)
+    if not clipping:
+        last: dict[int, float] = {}
+        for (chunk, _), (t_s, _) in zip(profile.grad_order, _grad_times(profile)):
+            last[chunk] = max(last.get(chunk, 0.0), t_s)
+        release = {c: last.get(c, end_of_backward) for c in offloaded}
+    steps, ready, now = [], [], -math.inf
+    todo = sorted(offloaded, key=lambda c: (release[c], c))
+    k = 0
+    while k < len(todo) or ready:
+        if not ready:
+            now = max(now, release[todo[k]])
+        while k < len(todo) and release[todo[k]] <= now:
+            heapq.heappush(ready, todo[k])
+            k += 1
+        c = heapq.heappop(ready)
+        work = t.trainable_numel[c] * s_per_param
+        steps.append(HostStep(c, t.trainable_numel[c], now, now + work))
+        now += work
+    return steps
+
+
+def build_picture(
+    profile: ModelProfile,
+    *,
+    budget_bytes: int | None = None,
+    hardware: HardwareProfile | None = None,
+    clipping: bool = True,
+) -> StepPicture:
+    """The picture's content: memory points, bands, chunk marks and the host lane."""
     ivs = profile.intervals
-    x, y, plot_h, top, bottom, t_end = _axes(profile)
+    if not ivs:
+        raise ValueError("the profile has no traced intervals to draw")
+    chunk_bytes = profile.chunks.chunk_size_bytes
+    n_persist = profile.trace_n_persist
+    notes = []
+    persistent = profile.model_state_bytes
+    if persistent is None:
+        persistent = 0
+        notes.append("this profile does not record the persistent chunks' bytes (traced by "
+                     "an older version): model states show the pool and gradients only")  # fmt: skip
+    other = 0
+    if profile.step_start_bytes is not None:
+        other = max(profile.step_start_bytes - persistent, 0)
+    # persistent gradient accumulator bytes after the first k accumulations
+    grads = [0]
+    for chunk, numel in profile.grad_order:
+        grads.append(grads[-1] + (4 * numel if chunk < n_persist else 0))
 
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
-        'font-family="sans-serif" font-size="11">'
+    def done(k: int) -> int:
+        return grads[min(k, len(grads) - 1)]
+
+    points: list[MemoryPoint] = []
+    bands: list[Band] = []
+    marks: list[ChunkMark] = []
+    prev_live, prev_resident = 0, list(profile.start_resident_chunks)
+    prev_grads = done(ivs[0].grads_done)
+    band_of: list[int] = []  # per interval, its band
+    for i, iv in enumerate(ivs):
+        name = _band_name(profile, iv.kind, iv.block)
+        if not bands or (bands[-1].kind, bands[-1].block) != (iv.kind, iv.block):
+            bands.append(Band(iv.kind, iv.block, name, iv.start_s, iv.end_s))
+        band_of.append(len(bands) - 1)
+        band = bands[-1]
+        band.end_s = iv.end_s
+        what = f"{band.label} ({name})"
+        pool_start = len(prev_resident) * chunk_bytes
+        pool_end = len(iv.resident_chunks) * chunk_bytes
+        g_start = prev_grads
+        if iv.kind == "opt":
+            g_end = 0  # zero_grad frees the accumulators
+        else:
+            g_end = done(ivs[i + 1].grads_done) if i + 1 < len(ivs) else g_start
+        held = max(min(prev_live - g_start, iv.end_bytes - g_end), 0)
+        g_peak = max(g_start, g_end)
+        points.append(
+            MemoryPoint(
+                iv.start_s,
+                persistent + pool_start + g_start,
+                max(prev_live - g_start, 0),
+                other,
+                f"{what}, start",
+            )  # fmt: skip
+        )
+        peak = MemoryPoint(
+            (iv.start_s + iv.end_s) / 2,
+            persistent + pool_end + g_peak,
+            held,
+            other + max(iv.peak_bytes - g_peak - held, 0),
+            f"{what}, peak",
+        )
+        points.append(peak)
+        points.append(
+            MemoryPoint(
+                iv.end_s,
+                persistent + pool_end + g_end,
+                max(iv.end_bytes - g_end, 0),
+                other,
+                f"{what}, end",
+            )  # fmt: skip
+        )
+        if band.peak is None or peak.total > band.peak.total:
+            band.peak = peak
+        band.gathers += iv.gathers
+        gathered = [c for c in iv.resident_chunks if c not in prev_resident]
+        unnamed = max(iv.gathers - len(gathered), 0)
+        for j, c in enumerate([*gathered, *[None] * unnamed]):
+            t_s = iv.start_s + (iv.end_s - iv.start_s) * j / max(len(gathered) + unnamed, 1)
+            marks.append(ChunkMark(t_s, c, "gather", chunk_bytes, band.where))
+        prev_live, prev_resident, prev_grads = iv.end_bytes, iv.resident_chunks, g_end
+
+    # gradients of offloaded chunks going to the host: one mark per chunk per band
+    offload: dict[tuple[int, int], list] = {}
+    for (chunk, numel), (t_s, i) in zip(profile.grad_order, _grad_times(profile)):
+        if chunk < n_persist:
+            continue
+        key = (band_of[i], chunk)
+        entry = offload.setdefault(key, [t_s, 0])
+        entry[0] = min(entry[0], t_s)
+        entry[1] += 4 * numel
+    for (bi, chunk), (t_s, nbytes) in sorted(offload.items(), key=lambda kv: kv[1][0]):
+        marks.append(ChunkMark(t_s, chunk, "grads", nbytes, bands[bi].where))
+
+    host_steps: list[HostStep] = []
+    trainable_offloaded = sum(profile.chunks.trainable_numel[n_persist:])
+    if not trainable_offloaded:
+        host_note = "host AdamW: no offloaded trainable parameters in this layout"
+    elif hardware is None:
+        host_note = "host AdamW: not drawn (no hardware profile given)"
+    else:
+        host_steps = host_optimizer_lane(profile, hardware, clipping=clipping)
+        total = sum(h.end_s - h.start_s for h in host_steps)
+        host_note = (
+            f"host AdamW: {len(host_steps)} chunks, {total:.3f} s at the measured host rate "
+            f"({'released at the end of backward: clipping' if clipping else 'each released when its gradients are on the host'})"  # noqa: E501
+        )
+    step_s = ivs[-1].end_s
+    end_s = max([step_s, *[h.end_s for h in host_steps]]) or 1.0
+    return StepPicture(points, bands, marks, host_steps, host_note, budget_bytes, step_s,
+                       end_s, notes)  # fmt: skip
+
+
+# ---- geometry ----------------------------------------------------------------------------
+
+
+def _nice_step(span: float, target: int) -> float:
+    raw = span / max(target, 1)
+    mag = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    return next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+
+
+class _Frame:
+    """Seconds -> x and bytes -> y, with the axes' ticks."""
+
+    def __init__(self, pic: StepPicture):
+        self.end_s = pic.end_s
+        top = max(p.total for p in pic.points)
+        if pic.budget_bytes:
+            top = max(top, pic.budget_bytes)
+        self.top = max(top * 1.05, 1)
+        unit = 2**30 if self.top >= 2**30 else 2**20
+        self.unit_name = "GiB" if unit == 2**30 else "MiB"
+        step = _nice_step(self.top / unit, 4) * unit
+        self.y_ticks = [k * step for k in range(int(self.top // step) + 1)]
+        self.unit = unit
+        t_step = _nice_step(self.end_s, 10)
+        self.t_ticks = [k * t_step for k in range(int(self.end_s / t_step + 1e-9) + 1)]
+        exp = math.floor(math.log10(t_step) + 1e-9)
+        self.t_decimals = max(0, -exp) + (1 if round(t_step / 10**exp, 3) == 2.5 else 0)
+
+    def x(self, t: float) -> float:
+        return _X0 + (_X1 - _X0) * t / self.end_s
+
+    def y(self, b: float) -> float:
+        return _Y_BOT - (_Y_BOT - _Y_TOP) * b / self.top
+
+    def y_label(self, b: float) -> str:
+        return f"{b / self.unit:g} {self.unit_name}"
+
+    def t_label(self, t: float) -> str:
+        return f"{t:.{self.t_decimals}f}"
+
+
+def _stack(pic: StepPicture, f: _Frame) -> dict[str, list[tuple[float, float]]]:
+    """Each part's polygon (its upper edge left to right, its lower edge back)."""
+    lower = [0] * len(pic.points)
+    polys = {}
+    for part, attr in (("model states", "model_states"), ("activations", "activations"),
+                       ("transients", "transients")):  # fmt: skip
+        upper = [lo + getattr(p, attr) for lo, p in zip(lower, pic.points)]
+        xs = [f.x(p.t_s) for p in pic.points]
+        polys[part] = [(x, f.y(u)) for x, u in zip(xs, upper)] + [
+            (x, f.y(lo)) for x, lo in zip(reversed(xs), reversed(lower))
+        ]
+        lower = upper
+    return polys
+
+
+def _point_title(p: MemoryPoint) -> str:
+    return (
+        f"{p.what} at {p.t_s:.4f} s: {_fmt_bytes(p.total)} = model states "
+        f"{_fmt_bytes(p.model_states)} + activations {_fmt_bytes(p.activations)} + transients "
+        f"{_fmt_bytes(p.transients)}"
+    )
+
+
+def _band_title(b: Band) -> str:
+    text = f"{b.label}: {b.name}, {b.start_s:.4f}-{b.end_s:.4f} s ({b.end_s - b.start_s:.4f} s)"
+    if b.peak is not None:
+        text += (
+            f"; peak {_fmt_bytes(b.peak.total)} (model states {_fmt_bytes(b.peak.model_states)}, "
+            f"activations {_fmt_bytes(b.peak.activations)}, transients "
+            f"{_fmt_bytes(b.peak.transients)})"
+        )
+    return text + f"; {b.gathers} chunk gathers"
+
+
+def _mark_title(m: ChunkMark) -> str:
+    who = f"chunk {m.chunk}" if m.chunk is not None else "a chunk (gathered and released again)"
+    if m.direction == "gather":
+        return f"gather {who}: {_fmt_bytes(m.nbytes)} host to device at {m.t_s:.4f} s, {m.where}"
+    return (
+        f"gradients of {who} to the host: {_fmt_bytes(m.nbytes)} fp32 device to host from "
+        f"{m.t_s:.4f} s, {m.where}"
+    )
+
+
+def _host_title(h: HostStep) -> str:
+    return (
+        f"host AdamW of chunk {h.chunk}: {h.params:,} parameters, {h.start_s:.4f}-{h.end_s:.4f} "
+        f"s ({h.end_s - h.start_s:.4f} s)"
+    )
+
+
+def _band_text(b: Band, width: float) -> str:
+    for text in (b.name, str(b.block) if b.block >= 0 else ""):
+        if text and len(text) * _CHAR_W + 4 <= width:
+            return text
+    return ""
+
+
+def _legend() -> list[tuple[str, str, str]]:
+    """(shape, color, label) of the legend, left to right."""
+    return [
+        *[("box", c, name) for name, c in _PART_COLORS.items()],
+        ("dash", _BUDGET_COLOR, "budget"),
+        ("line", _TOTAL_COLOR, "total"),
+        ("up", _GATHER_COLOR, "chunk gather"),
+        ("down", _GRADS_COLOR, "grads to host"),
+        ("box", _HOST_COLOR, "host AdamW"),
     ]
-    band_y = _PAD + plot_h + 4
-    points, prev, last = [], 0, None
-    for iv in ivs:
-        x0, x1 = x(iv.start_s), x(iv.end_s)
-        color = _COLORS.get(iv.kind, "#999999")
-        label = iv.kind if iv.block < 0 else f"{iv.kind} {iv.block}"
-        parts.append(
-            f'<rect x="{x0:.1f}" y="{_PAD}" width="{max(x1 - x0, 0.5):.1f}" height="{plot_h}" '
-            f'fill="{color}" opacity="0.12"><title>{html.escape(label)}: '
-            f"{iv.end_s - iv.start_s:.4f} s, peak {iv.peak_bytes / 2**20:.1f} MiB</title></rect>"
-        )
-        parts.append(
-            f'<rect x="{x0:.1f}" y="{band_y}" width="{max(x1 - x0, 0.5):.1f}" height="14" '
-            f'fill="{color}"/>'
-        )
-        if iv.block >= 0 and x1 - x0 > 14 and (iv.kind, iv.block) != last:
-            parts.append(
-                f'<text x="{(x0 + x1) / 2:.1f}" y="{band_y + 11}" text-anchor="middle" '
-                f'fill="white">{iv.block}</text>'
-            )
-        for g in range(iv.gathers):
-            gx = x0 + (x1 - x0) * (g + 0.5) / iv.gathers
-            parts.append(
-                f'<line x1="{gx:.1f}" x2="{gx:.1f}" y1="{band_y + 20}" y2="{band_y + 32}" '
-                'stroke="#333" stroke-width="1"/>'
-            )
-        mid = (x0 + x1) / 2
-        points += [(x0, y(prev)), (mid, y(iv.peak_bytes)), (x1, y(iv.end_bytes))]
-        prev, last = iv.end_bytes, (iv.kind, iv.block)
-    parts.append(
-        '<polyline fill="none" stroke="#e15759" stroke-width="2" points="'
-        + " ".join(f"{a:.1f},{b:.1f}" for a, b in points)
-        + '"/>'
-    )
-    for frac in (0, 0.5, 1):
-        b = bottom + frac * (top - bottom)
-        parts.append(
-            f'<text x="{_PAD - 6}" y="{y(b) + 4:.1f}" text-anchor="end">{b / 2**20:.0f} MiB</text>'
-        )
-    parts.append(
-        f'<text x="{_W / 2}" y="{_H - 8}" text-anchor="middle">time (s), step '
-        f"{t_end:.3f} s; ticks: offloaded chunks gathered</text>"
-    )
-    parts.append(
-        f'<text x="{_PAD}" y="20">activation and transient memory above the step start '
-        f"(model states and the buffer pool not included)</text>"
-    )
-    legend_x = _PAD
-    for kind, color in _COLORS.items():
-        parts.append(f'<rect x="{legend_x}" y="30" width="10" height="10" fill="{color}"/>')
-        parts.append(f'<text x="{legend_x + 14}" y="39">{kind}</text>')
-        legend_x += 70
-    parts.append("</svg>")
-    return "\n".join(parts)
 
 
-def write_timeline_html(profile: ModelProfile, path: str | Path, *, title: str = "") -> Path:
-    """Write the picture of ``profile``'s traced step as an HTML file; return its path."""
+def _caption(profile: ModelProfile, pic: StepPicture) -> list[str]:
+    peak = pic.peak
+    budget = (
+        f"budget {_fmt_bytes(pic.budget_bytes)} ({peak.total / pic.budget_bytes:.0%} used at "
+        "the peak)"
+        if pic.budget_bytes
+        else "no budget given"
+    )
+    return [
+        f"time (s): traced step {pic.step_s:.3f} s (synchronized at every cut); peak "
+        f"{_fmt_bytes(peak.total)} at {peak.t_s:.3f} s in {peak.what}; {budget}",
+        f"traced with n_persist={profile.trace_n_persist} of {profile.chunks.n_chunks} chunks "
+        f"of {_fmt_bytes(profile.chunks.chunk_size_bytes)}, n_buffer={profile.trace_n_buffer}, "
+        f"every block checkpointed; {profile.n_blocks} blocks, batch {profile.batch_size} x "
+        f"{profile.seq_len}, {profile.compute_dtype} on {profile.device}",
+        pic.host_note,
+        *pic.notes,
+    ]
+
+
+# ---- SVG and HTML --------------------------------------------------------------------------
+
+
+def timeline_svg(
+    profile: ModelProfile,
+    *,
+    budget_bytes: int | None = None,
+    hardware: HardwareProfile | None = None,
+    clipping: bool = True,
+) -> str:
+    """The picture as an inline SVG element; hover any part for its figures."""
+    pic = build_picture(profile, budget_bytes=budget_bytes, hardware=hardware, clipping=clipping)
+    f = _Frame(pic)
+    esc = html.escape
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_W}" height="{_H}" '
+        f'viewBox="0 0 {_W} {_H}" font-family="sans-serif" font-size="11">'
+    ]
+    # legend
+    lx = _X0
+    for shape, color, label in _legend():
+        if shape == "box":
+            out.append(f'<rect x="{lx}" y="14" width="10" height="10" fill="{color}"/>')
+        elif shape in ("dash", "line"):
+            dash = ' stroke-dasharray="5,3"' if shape == "dash" else ""
+            out.append(f'<line x1="{lx}" x2="{lx + 12}" y1="19" y2="19" stroke="{color}" '
+                       f'stroke-width="2"{dash}/>')  # fmt: skip
+        else:
+            out.append(f'<path d="{_triangle(lx + 5, 19, shape)}" fill="{color}"/>')
+        out.append(f'<text x="{lx + 15}" y="23">{esc(label)}</text>')
+        lx += 15 + len(label) * _CHAR_W + 14
+    # y grid and labels
+    for b in f.y_ticks:
+        y = f.y(b)
+        out.append(f'<line x1="{_X0}" x2="{_X1}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
+        out.append(f'<text x="{_X0 - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                   f"{f.y_label(b)}</text>")  # fmt: skip
+    # stacked parts
+    for part, poly in _stack(pic, f).items():
+        pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in poly)
+        out.append(f'<polygon points="{pts}" fill="{_PART_COLORS[part]}" fill-opacity="0.75" '
+                   f'stroke="none"><title>{esc(part)}</title></polygon>')  # fmt: skip
+    total = " ".join(f"{f.x(p.t_s):.1f},{f.y(p.total):.1f}" for p in pic.points)
+    out.append(f'<polyline points="{total}" fill="none" stroke="{_TOTAL_COLOR}" '
+               'stroke-width="1"/>')  # fmt: skip
+    if pic.budget_bytes:
+        y = f.y(pic.budget_bytes)
+        out.append(
+            f'<line class="budget" x1="{_X0}" x2="{_X1}" y1="{y:.1f}" y2="{y:.1f}" '
+            f'stroke="{_BUDGET_COLOR}" stroke-width="2" stroke-dasharray="6,4"><title>budget '
+            f"{_fmt_bytes(pic.budget_bytes)}</title></line>"
+        )
+        out.append(f'<text x="{_X1 - 4}" y="{y - 4:.1f}" text-anchor="end" '
+                   f'fill="{_BUDGET_COLOR}">budget {_fmt_bytes(pic.budget_bytes)}</text>')  # fmt: skip
+    # hover targets: one transparent column per sample's stretch, the point's split in it
+    for a, p, c in zip(pic.points, pic.points[1:], pic.points[2:]):
+        if p.what.endswith("peak"):
+            x0, x1 = f.x(a.t_s), f.x(c.t_s)
+            out.append(f'<rect x="{x0:.1f}" y="{_Y_TOP}" width="{max(x1 - x0, 0.5):.1f}" '
+                       f'height="{_Y_BOT - _Y_TOP}" fill="#000" fill-opacity="0">'
+                       f"<title>{esc(_point_title(p))}</title></rect>")  # fmt: skip
+    peak = pic.peak
+    out.append(f'<circle cx="{f.x(peak.t_s):.1f}" cy="{f.y(peak.total):.1f}" r="3" '
+               f'fill="{_TOTAL_COLOR}"><title>peak: {esc(_point_title(peak))}</title>'
+               "</circle>")  # fmt: skip
+    # lanes
+    for label, top in (("blocks", _LANE_BLOCKS), ("chunks", _LANE_CHUNKS),
+                       ("host AdamW", _LANE_HOST)):  # fmt: skip
+        out.append(f'<text x="{_X0 - 6}" y="{top + 12}" text-anchor="end" font-size="10">'
+                   f"{label}</text>")  # fmt: skip
+        out.append(f'<rect x="{_X0}" y="{top}" width="{_X1 - _X0}" height="{_LANE_H}" '
+                   'fill="#f6f6f6"/>')  # fmt: skip
+    for b in pic.bands:
+        x0, x1 = f.x(b.start_s), f.x(b.end_s)
+        out.append(
+            f'<g><title>{esc(_band_title(b))}</title><rect x="{x0:.1f}" y="{_LANE_BLOCKS}" '
+            f'width="{max(x1 - x0, 0.5):.1f}" height="{_LANE_H}" '
+            f'fill="{_KIND_COLORS.get(b.kind, "#999999")}" stroke="white" stroke-width="0.5"/>'
+        )
+        text = _band_text(b, x1 - x0)
+        if text:
+            out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{_LANE_BLOCKS + 12}" '
+                       f'text-anchor="middle" font-size="10">{esc(text)}</text>')  # fmt: skip
+        out.append("</g>")
+    for m in pic.marks:
+        x = f.x(m.t_s)
+        shape = "up" if m.direction == "gather" else "down"
+        color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
+        out.append(f'<path class="{m.direction}" d="{_triangle(x, _LANE_CHUNKS + 8, shape)}" '
+                   f'fill="{color}"><title>{esc(_mark_title(m))}</title></path>')  # fmt: skip
+    for h in pic.host_steps:
+        x0, x1 = f.x(h.start_s), f.x(h.end_s)
+        out.append(
+            f'<rect class="host-adamw" x="{x0:.1f}" y="{_LANE_HOST + 2}" '
+            f'width="{max(x1 - x0, 0.5):.1f}" height="{_LANE_H - 4}" fill="{_HOST_COLOR}" '
+            f'stroke="white" stroke-width="0.5"><title>{esc(_host_title(h))}</title></rect>'
+        )
+    if not pic.host_steps:
+        out.append(f'<text x="{_X0 + 4}" y="{_LANE_HOST + 12}" font-size="10" fill="#666">'
+                   f"{esc(pic.host_note)}</text>")  # fmt: skip
+    # time axis
+    out.append(f'<line x1="{_X0}" x2="{_X1}" y1="{_AXIS_Y}" y2="{_AXIS_Y}" stroke="#333"/>')
+    for t in f.t_ticks:
+        x = f.x(t)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_AXIS_Y}" y2="{_AXIS_Y + 4}" '
+                   'stroke="#333"/>')  # fmt: skip
+        out.append(f'<text x="{x:.1f}" y="{_AXIS_Y + 15}" text-anchor="middle">'
+                   f"{f.t_label(t)} s</text>")  # fmt: skip
+    if pic.end_s > pic.step_s:
+        x = f.x(pic.step_s)
+        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_Y_TOP}" y2="{_LANE_HOST + _LANE_H}" '
+                   'stroke="#333" stroke-dasharray="2,2"><title>end of the traced step; the '
+                   "host AdamW runs on into the next step's forward</title></line>")  # fmt: skip
+    for k, line in enumerate(_caption(profile, pic)):
+        out.append(f'<text x="{_X0}" y="{_AXIS_Y + 34 + 15 * k}">{esc(line)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def _triangle(x: float, y: float, shape: str) -> str:
+    if shape == "up":
+        return f"M{x - 4:.1f},{y + 4:.1f} L{x + 4:.1f},{y + 4:.1f} L{x:.1f},{y - 4:.1f} Z"
+    return f"M{x - 4:.1f},{y - 4:.1f} L{x + 4:.1f},{y - 4:.1f} L{x:.1f},{y + 4:.1f} Z"
+
+
+def write_timeline_html(
+    profile: ModelProfile,
+    path: str | Path,
+    *,
+    title: str = "",
+    budget_bytes: int | None = None,
+    hardware: HardwareProfile | None = None,
+    clipping: bool = True,
+) -> Path:
+    """Write the picture of ``profile``'s traced step as a self-contained HTML file; return
+    its path. ``budget_bytes``: the device budget to draw; ``hardware``: the rates of the
+    host AdamW lane; ``clipping``: the step clips gradients (the host lane's schedule)."""
     path = Path(path)
     head = html.escape(title or "protrain profile")
     summary = (
         f"{profile.n_blocks} blocks, batch {profile.batch_size} x {profile.seq_len}, "
-        f"{profile.compute_dtype} on {profile.device}; traced with n_persist="
-        f"{profile.trace_n_persist} of {profile.chunks.n_chunks} chunks, every block "
-        "checkpointed"
+        f"{profile.compute_dtype} on {profile.device}. Hover the picture for figures: a "
+        "column of the memory plot for its split, a block band, a chunk mark, a host AdamW "
+        "step."
     )
+    parts = (
+        "<b>model states</b>: persistent chunks with their fp32 masters and AdamW state, "
+        "offloaded chunks resident in the buffer pool, persistent gradient accumulators; "
+        "<b>activations</b>: other bytes live at the cuts around a stretch (held through it); "
+        "<b>transients</b>: the rest (workspaces, recomputed activations, logits"
+        + (
+            "; module buffers and library workspaces resident since the step began)"
+            if profile.step_start_bytes is not None
+            else ")"
+        )  # fmt: skip
+    )
+    svg = timeline_svg(profile, budget_bytes=budget_bytes, hardware=hardware, clipping=clipping)
     path.write_text(
         f"<!doctype html><html><head><meta charset='utf-8'><title>{head}</title></head>"
-        f"<body><h3>{head}</h3><p>{html.escape(summary)}</p>{timeline_svg(profile)}"
-        "</body></html>\n"
+        f"<body style='font-family:sans-serif'><h3>{head}</h3><p>{html.escape(summary)}</p>"
+        f"<p style='font-size:small'>{parts}</p>{svg}</body></html>\n"
     )
     return path
 
 
-def write_timeline_png(profile: ModelProfile, path: str | Path) -> Path:
+# ---- PNG ---------------------------------------------------------------------------------
+
+
+def write_timeline_png(
+    profile: ModelProfile,
+    path: str | Path,
+    *,
+    budget_bytes: int | None = None,
+    hardware: HardwareProfile | None = None,
+    clipping: bool = True,
+) -> Path:
     """The same picture as a PNG (Pillow), for terminals and reports without a browser."""
     from PIL import Image, ImageDraw
 
-    ivs = profile.intervals
-    x, y, plot_h, top, bottom, t_end = _axes(profile)
+    pic = build_picture(profile, budget_bytes=budget_bytes, hardware=hardware, clipping=clipping)
+    f = _Frame(pic)
 
     def rgb(color: str, alpha: float = 1.0) -> tuple[int, int, int]:
         c = [int(color[i : i + 2], 16) for i in (1, 3, 5)]
@@ -131,32 +636,70 @@ def write_timeline_png(profile: ModelProfile, path: str | Path) -> Path:
 
     img = Image.new("RGB", (_W, _H), "white")
     draw = ImageDraw.Draw(img)
-    band_y = _PAD + plot_h + 4
-    points, prev, last = [], 0, None
-    for iv in ivs:
-        x0, x1 = x(iv.start_s), x(iv.end_s)
-        color = _COLORS.get(iv.kind, "#999999")
-        draw.rectangle([x0, _PAD, max(x1, x0 + 0.5), _PAD + plot_h], fill=rgb(color, 0.12))
-        draw.rectangle([x0, band_y, max(x1, x0 + 0.5), band_y + 14], fill=rgb(color))
-        if iv.block >= 0 and x1 - x0 > 14 and (iv.kind, iv.block) != last:
-            draw.text(((x0 + x1) / 2 - 3, band_y + 1), str(iv.block), fill="white")
-        for g in range(iv.gathers):
-            gx = x0 + (x1 - x0) * (g + 0.5) / iv.gathers
-            draw.line([gx, band_y + 20, gx, band_y + 32], fill="#333333")
-        points += [(x0, y(prev)), ((x0 + x1) / 2, y(iv.peak_bytes)), (x1, y(iv.end_bytes))]
-        prev, last = iv.end_bytes, (iv.kind, iv.block)
-    draw.line(points, fill=rgb("#e15759"), width=2)
-    for frac in (0, 0.5, 1):
-        b = bottom + frac * (top - bottom)
-        draw.text((4, y(b) - 6), f"{b / 2**20:.0f} MiB", fill="black")
-    draw.text((_PAD, 14), "activation and transient memory above the step start", fill="black")
-    legend_x = _PAD
-    for kind, color in _COLORS.items():
-        draw.rectangle([legend_x, 30, legend_x + 10, 40], fill=rgb(color))
-        draw.text((legend_x + 14, 29), kind, fill="black")
-        legend_x += 70
-    draw.text((_W / 2 - 150, _H - 16), f"time (s), step {t_end:.3f} s; ticks: chunks gathered",
-              fill="black")  # fmt: skip
+    lx = _X0
+    for shape, color, label in _legend():
+        if shape == "box":
+            draw.rectangle([lx, 14, lx + 10, 24], fill=rgb(color))
+        elif shape in ("dash", "line"):
+            draw.line([lx, 19, lx + 12, 19], fill=rgb(color), width=2)
+        else:
+            draw.polygon(_triangle_points(lx + 5, 19, shape), fill=rgb(color))
+        draw.text((lx + 15, 13), label, fill="black")
+        lx += 15 + len(label) * _CHAR_W + 14
+    for b in f.y_ticks:
+        y = f.y(b)
+        draw.line([_X0, y, _X1, y], fill=rgb("#e5e5e5"))
+        label = f.y_label(b)
+        draw.text((_X0 - 6 - len(label) * _CHAR_W, y - 6), label, fill="black")
+    for part, poly in _stack(pic, f).items():
+        draw.polygon(poly, fill=rgb(_PART_COLORS[part], 0.75))
+    draw.line([(f.x(p.t_s), f.y(p.total)) for p in pic.points], fill=rgb(_TOTAL_COLOR), width=1)
+    if pic.budget_bytes:
+        y = f.y(pic.budget_bytes)
+        for x in range(_X0, _X1, 10):
+            draw.line([x, y, min(x + 6, _X1), y], fill=rgb(_BUDGET_COLOR), width=2)
+        label = f"budget {_fmt_bytes(pic.budget_bytes)}"
+        draw.text((_X1 - 4 - len(label) * _CHAR_W, y - 14), label, fill=rgb(_BUDGET_COLOR))
+    for label, top in (("blocks", _LANE_BLOCKS), ("chunks", _LANE_CHUNKS),
+                       ("host AdamW", _LANE_HOST)):  # fmt: skip
+        draw.rectangle([_X0, top, _X1, top + _LANE_H], fill=rgb("#f6f6f6"))
+        draw.text((_X0 - 6 - len(label) * _CHAR_W, top + 2), label, fill="black")
+    for b in pic.bands:
+        x0, x1 = f.x(b.start_s), f.x(b.end_s)
+        draw.rectangle([x0, _LANE_BLOCKS, max(x1, x0 + 0.5), _LANE_BLOCKS + _LANE_H],
+                       fill=rgb(_KIND_COLORS.get(b.kind, "#999999")))  # fmt: skip
+        text = _band_text(b, x1 - x0)
+        if text:
+            draw.text(((x0 + x1) / 2 - len(text) * _CHAR_W / 2, _LANE_BLOCKS + 2), text,
+                      fill="black")  # fmt: skip
+    for m in pic.marks:
+        shape = "up" if m.direction == "gather" else "down"
+        color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
+        draw.polygon(_triangle_points(f.x(m.t_s), _LANE_CHUNKS + 8, shape), fill=rgb(color))
+    for h in pic.host_steps:
+        x0, x1 = f.x(h.start_s), f.x(h.end_s)
+        draw.rectangle([x0, _LANE_HOST + 2, max(x1, x0 + 0.5), _LANE_HOST + _LANE_H - 2],
+                       fill=rgb(_HOST_COLOR), outline="white")  # fmt: skip
+    if not pic.host_steps:
+        draw.text((_X0 + 4, _LANE_HOST + 2), pic.host_note, fill=rgb("#666666"))
+    draw.line([_X0, _AXIS_Y, _X1, _AXIS_Y], fill=rgb("#333333"))
+    for t in f.t_ticks:
+        x = f.x(t)
+        draw.line([x, _AXIS_Y, x, _AXIS_Y + 4], fill=rgb("#333333"))
+        label = f"{f.t_label(t)} s"
+        draw.text((x - len(label) * _CHAR_W / 2, _AXIS_Y + 6), label, fill="black")
+    if pic.end_s > pic.step_s:
+        x = f.x(pic.step_s)
+        for y in range(_Y_TOP, _LANE_HOST + _LANE_H, 6):
+            draw.line([x, y, x, y + 3], fill=rgb("#333333"))
+    for k, line in enumerate(_caption(profile, pic)):
+        draw.text((_X0, _AXIS_Y + 24 + 15 * k), line, fill="black")
     path = Path(path)
     img.save(path)
     return path
+
+
+def _triangle_points(x: float, y: float, shape: str) -> list[tuple[float, float]]:
+    if shape == "up":
+        return [(x - 4, y + 4), (x + 4, y + 4), (x, y - 4)]
+    return [(x - 4, y - 4), (x + 4, y - 4), (x, y + 4)]

@@ -48,6 +48,11 @@ event timing of those waits), so a trace with offloaded chunks still measures co
   costs more than a small model's compute (a tiny Llama's traced step took several times
   its real one), so on the CPU too the totals are a real step's.
 
+For the picture of the step (:mod:`protrain.profile.timeline`), and read by no plan: the
+offloaded chunks resident in the buffer pool at every cut and when the step began, and the
+device bytes of the persistent chunks with their optimizer state
+(``persistent_state_bytes``).
+
 ``chunk_first_block`` maps each chunk to the first block whose forward uses it (-1: used
 before the first block, e.g. the embedding; ``n_blocks``: only after the last one): when
 the next forward needs the chunk, and when backward has finished its gradients.
@@ -115,6 +120,9 @@ class Interval:
     # Seconds the compute stream stalled on parameter gathers inside the interval (CUDA
     # events; 0 on the CPU): not compute, so the runtime model leaves it out.
     copy_wait_s: float = 0.0
+    # Offloaded chunks resident in the buffer pool at the interval's end (the picture's
+    # gathers and pool bytes; the memory readings leave the pool out).
+    resident_chunks: list[int] = field(default_factory=list)
 
     @property
     def compute_s(self) -> float:
@@ -159,6 +167,11 @@ class ModelProfile:
     # Of "index_and_wrap": the chunk build's parts (host arena allocated, pinned,
     # parameters copied in; see ``ChunkManager.build_s``).
     wrap_build_s: dict[str, float] = field(default_factory=dict)
+    # Device bytes of the trace's persistent chunks and their optimizer state (see
+    # ``persistent_state_bytes``), and the offloaded chunks resident when the traced step
+    # began: with the intervals, the picture's model states (``protrain.profile.timeline``).
+    model_state_bytes: int | None = None
+    start_resident_chunks: list[int] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -295,9 +308,11 @@ class _StepTracer:
         gathers: Callable[[], int],
         trainable: list[tuple[str, nn.Parameter, int]],
         copy_wait: Callable[[], float] = lambda: 0.0,
+        resident: Callable[[], list[int]] = list,
     ):
         self.blocks = blocks
         self.copy_wait = copy_wait
+        self.resident = resident
         self.clock = clock
         self.sync = sync
         self.gathers = gathers
@@ -331,6 +346,7 @@ class _StepTracer:
         self.cut_grads = 0
         self.copy_wait()  # drop the stalls from before the step
         self.pending_wait = 0.0
+        self.start_resident = self.resident()
         self.clock.reset_peak()
 
     def cut(self, next_kind: str, next_block: int, *, sync: bool = True) -> tuple[float, int]:
@@ -356,6 +372,7 @@ class _StepTracer:
                 reserved_overhead_bytes=reserved - allocated,
                 grads_done=self.cut_grads,
                 copy_wait_s=wait,
+                resident_chunks=self.resident(),
             )
         )
         self.cut_kind, self.cut_block, self.cut_t, self.cut_g = next_kind, next_block, t, g
@@ -445,6 +462,20 @@ def _optimizer_step(optimizer) -> None:
     optimizer.step_without_host_updates()
     optimizer.zero_grad()
     optimizer.synchronize()
+
+
+def persistent_state_bytes(manager) -> int:
+    """Device bytes of the persistent chunks and their optimizer state: each chunk's buffer,
+    and per trainable parameter its fp32 master (measured), AdamW's two moments of the
+    master's size and its 4-byte step (torch's fused AdamW keeps these per parameter)."""
+    total = 0
+    for c in manager.chunks:
+        if not c.persistent:
+            continue
+        total += c.device_buffer.untyped_storage().nbytes()
+        for s in c.trainable_slots:
+            total += 3 * s.master.untyped_storage().nbytes() + 4
+    return total
 
 
 def chunk_first_blocks(
@@ -583,7 +614,13 @@ def trace_model(
                 if cuda and i == 1:
                     torch.cuda.empty_cache()
                 tracer = _StepTracer(
-                    blocks, clock, sync, lambda: manager.stats["gathers"], trainable, copy_wait
+                    blocks,
+                    clock,
+                    sync,
+                    lambda: manager.stats["gathers"],
+                    trainable,
+                    copy_wait,
+                    resident=lambda: sorted(manager.resident),
                 )
                 try:
                     tracer.start()
@@ -600,6 +637,7 @@ def trace_model(
         # One interval's own figure overstated it: in the optimizer step, the released pool
         # buffers (3 x 1.24 GiB on a 3B model) count as cache.
         overhead = max(tracer.max_reserved - tracer.max_allocated, 0)
+        model_states = persistent_state_bytes(manager)
         phase("traced_steps")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
@@ -667,6 +705,8 @@ def trace_model(
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
         trace_phases_s=phases,
         wrap_build_s=dict(manager.build_s),
+        model_state_bytes=model_states,
+        start_resident_chunks=tracer.start_resident,
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
