@@ -2,7 +2,10 @@
 1e-6 in fp32 (in fact bit for bit on this machine): both wrap policies (size-based with and
 without `min_num_params`), with and without activation checkpointing, full fine-tuning,
 LoRA and QLoRA, accumulation 2, global-norm clipping on; and the tiled MLP and the chunked
-loss, with ranks whose sequences differ in length, issuing the same collectives.
+loss, with ranks whose sequences differ in length, issuing the same collectives. Explicit
+backward prefetch (`backward_prefetch: BACKWARD_PRE`, the default) is on in every case;
+the `prefetch-` cases add explicit forward prefetch, `no-prefetch-` leaves FSDP2's implicit
+default.
 
 The engine (`FSDP2Trainable`) is driven as the loop drives it: each step takes 2 x 2
 micro-batches, rank r those at positions r and r + 2, each micro-batch's loss divided by
@@ -60,6 +63,7 @@ LAYERS = {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}
 SIZE = {"auto_wrap_policy": "SIZE_BASED_WRAP"}  # the default 1e8: everything in the root
 SIZE_1K = {"auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 1000}  # sub-layer units
 AC = {"activation_checkpointing": True}
+FWD_PREFETCH = {"forward_prefetch": True}
 
 # name: (fsdp_config, model kind, memory options, ranks' sequences differ)
 CASES: dict[str, tuple[dict, str, dict, bool]] = {}
@@ -81,6 +85,21 @@ CASES.update(
             "lora",
             {"tiled_mlp_tokens": TILE, "chunked_loss_tokens": CHUNK},
             True,
+        ),
+        # explicit prefetch (backward BACKWARD_PRE is the default of every case above)
+        "prefetch-layers-full": ({**LAYERS, **FWD_PREFETCH}, "full", {}, False),
+        "prefetch-size-1k-ac-lora": ({**SIZE_1K, **AC, **FWD_PREFETCH}, "lora", {}, False),
+        "prefetch-tiled-chunked-layers-lora": (
+            {**LAYERS, **FWD_PREFETCH},
+            "lora",
+            {"tiled_mlp_tokens": TILE, "chunked_loss_tokens": CHUNK},
+            True,
+        ),
+        "no-prefetch-size-1k-full": (
+            {**SIZE_1K, "backward_prefetch": "NO_PREFETCH"},
+            "full",
+            {},
+            False,
         ),
     }
 )

@@ -27,6 +27,21 @@ the same on every rank). fp32 addition is not associative: a reference that accu
 every micro-batch one after another differs in the last bits, which AdamW turns into
 updates of up to `lr * |g| / eps` where a gradient cancels to about zero.
 
+[Note: explicit prefetch]
+After sharding, each unit is told which unit's all-gather to issue next
+(`FSDPModule.set_modules_to_forward_prefetch` / `set_modules_to_backward_prefetch`, public
+since torch 2.6), so that the next all-gather is in flight while this unit computes. The
+orders are taken from the module tree, assuming children run in the order they are
+registered (as in Hugging Face decoder stacks): forward, the root then the units in
+pre-order (a unit's pre-forward runs before those of the units nested in it); backward,
+the reverse of the units' post-order (a unit's outputs come after those of the units nested
+in it, so its pre-backward fires first). A unit whose subtree holds no parameter at or after
+the first trainable one (a frozen embedding under LoRA) is left out of the backward order:
+its outputs need no gradient, its pre-backward never fires, and a prefetch of it would be
+an all-gather for nothing. An empty backward list is FSDP2's own default (prefetch by the
+reverse post-forward order recorded in the first step), which `backward_prefetch=False`
+keeps.
+
 [Note: modules that are never units]
 A unit's collectives run from its module's hooks, once per call. `not_units` names modules
 whose hooks would run a different number of times on different ranks, or not at all: the
@@ -81,6 +96,8 @@ class FSDP2Settings:
     offload_params: bool = False
     param_dtype: torch.dtype | None = None  # None: compute in the parameters' dtype
     not_units: frozenset[str] = frozenset()  # [Note: modules that are never units]
+    forward_prefetch: bool = False  # [Note: explicit prefetch]
+    backward_prefetch: bool = True
 
 
 def transformer_units(
@@ -172,6 +189,7 @@ def apply_fsdp2(model: nn.Module, settings: FSDP2Settings, mesh: DeviceMesh) -> 
     for name in units:
         fully_shard(model.get_submodule(name), **kwargs)
     fully_shard(model, **kwargs)
+    set_prefetch(model, units, settings.forward_prefetch, settings.backward_prefetch)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)
@@ -180,6 +198,66 @@ def apply_fsdp2(model: nn.Module, settings: FSDP2Settings, mesh: DeviceMesh) -> 
             module.quant_state.to(_mesh_device(mesh))
             module.register_forward_pre_hook(_hand_over_quant_state)
     return units
+
+
+@dataclass(frozen=True)
+class PrefetchOrder:
+    """The units in the order their all-gathers are needed ("" is the root)."""
+
+    forward: tuple[str, ...]
+    backward: tuple[str, ...]
+
+    def neighbours(self) -> dict[str, tuple[str | None, str | None]]:
+        """Each unit's (forward, backward) prefetch target: the next one in each order."""
+        out: dict[str, list[str | None]] = {name: [None, None] for name in self.forward}
+        for i, order in enumerate((self.forward, self.backward)):
+            for current, following in zip(order, order[1:]):
+                out[current][i] = following
+        return {name: (fwd, bwd) for name, (fwd, bwd) in out.items()}
+
+
+def prefetch_order(model: nn.Module, units: Iterable[str]) -> PrefetchOrder:
+    """Forward and backward orders of the root and ``units`` ([Note: explicit prefetch])."""
+    wanted = set(units) | {""}
+    pre = [name for name, _ in model.named_modules() if name in wanted]
+    post: list[str] = []
+    open_units: list[str] = []
+    for name in pre:
+        while open_units and not _inside(name, open_units[-1]):
+            post.append(open_units.pop())
+        open_units.append(name)
+    post.extend(reversed(open_units))
+    # positions of the parameters in registration order; the first trainable one
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    first_trainable = min(
+        (index[id(p)] for p in model.parameters() if p.requires_grad), default=len(index)
+    )
+
+    def has_backward(name: str) -> bool:
+        last = max((index[id(p)] for p in model.get_submodule(name).parameters()), default=-1)
+        return name == "" or last >= first_trainable
+
+    backward = tuple(name for name in reversed(post) if has_backward(name))
+    return PrefetchOrder(forward=tuple(pre), backward=backward)
+
+
+def _inside(name: str, parent: str) -> bool:
+    return parent == "" or name.startswith(parent + ".")
+
+
+def set_prefetch(
+    model: nn.Module, units: Iterable[str], forward: bool, backward: bool
+) -> PrefetchOrder:
+    """Each sharded unit prefetches the next one of each order ([Note: explicit prefetch])."""
+    order = prefetch_order(model, units)
+    for name, (fwd, bwd) in order.neighbours().items():
+        module = model.get_submodule(name)
+        assert isinstance(module, FSDPModule), name
+        if forward and fwd is not None:
+            module.set_modules_to_forward_prefetch([model.get_submodule(fwd)])
+        if backward and bwd is not None:
+            module.set_modules_to_backward_prefetch([model.get_submodule(bwd)])
+    return order
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:

@@ -247,6 +247,19 @@ class FSDPConfig(StrictModel):
     activation_checkpointing: bool = Field(
         False, description="Recompute every discovered block in backward (any wrap policy)."
     )
+    forward_prefetch: bool = Field(
+        False,
+        description="Each unit issues the next unit's all-gather as soon as its own is done "
+        "(FSDP2's explicit forward prefetch, in forward order); false: FSDP2's implicit "
+        "overlap.",
+    )
+    backward_prefetch: Literal["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"] = Field(
+        "BACKWARD_PRE",
+        description="BACKWARD_PRE: each unit's pre-backward prefetches the unit before it "
+        "(explicit, in backward order); BACKWARD_POST is issued the same way (FSDP2 has no "
+        "post-backward prefetch, the log says so); NO_PREFETCH: FSDP2's implicit default "
+        "(fully_shard cannot turn backward prefetch off).",
+    )
     state_dict_type: str = Field(
         "FULL_STATE_DICT",
         description="FULL_STATE_DICT or SHARDED_STATE_DICT, as axolotl writes it. Several ranks "

@@ -139,7 +139,19 @@ class FSDP2Trainable(Trainable):
             offload_params=fsdp.offload_params,
             param_dtype=param_dtype,
             not_units=frozenset(_not_units(model, mem.chunked_loss_tokens, mem.tiled_mlp_tokens)),
+            forward_prefetch=fsdp.forward_prefetch,
+            backward_prefetch=fsdp.backward_prefetch != "NO_PREFETCH",
         )
+        if fsdp.backward_prefetch == "BACKWARD_POST":
+            logger.info(
+                "fsdp_config.backward_prefetch = BACKWARD_POST: issued at each unit's "
+                "pre-backward, as BACKWARD_PRE (FSDP2 has no post-backward prefetch)"
+            )
+        elif fsdp.backward_prefetch == "NO_PREFETCH":
+            logger.info(
+                "fsdp_config.backward_prefetch = NO_PREFETCH: FSDP2's implicit backward "
+                "prefetch (reverse post-forward order) stays; fully_shard cannot turn it off"
+            )
         if fsdp.auto_wrap_policy == SIZE_BASED_WRAP and fsdp.min_num_params is None:
             logger.info(
                 "fsdp_config.min_num_params not set: %d (accelerate's default)",
@@ -169,7 +181,8 @@ class FSDP2Trainable(Trainable):
         logger.info(
             "fsdp2: %d ranks, %s, %d units + root%s; param dtype %s, reduce fp32, "
             "offload_params=%s, reshard_after_forward=%s, activation_checkpointing=%s, "
-            "tiled_mlp_tokens=%s, chunked_loss_tokens=%s",
+            "explicit prefetch forward=%s backward=%s, tiled_mlp_tokens=%s, "
+            "chunked_loss_tokens=%s",
             dist.get_world_size(),
             settings.auto_wrap_policy,
             len(self.units),
@@ -180,6 +193,8 @@ class FSDP2Trainable(Trainable):
             settings.offload_params,
             settings.reshard_after_forward,
             fsdp.activation_checkpointing,
+            settings.forward_prefetch,
+            settings.backward_prefetch,
             mem.tiled_mlp_tokens,
             mem.chunked_loss_tokens,
         )
