@@ -59,7 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--commit", default=os.environ.get("PROTRAIN_COMMIT", "unknown"))
     p.add_argument("--save-on", type=int, help="save-and-resume: ranks of the saving run")
-    p.add_argument("--resume-on", type=int, nargs="+", default=[2, 1])
+    p.add_argument(
+        "--resume-on", type=int, nargs="*", default=[2, 1], help="none: save only (to split calls)"
+    )
     p.add_argument(
         "--skip-save",
         action="store_true",
@@ -253,9 +255,10 @@ def save_and_resume(args) -> int:
         model_dir, n_params = build_shape_dir(
             args.work, args.shape, args.layers_override, args.device
         )
-    # bf16 model + the checkpoint (fp32 master, two AdamW moments) + one bf16 export
-    need = n_params * (2 + 12 + 2)
-    free = shutil.disk_usage(args.work).free + dir_bytes(model_dir)
+    # bf16 model + the checkpoint (fp32 master, two AdamW moments) + one bf16 export; a
+    # resume of a checkpoint already there needs room for the export only
+    need = n_params * 2 if args.skip_save else n_params * (2 + 12 + 2)
+    free = shutil.disk_usage(args.work).free + (0 if args.skip_save else dir_bytes(model_dir))
     if need > free:
         raise SystemExit(
             f"{args.shape}: {n_params / 1e9:.2f} B parameters need about {need / 2**30:.0f} GiB "
