@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, help="default: the workload's first")
     p.add_argument("--build-only", action="store_true", help="save the model and stop")
     p.add_argument("--work", type=Path, default=Path("/tmp/app_speed"))
-    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--out", type=Path, help="the rows file (required unless --build-only)")
     p.add_argument("--run-id")
     p.add_argument("--commit", default=os.environ.get("PROTRAIN_COMMIT", "unknown"))
     return p.parse_args(argv)
@@ -105,6 +105,8 @@ def write_config(run: Path, model_dir: Path, args, batch: int, seq: int, budget:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.out is None and not args.build_only:
+        raise SystemExit("--out is required unless --build-only")
     workload = WORKLOADS[args.workload]
     batch, seq = args.batch or workload.batches[0], args.seq or workload.seq
     args.work.mkdir(parents=True, exist_ok=True)

@@ -202,9 +202,12 @@ def build_shape_dir(work: Path, shape: str, layers: int | None, device: str) -> 
     if not (path / "config.json").exists():
         torch.manual_seed(0)
         model = materialize(build_on_meta(config, torch.bfloat16), "cpu", device)
-        model.save_pretrained(path)
+        partial = path.with_name(path.name + ".partial")  # a save cut short is not reused
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
         for f in TINY_TOKENIZER_DIR.iterdir():
-            shutil.copy(f, path / f.name)
+            shutil.copy(f, partial / f.name)
+        partial.rename(path)
         del model
     index = path / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
