@@ -103,9 +103,10 @@ def picture(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = args.out_dir / stem
     budget = settings.gpu_budget_bytes
+    size = f"{budget_gib:g} GiB" if budget_gib >= 1 else f"{budget_gib * 1024:g} MiB"
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (
-        f"{name}: {model_name} {workload.mode}, batch {batch_size} x {seq}, budget "
-        f"{budget_gib:g} GiB, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
+        f"{name}: {model_name} {workload.mode}, batch {batch_size} x {seq}, budget {size}, {where}"
     )
     kw = dict(budget_bytes=budget, hardware=hardware, clipping=settings.clipping)
     html = write_timeline_html(profile, base.with_suffix(".html"), title=title, **kw)

@@ -95,7 +95,12 @@ def test_html_can_be_hovered(offloaded, tmp_path):
     titles = [t.text for t in svg.iter(f"{ns}title")]
     lines = [e for e in svg.iter(f"{ns}line") if e.get("class") == "budget"]
     assert len(lines) == 1 and "budget 3.0 MiB" in text
-    assert {"model states", "activations", "transients"} <= set(titles)
+    # each interval's column names its peak's three parts; the legend says what they hold
+    columns = [t for t in titles if ", peak at " in t and not t.startswith("peak: ")]
+    assert len(columns) == len(offloaded.intervals)
+    assert all(re.search(r"= model states .+ \+ activations .+ \+ transients ", t) for t in columns)
+    for part in ("model states", "activations", "transients"):
+        assert any(t.startswith(f"{part}: ") for t in titles)
     assert any(t.startswith("host AdamW of chunk") for t in titles)
     assert any(t.startswith("gather chunk") for t in titles)
     assert any(t.startswith("gradients of chunk") for t in titles)

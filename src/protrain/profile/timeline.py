@@ -140,6 +140,10 @@ def _fmt_bytes(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _fmt_s(t: float) -> str:
+    return f"{t:.3f} s" if abs(t) >= 0.01 else f"{t * 1000:.2f} ms"
+
+
 def _band_name(profile: ModelProfile, kind: str, block: int) -> str:
     if block >= 0 and block < len(profile.blocks):
         return profile.blocks[block].name
@@ -214,8 +218,10 @@ def build_picture(
     persistent = profile.model_state_bytes
     if persistent is None:
         persistent = 0
-        notes.append("this profile does not record the persistent chunks' bytes (traced by "
-                     "an older version): model states show the pool and gradients only")  # fmt: skip
+        notes.append(
+            "this profile does not record the persistent chunks' bytes (traced by "
+            "an older version): model states show the pool and gradients only"
+        )
     other = 0
     if profile.step_start_bytes is not None:
         other = max(profile.step_start_bytes - persistent, 0)
@@ -257,7 +263,7 @@ def build_picture(
                 max(prev_live - g_start, 0),
                 other,
                 f"{what}, start",
-            )  # fmt: skip
+            )
         )
         peak = MemoryPoint(
             (iv.start_s + iv.end_s) / 2,
@@ -274,7 +280,7 @@ def build_picture(
                 max(iv.end_bytes - g_end, 0),
                 other,
                 f"{what}, end",
-            )  # fmt: skip
+            )
         )
         if band.peak is None or peak.total > band.peak.total:
             band.peak = peak
@@ -307,14 +313,20 @@ def build_picture(
     else:
         host_steps = host_optimizer_lane(profile, hardware, clipping=clipping)
         total = sum(h.end_s - h.start_s for h in host_steps)
+        how = (
+            "released at the end of backward (clipping)"
+            if clipping
+            else "each released when its gradients are on the host"
+        )
         host_note = (
-            f"host AdamW: {len(host_steps)} chunks, {total:.3f} s at the measured host rate "
-            f"({'released at the end of backward: clipping' if clipping else 'each released when its gradients are on the host'})"  # noqa: E501
+            f"host AdamW: {len(host_steps)} chunks, {_fmt_s(total)} at the hardware profile's "
+            f"host rates, {how}; not run in the traced step"
         )
     step_s = ivs[-1].end_s
     end_s = max([step_s, *[h.end_s for h in host_steps]]) or 1.0
-    return StepPicture(points, bands, marks, host_steps, host_note, budget_bytes, step_s,
-                       end_s, notes)  # fmt: skip
+    return StepPicture(
+        points, bands, marks, host_steps, host_note, budget_bytes, step_s, end_s, notes
+    )
 
 
 # ---- geometry ----------------------------------------------------------------------------
@@ -362,8 +374,11 @@ def _stack(pic: StepPicture, f: _Frame) -> dict[str, list[tuple[float, float]]]:
     """Each part's polygon (its upper edge left to right, its lower edge back)."""
     lower = [0] * len(pic.points)
     polys = {}
-    for part, attr in (("model states", "model_states"), ("activations", "activations"),
-                       ("transients", "transients")):  # fmt: skip
+    for part, attr in (
+        ("model states", "model_states"),
+        ("activations", "activations"),
+        ("transients", "transients"),
+    ):
         upper = [lo + getattr(p, attr) for lo, p in zip(lower, pic.points)]
         xs = [f.x(p.t_s) for p in pic.points]
         polys[part] = [(x, f.y(u)) for x, u in zip(xs, upper)] + [
@@ -393,7 +408,7 @@ def _band_title(b: Band) -> str:
 
 
 def _mark_title(m: ChunkMark) -> str:
-    who = f"chunk {m.chunk}" if m.chunk is not None else "a chunk (gathered and released again)"
+    who = f"chunk {m.chunk}" if m.chunk is not None else "a chunk not resident at the stretch's end"
     if m.direction == "gather":
         return f"gather {who}: {_fmt_bytes(m.nbytes)} host to device at {m.t_s:.4f} s, {m.where}"
     return (
@@ -416,15 +431,25 @@ def _band_text(b: Band, width: float) -> str:
     return ""
 
 
-def _legend() -> list[tuple[str, str, str]]:
-    """(shape, color, label) of the legend, left to right."""
+_PART_MEANING = {
+    "model states": "persistent chunks with their fp32 masters and AdamW state, offloaded "
+    "chunks resident in the buffer pool, persistent gradient accumulators",
+    "activations": "other bytes live at the cuts around a stretch of the step (held through "
+    "it): checkpointed blocks' inputs, the hidden state and its gradient",
+    "transients": "the rest of the peak: workspaces, recomputed activations, logits and "
+    "loss; on CUDA also module buffers and library workspaces resident since the step began",
+}
+
+
+def _legend() -> list[tuple[str, str, str, str]]:
+    """(shape, color, label, meaning) of the legend, left to right."""
     return [
-        *[("box", c, name) for name, c in _PART_COLORS.items()],
-        ("dash", _BUDGET_COLOR, "budget"),
-        ("line", _TOTAL_COLOR, "total"),
-        ("up", _GATHER_COLOR, "chunk gather"),
-        ("down", _GRADS_COLOR, "grads to host"),
-        ("box", _HOST_COLOR, "host AdamW"),
+        *[("box", c, name, _PART_MEANING[name]) for name, c in _PART_COLORS.items()],
+        ("dash", _BUDGET_COLOR, "budget", "the device memory budget"),
+        ("line", _TOTAL_COLOR, "total", "total device memory"),
+        ("up", _GATHER_COLOR, "chunk gather", "an offloaded chunk copied host to device"),
+        ("down", _GRADS_COLOR, "grads to host", "an offloaded chunk's gradients to the host"),
+        ("box", _HOST_COLOR, "host AdamW", "an offloaded chunk's host optimizer step"),
     ]
 
 
@@ -468,31 +493,43 @@ def timeline_svg(
     ]
     # legend
     lx = _X0
-    for shape, color, label in _legend():
+    for shape, color, label, meaning in _legend():
+        out.append(f"<g><title>{esc(label)}: {esc(meaning)}</title>")
         if shape == "box":
             out.append(f'<rect x="{lx}" y="14" width="10" height="10" fill="{color}"/>')
         elif shape in ("dash", "line"):
             dash = ' stroke-dasharray="5,3"' if shape == "dash" else ""
-            out.append(f'<line x1="{lx}" x2="{lx + 12}" y1="19" y2="19" stroke="{color}" '
-                       f'stroke-width="2"{dash}/>')  # fmt: skip
+            out.append(
+                f'<line x1="{lx}" x2="{lx + 12}" y1="19" y2="19" stroke="{color}" '
+                f'stroke-width="2"{dash}/>'
+            )
         else:
             out.append(f'<path d="{_triangle(lx + 5, 19, shape)}" fill="{color}"/>')
-        out.append(f'<text x="{lx + 15}" y="23">{esc(label)}</text>')
+        out.append(f'<text x="{lx + 15}" y="23">{esc(label)}</text></g>')
         lx += 15 + len(label) * _CHAR_W + 14
     # y grid and labels
     for b in f.y_ticks:
         y = f.y(b)
         out.append(f'<line x1="{_X0}" x2="{_X1}" y1="{y:.1f}" y2="{y:.1f}" stroke="#e5e5e5"/>')
-        out.append(f'<text x="{_X0 - 6}" y="{y + 4:.1f}" text-anchor="end">'
-                   f"{f.y_label(b)}</text>")  # fmt: skip
+        out.append(f'<text x="{_X0 - 6}" y="{y + 4:.1f}" text-anchor="end">{f.y_label(b)}</text>')
     # stacked parts
     for part, poly in _stack(pic, f).items():
         pts = " ".join(f"{x:.1f},{y:.1f}" for x, y in poly)
-        out.append(f'<polygon points="{pts}" fill="{_PART_COLORS[part]}" fill-opacity="0.75" '
-                   f'stroke="none"><title>{esc(part)}</title></polygon>')  # fmt: skip
+        out.append(
+            f'<polygon points="{pts}" fill="{_PART_COLORS[part]}" fill-opacity="0.75" '
+            'stroke="none"/>'
+        )
     total = " ".join(f"{f.x(p.t_s):.1f},{f.y(p.total):.1f}" for p in pic.points)
-    out.append(f'<polyline points="{total}" fill="none" stroke="{_TOTAL_COLOR}" '
-               'stroke-width="1"/>')  # fmt: skip
+    out.append(f'<polyline points="{total}" fill="none" stroke="{_TOTAL_COLOR}" stroke-width="1"/>')
+    # hover targets above the parts: one transparent column per interval, its peak's split
+    for a, p, c in zip(pic.points, pic.points[1:], pic.points[2:]):
+        if p.what.endswith("peak"):
+            x0, x1 = f.x(a.t_s), f.x(c.t_s)
+            out.append(
+                f'<rect x="{x0:.1f}" y="{_Y_TOP}" width="{max(x1 - x0, 0.5):.1f}" '
+                f'height="{_Y_BOT - _Y_TOP}" fill="#000" fill-opacity="0">'
+                f"<title>{esc(_point_title(p))}</title></rect>"
+            )
     if pic.budget_bytes:
         y = f.y(pic.budget_bytes)
         out.append(
@@ -500,26 +537,28 @@ def timeline_svg(
             f'stroke="{_BUDGET_COLOR}" stroke-width="2" stroke-dasharray="6,4"><title>budget '
             f"{_fmt_bytes(pic.budget_bytes)}</title></line>"
         )
-        out.append(f'<text x="{_X1 - 4}" y="{y - 4:.1f}" text-anchor="end" '
-                   f'fill="{_BUDGET_COLOR}">budget {_fmt_bytes(pic.budget_bytes)}</text>')  # fmt: skip
-    # hover targets: one transparent column per sample's stretch, the point's split in it
-    for a, p, c in zip(pic.points, pic.points[1:], pic.points[2:]):
-        if p.what.endswith("peak"):
-            x0, x1 = f.x(a.t_s), f.x(c.t_s)
-            out.append(f'<rect x="{x0:.1f}" y="{_Y_TOP}" width="{max(x1 - x0, 0.5):.1f}" '
-                       f'height="{_Y_BOT - _Y_TOP}" fill="#000" fill-opacity="0">'
-                       f"<title>{esc(_point_title(p))}</title></rect>")  # fmt: skip
+        out.append(
+            f'<text x="{_X1 - 4}" y="{y - 4:.1f}" text-anchor="end" '
+            f'fill="{_BUDGET_COLOR}">budget {_fmt_bytes(pic.budget_bytes)}</text>'
+        )
     peak = pic.peak
-    out.append(f'<circle cx="{f.x(peak.t_s):.1f}" cy="{f.y(peak.total):.1f}" r="3" '
-               f'fill="{_TOTAL_COLOR}"><title>peak: {esc(_point_title(peak))}</title>'
-               "</circle>")  # fmt: skip
+    out.append(
+        f'<circle cx="{f.x(peak.t_s):.1f}" cy="{f.y(peak.total):.1f}" r="3" '
+        f'fill="{_TOTAL_COLOR}"><title>peak: {esc(_point_title(peak))}</title>'
+        "</circle>"
+    )
     # lanes
-    for label, top in (("blocks", _LANE_BLOCKS), ("chunks", _LANE_CHUNKS),
-                       ("host AdamW", _LANE_HOST)):  # fmt: skip
-        out.append(f'<text x="{_X0 - 6}" y="{top + 12}" text-anchor="end" font-size="10">'
-                   f"{label}</text>")  # fmt: skip
-        out.append(f'<rect x="{_X0}" y="{top}" width="{_X1 - _X0}" height="{_LANE_H}" '
-                   'fill="#f6f6f6"/>')  # fmt: skip
+    for label, top in (
+        ("blocks", _LANE_BLOCKS),
+        ("chunks", _LANE_CHUNKS),
+        ("host AdamW", _LANE_HOST),
+    ):
+        out.append(
+            f'<text x="{_X0 - 6}" y="{top + 12}" text-anchor="end" font-size="10">{label}</text>'
+        )
+        out.append(
+            f'<rect x="{_X0}" y="{top}" width="{_X1 - _X0}" height="{_LANE_H}" fill="#f6f6f6"/>'
+        )
     for b in pic.bands:
         x0, x1 = f.x(b.start_s), f.x(b.end_s)
         out.append(
@@ -529,15 +568,19 @@ def timeline_svg(
         )
         text = _band_text(b, x1 - x0)
         if text:
-            out.append(f'<text x="{(x0 + x1) / 2:.1f}" y="{_LANE_BLOCKS + 12}" '
-                       f'text-anchor="middle" font-size="10">{esc(text)}</text>')  # fmt: skip
+            out.append(
+                f'<text x="{(x0 + x1) / 2:.1f}" y="{_LANE_BLOCKS + 12}" '
+                f'text-anchor="middle" font-size="10">{esc(text)}</text>'
+            )
         out.append("</g>")
     for m in pic.marks:
         x = f.x(m.t_s)
         shape = "up" if m.direction == "gather" else "down"
         color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
-        out.append(f'<path class="{m.direction}" d="{_triangle(x, _LANE_CHUNKS + 8, shape)}" '
-                   f'fill="{color}"><title>{esc(_mark_title(m))}</title></path>')  # fmt: skip
+        out.append(
+            f'<path class="{m.direction}" d="{_triangle(x, _LANE_CHUNKS + 8, shape)}" '
+            f'fill="{color}"><title>{esc(_mark_title(m))}</title></path>'
+        )
     for h in pic.host_steps:
         x0, x1 = f.x(h.start_s), f.x(h.end_s)
         out.append(
@@ -546,21 +589,27 @@ def timeline_svg(
             f'stroke="white" stroke-width="0.5"><title>{esc(_host_title(h))}</title></rect>'
         )
     if not pic.host_steps:
-        out.append(f'<text x="{_X0 + 4}" y="{_LANE_HOST + 12}" font-size="10" fill="#666">'
-                   f"{esc(pic.host_note)}</text>")  # fmt: skip
+        out.append(
+            f'<text x="{_X0 + 4}" y="{_LANE_HOST + 12}" font-size="10" fill="#666">'
+            f"{esc(pic.host_note)}</text>"
+        )
     # time axis
     out.append(f'<line x1="{_X0}" x2="{_X1}" y1="{_AXIS_Y}" y2="{_AXIS_Y}" stroke="#333"/>')
     for t in f.t_ticks:
         x = f.x(t)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_AXIS_Y}" y2="{_AXIS_Y + 4}" '
-                   'stroke="#333"/>')  # fmt: skip
-        out.append(f'<text x="{x:.1f}" y="{_AXIS_Y + 15}" text-anchor="middle">'
-                   f"{f.t_label(t)} s</text>")  # fmt: skip
+        out.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_AXIS_Y}" y2="{_AXIS_Y + 4}" stroke="#333"/>'
+        )
+        out.append(
+            f'<text x="{x:.1f}" y="{_AXIS_Y + 15}" text-anchor="middle">{f.t_label(t)} s</text>'
+        )
     if pic.end_s > pic.step_s:
         x = f.x(pic.step_s)
-        out.append(f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_Y_TOP}" y2="{_LANE_HOST + _LANE_H}" '
-                   'stroke="#333" stroke-dasharray="2,2"><title>end of the traced step; the '
-                   "host AdamW runs on into the next step's forward</title></line>")  # fmt: skip
+        out.append(
+            f'<line x1="{x:.1f}" x2="{x:.1f}" y1="{_Y_TOP}" y2="{_LANE_HOST + _LANE_H}" '
+            'stroke="#333" stroke-dasharray="2,2"><title>end of the traced step; the '
+            "host AdamW runs on into the next step's forward</title></line>"
+        )
     for k, line in enumerate(_caption(profile, pic)):
         out.append(f'<text x="{_X0}" y="{_AXIS_Y + 34 + 15 * k}">{esc(line)}</text>')
     out.append("</svg>")
@@ -593,16 +642,11 @@ def write_timeline_html(
         "column of the memory plot for its split, a block band, a chunk mark, a host AdamW "
         "step."
     )
-    parts = (
-        "<b>model states</b>: persistent chunks with their fp32 masters and AdamW state, "
-        "offloaded chunks resident in the buffer pool, persistent gradient accumulators; "
-        "<b>activations</b>: other bytes live at the cuts around a stretch (held through it); "
-        "<b>transients</b>: the rest (workspaces, recomputed activations, logits"
-        + (
-            "; module buffers and library workspaces resident since the step began)"
-            if profile.step_start_bytes is not None
-            else ")"
-        )  # fmt: skip
+    parts = "; ".join(f"<b>{name}</b>: {html.escape(m)}" for name, m in _PART_MEANING.items())
+    parts += (
+        ". The host AdamW lane is not measured: the traced step leaves host updates out, and "
+        "the lane places each offloaded chunk's update as the engine schedules it, at the "
+        "hardware profile's host rates."
     )
     svg = timeline_svg(profile, budget_bytes=budget_bytes, hardware=hardware, clipping=clipping)
     path.write_text(
@@ -637,7 +681,7 @@ def write_timeline_png(
     img = Image.new("RGB", (_W, _H), "white")
     draw = ImageDraw.Draw(img)
     lx = _X0
-    for shape, color, label in _legend():
+    for shape, color, label, _ in _legend():
         if shape == "box":
             draw.rectangle([lx, 14, lx + 10, 24], fill=rgb(color))
         elif shape in ("dash", "line"):
@@ -660,26 +704,35 @@ def write_timeline_png(
             draw.line([x, y, min(x + 6, _X1), y], fill=rgb(_BUDGET_COLOR), width=2)
         label = f"budget {_fmt_bytes(pic.budget_bytes)}"
         draw.text((_X1 - 4 - len(label) * _CHAR_W, y - 14), label, fill=rgb(_BUDGET_COLOR))
-    for label, top in (("blocks", _LANE_BLOCKS), ("chunks", _LANE_CHUNKS),
-                       ("host AdamW", _LANE_HOST)):  # fmt: skip
+    for label, top in (
+        ("blocks", _LANE_BLOCKS),
+        ("chunks", _LANE_CHUNKS),
+        ("host AdamW", _LANE_HOST),
+    ):
         draw.rectangle([_X0, top, _X1, top + _LANE_H], fill=rgb("#f6f6f6"))
         draw.text((_X0 - 6 - len(label) * _CHAR_W, top + 2), label, fill="black")
     for b in pic.bands:
         x0, x1 = f.x(b.start_s), f.x(b.end_s)
-        draw.rectangle([x0, _LANE_BLOCKS, max(x1, x0 + 0.5), _LANE_BLOCKS + _LANE_H],
-                       fill=rgb(_KIND_COLORS.get(b.kind, "#999999")))  # fmt: skip
+        draw.rectangle(
+            [x0, _LANE_BLOCKS, max(x1, x0 + 0.5), _LANE_BLOCKS + _LANE_H],
+            fill=rgb(_KIND_COLORS.get(b.kind, "#999999")),
+        )
         text = _band_text(b, x1 - x0)
         if text:
-            draw.text(((x0 + x1) / 2 - len(text) * _CHAR_W / 2, _LANE_BLOCKS + 2), text,
-                      fill="black")  # fmt: skip
+            draw.text(
+                ((x0 + x1) / 2 - len(text) * _CHAR_W / 2, _LANE_BLOCKS + 2), text, fill="black"
+            )
     for m in pic.marks:
         shape = "up" if m.direction == "gather" else "down"
         color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
         draw.polygon(_triangle_points(f.x(m.t_s), _LANE_CHUNKS + 8, shape), fill=rgb(color))
     for h in pic.host_steps:
         x0, x1 = f.x(h.start_s), f.x(h.end_s)
-        draw.rectangle([x0, _LANE_HOST + 2, max(x1, x0 + 0.5), _LANE_HOST + _LANE_H - 2],
-                       fill=rgb(_HOST_COLOR), outline="white")  # fmt: skip
+        draw.rectangle(
+            [x0, _LANE_HOST + 2, max(x1, x0 + 0.5), _LANE_HOST + _LANE_H - 2],
+            fill=rgb(_HOST_COLOR),
+            outline="white",
+        )
     if not pic.host_steps:
         draw.text((_X0 + 4, _LANE_HOST + 2), pic.host_note, fill=rgb("#666666"))
     draw.line([_X0, _AXIS_Y, _X1, _AXIS_Y], fill=rgb("#333333"))
