@@ -22,6 +22,7 @@ the CPU, not a measurement.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -38,7 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from materialize import build_for_mode  # noqa: E402
 from protrain.profile.hardware import measure_hardware  # noqa: E402
-from protrain.profile.timeline import write_timeline_html, write_timeline_png  # noqa: E402
+from protrain.profile.timeline import (  # noqa: E402
+    build_picture,
+    write_timeline_html,
+    write_timeline_png,
+)
 from protrain.train.planning import PlanSettings, profile_memory  # noqa: E402
 from workloads import LORA_RANK, MODEL_SHAPES, WORKLOADS, hf_config  # noqa: E402
 
@@ -112,6 +117,7 @@ def picture(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     html = write_timeline_html(profile, base.with_suffix(".html"), title=title, **kw)
     png = write_timeline_png(profile, base.with_suffix(".png"), **kw)
     base.with_suffix(".profile.json").write_text(profile.to_json())
+    peak = build_picture(profile, **kw).peak
     return {
         "workload": name,
         "model": model_name,
@@ -122,6 +128,8 @@ def picture(name: str, args: argparse.Namespace, device: torch.device) -> dict:
         "traced_step_s": round(profile.step_s, 4),
         "trace_n_persist": profile.trace_n_persist,
         "n_chunks": profile.chunks.n_chunks,
+        "picture_peak_gib": round(peak.total / _GIB, 3),
+        "peak_in": peak.what,
     }
 
 
@@ -132,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     for name in args.workload or PICTURED:
         print(json.dumps(picture(name, args, device)), flush=True)
+        gc.collect()  # the model just traced (tens of GB on the host) before the next is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     return 0
 
 
