@@ -104,6 +104,10 @@ def test_html_can_be_hovered(offloaded, tmp_path):
     assert any(t.startswith("host AdamW of chunk") for t in titles)
     assert any(t.startswith("gather chunk") for t in titles)
     assert any(t.startswith("gradients of chunk") for t in titles)
+    # every chunk gathered is released again by the step's end (the optimizer frees the pool)
+    gathered = sorted(int(m) for m in re.findall(r"<title>gather chunk (\d+):", text))
+    released = sorted(int(m) for m in re.findall(r"<title>release chunk (\d+):", text))
+    assert gathered and released == gathered
     # block names on hover, for forward and backward, with the memory split at the peak
     for kind in ("fwd", "bwd"):
         assert any(t.startswith(f"{kind} 1: model.layers.1") for t in titles)

@@ -19,8 +19,10 @@ picture as a PNG drawn with Pillow, for a quick look.
 - **Blocks**: a band per stretch of the step (the embedding, forward of a block, head and
   loss, backward of a block, optimizer step), named by the block's module name where it
   fits and on hover.
-- **Chunks**: a mark per offloaded chunk gathered into the buffer pool (host to device) and
-  per offloaded chunk whose gradients went to the host in a stretch (device to host).
+- **Chunks**: a mark per offloaded chunk gathered into the buffer pool (host to device), per
+  chunk released from it (its device copy freed: evicted for a gather, or by the optimizer
+  step), and per offloaded chunk whose gradients went to the host in a stretch (device to
+  host).
 - **Host AdamW**: per offloaded trainable chunk, when the step's host optimizer updates it.
   The traced step leaves host updates out (``HybridAdamW.step_without_host_updates``), so
   the lane is the engine's schedule at the hardware profile's host rates (AdamW while copies
@@ -57,6 +59,7 @@ _KIND_COLORS = {"pre": "#bab0ac", "fwd": "#76b7b2", "head": "#b07aa1", "bwd": "#
                 "opt": "#59a14f"}  # fmt: skip
 _KIND_NAMES = {"pre": "embedding", "head": "head and loss", "opt": "optimizer step"}
 _GATHER_COLOR, _GRADS_COLOR, _HOST_COLOR = "#4e79a7", "#f28e2b", "#9c755f"
+_RELEASE_COLOR = "#999999"
 _BUDGET_COLOR, _TOTAL_COLOR = "#b00020", "#222222"
 _CHAR_W = 6.0  # approximate width of one character of the labels
 
@@ -102,7 +105,9 @@ class Band:
 class ChunkMark:
     t_s: float
     chunk: int | None  # None: gathered and released again inside one interval
-    direction: str  # "gather" (host to device) or "grads" (gradients device to host)
+    # "gather" (host to device), "release" (device copy freed, the host copy kept) or
+    # "grads" (gradients device to host)
+    direction: str
     nbytes: int
     where: str  # the band's label and name
 
@@ -290,6 +295,9 @@ def build_picture(
         for j, c in enumerate([*gathered, *[None] * unnamed]):
             t_s = iv.start_s + (iv.end_s - iv.start_s) * j / max(len(gathered) + unnamed, 1)
             marks.append(ChunkMark(t_s, c, "gather", chunk_bytes, band.where))
+        for c in prev_resident:  # evicted to make room, or released by the optimizer step
+            if c not in iv.resident_chunks:
+                marks.append(ChunkMark(iv.start_s, c, "release", chunk_bytes, band.where))
         prev_live, prev_resident, prev_grads = iv.end_bytes, iv.resident_chunks, g_end
 
     # gradients of offloaded chunks going to the host: one mark per chunk per band
@@ -411,6 +419,11 @@ def _mark_title(m: ChunkMark) -> str:
     who = f"chunk {m.chunk}" if m.chunk is not None else "a chunk not resident at the stretch's end"
     if m.direction == "gather":
         return f"gather {who}: {_fmt_bytes(m.nbytes)} host to device at {m.t_s:.4f} s, {m.where}"
+    if m.direction == "release":
+        return (
+            f"release {who}: its {_fmt_bytes(m.nbytes)} on the device freed (the host copy is "
+            f"kept), in {m.where}"
+        )
     return (
         f"gradients of {who} to the host: {_fmt_bytes(m.nbytes)} fp32 device to host from "
         f"{m.t_s:.4f} s, {m.where}"
@@ -448,6 +461,7 @@ def _legend() -> list[tuple[str, str, str, str]]:
         ("dash", _BUDGET_COLOR, "budget", "the device memory budget"),
         ("line", _TOTAL_COLOR, "total", "total device memory"),
         ("up", _GATHER_COLOR, "chunk gather", "an offloaded chunk copied host to device"),
+        ("tick", _RELEASE_COLOR, "chunk release", "an offloaded chunk's device copy freed"),
         ("down", _GRADS_COLOR, "grads to host", "an offloaded chunk's gradients to the host"),
         ("box", _HOST_COLOR, "host AdamW", "an offloaded chunk's host optimizer step"),
     ]
@@ -503,6 +517,8 @@ def timeline_svg(
                 f'<line x1="{lx}" x2="{lx + 12}" y1="19" y2="19" stroke="{color}" '
                 f'stroke-width="2"{dash}/>'
             )
+        elif shape == "tick":
+            out.append(f'<line x1="{lx + 5}" x2="{lx + 5}" y1="13" y2="25" stroke="{color}"/>')
         else:
             out.append(f'<path d="{_triangle(lx + 5, 19, shape)}" fill="{color}"/>')
         out.append(f'<text x="{lx + 15}" y="23">{esc(label)}</text></g>')
@@ -573,8 +589,15 @@ def timeline_svg(
                 f'text-anchor="middle" font-size="10">{esc(text)}</text>'
             )
         out.append("</g>")
-    for m in pic.marks:
+    for m in sorted(pic.marks, key=lambda m: m.direction != "release"):  # ticks below
         x = f.x(m.t_s)
+        if m.direction == "release":
+            out.append(
+                f'<line class="release" x1="{x:.1f}" x2="{x:.1f}" y1="{_LANE_CHUNKS + 1}" '
+                f'y2="{_LANE_CHUNKS + _LANE_H - 1}" stroke="{_RELEASE_COLOR}" stroke-width="1.5">'
+                f"<title>{esc(_mark_title(m))}</title></line>"
+            )
+            continue
         shape = "up" if m.direction == "gather" else "down"
         color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
         out.append(
@@ -686,6 +709,8 @@ def write_timeline_png(
             draw.rectangle([lx, 14, lx + 10, 24], fill=rgb(color))
         elif shape in ("dash", "line"):
             draw.line([lx, 19, lx + 12, 19], fill=rgb(color), width=2)
+        elif shape == "tick":
+            draw.line([lx + 5, 13, lx + 5, 25], fill=rgb(color))
         else:
             draw.polygon(_triangle_points(lx + 5, 19, shape), fill=rgb(color))
         draw.text((lx + 15, 13), label, fill="black")
@@ -722,10 +747,16 @@ def write_timeline_png(
             draw.text(
                 ((x0 + x1) / 2 - len(text) * _CHAR_W / 2, _LANE_BLOCKS + 2), text, fill="black"
             )
-    for m in pic.marks:
+    for m in sorted(pic.marks, key=lambda m: m.direction != "release"):
+        x = f.x(m.t_s)
+        if m.direction == "release":
+            draw.line(
+                [x, _LANE_CHUNKS + 1, x, _LANE_CHUNKS + _LANE_H - 1], fill=rgb(_RELEASE_COLOR)
+            )
+            continue
         shape = "up" if m.direction == "gather" else "down"
         color = _GATHER_COLOR if shape == "up" else _GRADS_COLOR
-        draw.polygon(_triangle_points(f.x(m.t_s), _LANE_CHUNKS + 8, shape), fill=rgb(color))
+        draw.polygon(_triangle_points(x, _LANE_CHUNKS + 8, shape), fill=rgb(color))
     for h in pic.host_steps:
         x0, x1 = f.x(h.start_s), f.x(h.end_s)
         draw.rectangle(
