@@ -3,6 +3,7 @@ fixed knobs, the closed-loop re-plan, and `protrain plan` / `protrain profile`."
 
 import dataclasses
 import logging
+import time
 
 import pytest
 import torch
@@ -11,13 +12,15 @@ from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError
 from protrain.train.loop import train
 from protrain.train.metrics import read_metrics
+from protrain.train.trainable import AutoTrainable
 
 from .helpers import tiny_config, write_config
 from .test_cli_errors import assert_one_line_error, run_cli
 from .test_train import final_weights
 
-# Small and fast: 4 blocks, 2 x 32 tokens, 5 steps of 2 micro-batches.
-FAST = {"sequence_len": 32, "micro_batch_size": 2, "max_steps": 5}
+# Small and fast: 4 blocks, 2 x 32 tokens, 7 steps of 2 micro-batches (the plan check runs
+# after step 5: 2 warm-up steps and 3 steady ones; 2 steps follow it).
+FAST = {"sequence_len": 32, "micro_batch_size": 2, "max_steps": 7}
 BUDGET = "100MiB"  # on the CPU: the engine's tensor bytes as the planner counts them
 
 
@@ -88,9 +91,11 @@ def test_auto_with_gradient_checkpointing_is_refused(tmp_path):
 def test_auto_matches_plain_pytorch_and_reports_the_check(plain_run, auto_run):
     assert_same_training(plain_run, auto_run)
     checks = [r for r in read_metrics(auto_run.output_dir) if "plan_predicted_peak_gib" in r]
-    assert len(checks) == 1 and checks[0]["step"] == 3
+    assert len(checks) == 1 and checks[0]["step"] == AutoTrainable.CHECK_AFTER_STEPS == 5
     for key in ("plan_measured_peak_gib", "plan_predicted_step_s", "plan_measured_step_s"):
         assert checks[0][key] > 0, key
+    # the step compared is steady state: the warm-up steps are left out
+    assert (checks[0]["plan_warmup_steps"], checks[0]["plan_steady_steps"]) == (2, 3)
 
 
 def test_auto_keeps_the_knobs_the_user_fixed(tmp_path, plain_run, protrain_log):
@@ -109,7 +114,7 @@ def test_closed_loop_correction_replans_in_place_exactly(
     tmp_path, auto_run, monkeypatch, protrain_log
 ):
     """A check that asks for other knobs: the model and optimizer move to the new plan after
-    step 3 and the run continues as if nothing happened."""
+    step 5 and the run continues as if nothing happened."""
     import protrain.plan as plan_api
     from protrain.plan import PlanCheck, PlanProblem, search
 
@@ -191,3 +196,80 @@ def test_the_plan_assumes_the_host_optimizer_schedule_the_run_uses(
     monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
     assert plan_memory(torch.nn.Linear(2, 2), {}, settings, {}) == (1, 2)
     assert seen["clipping"] is clipping
+
+
+def test_a_slow_host_optimizer_replans_in_place_to_the_faster_plan(
+    tmp_path, plain_run, monkeypatch, protrain_log
+):
+    """The planner is told the host AdamW is free and the device AdamW slow (100 s a step
+    for every parameter), so it offloads. The host is slower than it was told: each chunk's
+    host update takes 1000 s more, which the engine's counters record and the next forward
+    waits for. The step is timed on a clock that these seconds (and 10**6 s in each warm-up
+    step) advance, so the run takes no longer and the decision does not hang on this
+    machine's load. The compared step is the steady steps' (no warm-up second in it), the
+    check corrects the host rate and re-plans in place to the plan that rate favours (every
+    chunk persistent), and training stays plain PyTorch's to 1e-6."""
+    import protrain.plan as plan_api
+    import protrain.plan.auto as auto
+    from protrain.chunks.manager import ChunkManager
+    from protrain.plan import PlanProblem, search
+    from protrain.profile.hardware import HardwareProfile
+
+    n_params = 869_504  # the tiny model's, every one trainable
+    claimed = HardwareProfile(
+        device="cpu", device_name="told", h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12,
+        duplex_bytes_per_s=1e12, cpu_adam_params_per_s=1e13,
+        device_adam_params_per_s=n_params / 100, collective_bytes_per_s=None, cpu_threads=1,
+    )  # fmt: skip
+    monkeypatch.setattr(auto, "measure_hardware", lambda *a, **kw: claimed)
+    extra = [0.0]  # seconds the step clock is ahead of the real one
+    monkeypatch.setattr(AutoTrainable, "_now", lambda self: time.perf_counter() + extra[0])
+    real_forward, real_wait = AutoTrainable.forward_loss_sum, ChunkManager._wait_update
+
+    def forward(self, batch):
+        loss = real_forward(self, batch)
+        if self._steps_run < AutoTrainable.WARMUP_STEPS and self._micro == 1:
+            extra[0] += 1e6
+        return loss
+
+    def wait_update(self, c, pieces=None):
+        update = c.update_future
+        if update is not None and not getattr(update, "slow_host_counted", False):
+            update.slow_host_counted = True  # once per chunk update
+            extra[0] += 1000.0
+            self.stats["host_adam_s"] = self.stats.get("host_adam_s", 0.0) + 1000.0
+            self.stats["wait_cpu_optimizer_s"] += 1000.0
+        real_wait(self, c, pieces)
+
+    monkeypatch.setattr(AutoTrainable, "forward_loss_sum", forward)
+    monkeypatch.setattr(ChunkManager, "_wait_update", wait_update)
+    real_check, seen = plan_api.check_plan, []
+    monkeypatch.setattr(plan_api, "check_plan", lambda plan, problem, **measured: seen.append(
+        (plan, problem, measured)) or real_check(plan, problem, **measured))  # fmt: skip
+    run = train(validate_config(fast_config(tmp_path, memory={"auto": True, "gpu_budget": BUDGET})))
+
+    ((plan, problem, measured),) = seen
+    waits = plan.n_chunks - plan.n_persist  # offloaded chunks, one update each a step
+    assert waits > 0  # it offloaded
+    assert measured["steady"] is True
+    # the steady steps' median: each has its waits, none a warm-up step's 10**6 s
+    assert 1000 * waits <= measured["measured_step_s"] < 1000 * waits + 100
+    assert measured["measured_host_adam_s"] == pytest.approx(1000 * waits, abs=1)
+    (record,) = [r for r in read_metrics(run.output_dir) if "plan_predicted_peak_gib" in r]
+    assert record["plan_corrected"] is True and record["plan_correction"] == "step"
+    assert record["plan_steady_steps"] == 3
+    # the plan a search with the measured host rate makes from the start
+    rt = problem.runtime
+    offloaded = rt.trainable[rt.n_chunks] - rt.trainable[plan.n_persist]
+    rate = offloaded / measured["measured_host_adam_s"]
+    told = PlanProblem(
+        problem.profile, dataclasses.replace(claimed, cpu_adam_busy_params_per_s=rate),
+        gpu_budget_bytes=problem.gpu_budget_bytes, cpu_budget_bytes=problem.cpu_budget_bytes,
+        clipping=problem.clipping,
+    )  # fmt: skip
+    favoured = search(told).plan
+    assert favoured.n_persist == favoured.n_chunks
+    corrected_line = next(m for m in protrain_log if m.startswith("memory plan, corrected:"))
+    assert f"n_persist={favoured.n_persist}" in corrected_line
+    assert any("re-planned to" in m and "host AdamW" in m for m in protrain_log)
+    assert_same_training(plain_run, run, rtol=1e-6, atol=1e-6)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -161,7 +162,7 @@ class Trainable(abc.ABC):
         """Drop the step's gradients without updating anything (a non-finite step)."""
         self.optimizer.zero_grad(set_to_none=True)
 
-    def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
+    def check_plan(self, step: int, total_steps: int) -> dict[str, Any] | None:
         """After optimizer step `step`: a metrics record when the placement's plan was
         checked against the measured steps (only planned placements have one)."""
         return None
@@ -452,19 +453,33 @@ class AutoTrainable(EngineTrainable):
     """`memory: {auto: true}`: the planner profiles one step of the real model at the first
     micro-batch, searches the fastest knobs that fit `gpu_budget` (the ones the user set are
     kept) and the engine runs the plan. After the first steps the measured peak and step
-    time are checked against the prediction; a plan that would pass the budget is replaced
+    time are checked against the prediction; a plan that would pass the budget, or one much
+    slower than predicted where the measured rates make another clearly faster, is replaced
     in place (model and optimizer state carried over exactly).
 
     [Note: what is measured]
-    The planner predicts one micro-batch's forward and backward plus the optimizer step, so
-    the measured step time is the last micro-batch of an optimizer step through the
-    optimizer step. The peak is the allocator's reserved peak on CUDA; on the CPU, the
+    The planner predicts one micro-batch's forward and backward plus the optimizer step,
+    the waits for the previous step's host updates included. The measured step is the
+    whole optimizer step, from its first forward to the end of `optimizer_step`, less the
+    micro-batches before the last, each counted as long as the last one's forward and
+    backward (they wait for no host update; the first micro-batch's forward is where the
+    waits land). The step compared is the median of the steady steps: the
+    `WARMUP_STEPS` after the plan was applied are left out ([Note: steady-state steps] in
+    `plan/closed_loop.py`), and the engine's host-optimizer counters are read over the same
+    steps (the host work of the last warm-up step finished before, of the last step
+    counted after). The peak is the allocator's reserved peak on CUDA; on the CPU, the
     engine's device-side tensor bytes (what the planner's CPU accounting counts) over the
     first two optimizer steps (the first creates the optimizer state, the second runs with
     it), counted from the freshly applied plan as `protrain.profile.measure` does.
     """
 
-    CHECK_AFTER_STEPS = 3
+    # The first step creates the optimizer state and touches its host pages, the allocator
+    # grows to its peak; the second is the first with the state in place but still pays the
+    # CPU peak counter (PEAK_STEPS) and the allocator's last growth. From the third on the
+    # steps repeat.
+    WARMUP_STEPS = 2
+    STEADY_STEPS = 3  # a median of three: one outlier does not move it
+    CHECK_AFTER_STEPS = WARMUP_STEPS + STEADY_STEPS
     PEAK_STEPS = 2  # CPU: counted steps (the second is the first with optimizer state)
 
     def __init__(
@@ -495,9 +510,14 @@ class AutoTrainable(EngineTrainable):
         self._measured_peak_bytes = 0
         self._micro = 0  # micro-batches of the current optimizer step so far
         self._steps_run = 0
-        self._t_step: float | None = None
-        self._step_times: list[float] = []
+        # this optimizer step's times: first forward begun, last forward begun, last
+        # backward ended ([Note: what is measured])
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._t_last_backward: float | None = None
+        self._step_times: list[float] = []  # the steady steps' ([Note: what is measured])
         self._last_step_s = 0.0
+        self._stats_after_warmup: dict | None = None  # the engine's counters then
 
     def _apply(self, plan) -> None:
         from protrain.planned_wrap import apply_plan
@@ -531,29 +551,46 @@ class AutoTrainable(EngineTrainable):
             self._micro += 1
             if self._steps_run == 0 and self._micro == 1 and self.device.type != "cuda":
                 self._start_peak_counter()
+            if self._micro == 1:
+                self._t_first = self._now()
             if self._micro == self.cfg.gradient_accumulation_steps:
-                self._t_step = self._now()
+                self._t_last = self._t_first if self._micro == 1 else self._now()
         return super().forward_loss_sum(batch)
+
+    def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
+        super().backward(loss, last, may_step)
+        if last and self._t_last is not None:
+            self._t_last_backward = self._now()
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
-        if self._t_step is None:
+        if self._t_last_backward is None:
             return
-        step_s = self._now() - self._t_step
-        self._t_step, self._micro = None, 0
+        # the whole optimizer step less the micro-batches before the last, each taken to
+        # last as long as the last one (which waits for no host update)
+        micro_s = self._t_last_backward - self._t_last
+        step_s = self._now() - self._t_first - (self._micro - 1) * micro_s
+        self._reset_step_times()
         self._steps_run += 1
-        # Timed: steps after the first (warm-up) that ran without the CPU counter's overhead.
-        if self._steps_run > 1 and self._peak_counter is None:
+        # Timed: steps after the warm-up that ran without the CPU counter's overhead.
+        if self._steps_run > self.WARMUP_STEPS and self._peak_counter is None:
             self._step_times.append(step_s)
         self._last_step_s = step_s
         if self._steps_run == self.PEAK_STEPS:
             self._stop_peak_counter()
+        if self._steps_run == self.WARMUP_STEPS:  # the host work of the warm-up is done
+            self.optimizer.synchronize()
+            self._stats_after_warmup = dict(self.optimizer.stats)
 
     def skip_step(self) -> None:
         super().skip_step()
-        self._t_step, self._micro = None, 0  # a skipped step is not timed
+        self._reset_step_times()  # a skipped step is not timed
 
-    def check_plan(self, step: int, total_steps: int) -> dict[str, float] | None:
+    def _reset_step_times(self) -> None:
+        self._t_first = self._t_last = self._t_last_backward = None
+        self._micro = 0
+
+    def check_plan(self, step: int, total_steps: int) -> dict[str, Any] | None:
         from protrain.distributed import resolve_context
         from protrain.distributed.agree import max_over_ranks, on_main
         from protrain.plan import NoPlanFits, check_plan
@@ -564,43 +601,61 @@ class AutoTrainable(EngineTrainable):
             return None
         self._checked = True
         self._stop_peak_counter()
-        times = self._step_times or [self._last_step_s]
-        measured_step_s = sum(times) / len(times)
+        steady = bool(self._step_times)
+        measured_step_s = statistics.median(self._step_times) if steady else self._last_step_s
+        host_adam_s = wait_s = -1.0  # not measured
+        if self._stats_after_warmup is not None and self._steps_run > self.WARMUP_STEPS:
+            self.optimizer.synchronize()  # the last step's host work is counted too
+            before, now = self._stats_after_warmup, self.optimizer.stats
+            n = self._steps_run - self.WARMUP_STEPS
+            host_adam_s = (now.get("host_adam_s", 0.0) - before.get("host_adam_s", 0.0)) / n
+            wait_s = (now["wait_cpu_optimizer_s"] - before["wait_cpu_optimizer_s"]) / n
         cuda = self.device.type == "cuda"
         measured_peak = (
             torch.cuda.max_memory_reserved(self.device) if cuda else self._measured_peak_bytes
         )
         allocated = torch.cuda.max_memory_allocated(self.device) if cuda else -1
         ctx = resolve_context()
-        # every rank runs the plan: the largest of each is what must fit
-        measured_peak, allocated, measured_step_s = (
-            int(v) if i < 2 else v
-            for i, v in enumerate(
-                max_over_ranks(ctx, [measured_peak, allocated, measured_step_s], self.device)
-            )
+        # every rank runs the plan: the largest of each is what must fit, the slowest rank's
+        # step and host optimizer what the plan is judged by
+        measured = max_over_ranks(
+            ctx, [measured_peak, allocated, measured_step_s, host_adam_s, wait_s], self.device
         )
+        measured_peak, allocated = int(measured[0]), int(measured[1])
+        measured_step_s = measured[2]
+        host_adam_s, wait_s = (v if v >= 0 else None for v in measured[3:])
         record = {
             "plan_predicted_peak_gib": self.plan.predicted_peak_bytes / 2**30,
             "plan_measured_peak_gib": measured_peak / 2**30,
             "plan_predicted_step_s": self.plan.predicted_step_s,
             "plan_measured_step_s": measured_step_s,
+            "plan_warmup_steps": self.WARMUP_STEPS,
+            "plan_steady_steps": len(self._step_times),
         }
+        if host_adam_s is not None:
+            record["plan_measured_host_adam_s"] = host_adam_s
 
         def check_here():
             return check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
                               measured_step_s=measured_step_s,
-                              measured_allocated_bytes=allocated if cuda else None)  # fmt: skip
+                              measured_allocated_bytes=allocated if cuda else None,
+                              measured_host_adam_s=host_adam_s,
+                              measured_wait_host_optimizer_s=wait_s,
+                              steady=steady)  # fmt: skip
 
         try:
-            check = on_main(ctx, check_here)  # the first rank holds the problem
+            check = on_main(ctx, check_here)  # the first rank holds the problem and decides
         except NoPlanFits as exc:
             from protrain.train.planning import no_plan_fits_message
 
             message = no_plan_fits_message(exc, self.settings)
             raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
+        if check.corrected_step_s is not None:
+            record["plan_corrected_step_s"] = check.corrected_step_s
         if check.corrected is not None:
             self.replan(check.corrected)
             record["plan_corrected"] = True
+            record["plan_correction"] = check.reason
         return record
 
     def replan(self, plan) -> None:
