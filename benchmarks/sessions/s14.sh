@@ -7,6 +7,7 @@
 #             the app on 4 GPUs (a header-only checkpoint: sessions/sparse_checkpoint.py);
 #             the 30B MoE saved for PART=moe.
 # PART=ckpt1: that checkpoint resumed on 2 GPUs and on 1.
+# PART=moe also repeats the 70B question first (PART=ckpt's log kept only torchrun's tail).
 # PART=moe:   issue 27: LoRA on the Qwen3-30B-A3B shape through `protrain train` (auto,
 #             24 GiB, one GPU; benchmarks/app_speed.py).
 # PART=moe2:  FSDP2 CPU offload on the same workload and budget (run.py), same RID.
@@ -37,13 +38,27 @@ ckpt)  # the save on 2 GPUs; the 70B question; the MoE model saved for PART=moe
   timeout $(( $(left) - 5 )) python3 benchmarks/app_speed.py --workload lora-moe30b --build-only \
     --work $W/app 2>&1 | tail -2
   ;;
-ckpt1)  # the checkpoint resumed on 2 GPUs and on 1
-  timeout $(( $(left) - 5 )) python3 benchmarks/resume_ranks.py --commit "$C" --shape llama8b \
-    --device cuda --gpu-budget 24GiB --save-on 2 --skip-save --resume-on 2 1 --window 2 \
-    --steps 2 --work $W/rr --out "$OUT/resume8b.jsonl" 2>&1 | grep '^{\|Error\|error' | cut -c1-3000
-  tail -5 $W/rr/save-2-resume*.log 2>/dev/null | cut -c1-300 > "$OUT/ckpt1.log"
+ckpt1)  # the checkpoint resumed on 2 GPUs and on 1, a row each; first what the save left
+  # (PART=ckpt's save outran its 330 s after the checkpoint, in the final export)
+  mkdir -p "$OUT/save2"; cp $W/rr/probe/rank*.jsonl "$OUT/save2/" 2>/dev/null
+  grep -v "it/s\]" $W/rr/save-2.log | tail -60 | cut -c1-400 > "$OUT/save2/save-2.log"
+  ls -la $W/rr/save-2/ $W/rr/save-2/checkpoint-2 | head -30 > "$OUT/save2/ls.txt"
+  for m in 2 1; do
+    t=$(( $(left) - 5 )); [ "$m" = 2 ] && t=$(( t / 2 + 20 ))
+    timeout $t python3 benchmarks/resume_ranks.py --commit "$C" --shape llama8b \
+      --device cuda --gpu-budget 24GiB --save-on 2 --skip-save --resume-on $m --window 2 \
+      --steps 2 --work $W/rr --out "$OUT/resume8b.jsonl" 2>&1 | grep '^{\|Error\|error' | cut -c1-3000
+    grep -v "it/s\]" $W/rr/save-2-resume$m.log | tail -40 | cut -c1-400 > "$OUT/resume$m.log"
+    cp -r $W/rr/probe "$OUT/probe-resume$m" 2>/dev/null
+  done
   ;;
 moe)
+  python3 benchmarks/sessions/sparse_checkpoint.py llama70b $W/sparse70b
+  sed "s#/tmp/sparse70b#$W/sparse70b#;s#/work/main#$PWD#;s#/tmp/full70b-run#$W/full70b-run#" \
+    benchmarks/sessions/full70b.yaml > $W/full70b.yaml
+  timeout 90 torchrun --standalone --nproc-per-node 4 -m protrain train $W/full70b.yaml \
+    > "$OUT/full70b.log" 2>&1; echo "exit $?"; grep -i "error" "$OUT/full70b.log" | grep -v "^\[\|elastic\|error_file" | head -4
+  rm -rf $W/sparse70b
   export CUDA_VISIBLE_DEVICES=0
   timeout $(( $(left) - 5 )) python3 benchmarks/app_speed.py --workload lora-moe30b --commit "$C" \
     --run-id "$RID" --work $W/app --out "$OUT/moe.jsonl" 2>&1 | tail -1 | cut -c1-3000
