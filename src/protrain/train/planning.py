@@ -1,6 +1,6 @@
-"""What `memory: {auto: true}` needs from the application: a sample batch of the real data
-at the real shape, the loop's loss as the planner's `loss_fn`, and one call to the planner
-with the budgets and the knobs the user fixed. Used by `AutoTrainable` and by
+"""What `memory: {auto: true}` needs from the application: the heaviest micro-batch of the
+real data at its real shape, the loop's loss as the planner's `loss_fn`, and one call to
+the planner with the budgets and the knobs the user fixed. Used by `AutoTrainable` and by
 `protrain plan` / `protrain profile`."""
 
 from __future__ import annotations
@@ -13,39 +13,27 @@ from torch import nn
 
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
-from protrain.train.loss import IGNORE_INDEX, count_trained_tokens
-from protrain.train.sampling import MicroBatchStream, StreamPosition
+from protrain.train.heaviest_batch import heaviest_batch
+from protrain.train.log import logger
+from protrain.train.loss import count_trained_tokens
 
 _GIB = 1 << 30
 
 
 def sample_batch(cfg: TrainConfig, train_data, collate) -> dict[str, torch.Tensor]:
-    """The first micro-batch of the training stream, collated, padded to `sequence_len`
-    tokens (the widest a micro-batch can be), with its labels."""
-    stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
-    _, rows = next(stream.iterate(StreamPosition()))
-    batch = collate([train_data[i] for i in rows])
-    width = cfg.sequence_len * (cfg.micro_batch_size if cfg.sample_packing else 1)
-    return _pad_tokens(batch, width, collate.pad_id)
-
-
-def _pad_tokens(batch: dict[str, torch.Tensor], width: int, pad_id: int) -> dict:
-    ids = batch["input_ids"]
-    n_pad = width - ids.shape[1]
-    if n_pad <= 0:
-        return batch
-    fill = {"input_ids": pad_id, "labels": IGNORE_INDEX}
-    out = {}
-    for key, t in batch.items():
-        if not torch.is_tensor(t) or t.shape[:2] != ids.shape:
-            out[key] = t  # media and other non-token tensors
-        elif key == "position_ids":
-            tail = torch.arange(n_pad, dtype=t.dtype).expand(t.shape[0], n_pad)
-            out[key] = torch.cat([t, tail], dim=1)
-        else:
-            pad = t.new_full((t.shape[0], n_pad), fill.get(key, 0))
-            out[key] = torch.cat([t, pad], dim=1)
-    return out
+    """The heaviest micro-batch the training data can produce, made of real rows by the
+    run's collator at `micro_batch_size` (see `heaviest_batch`): the most media input and
+    the widest width, so that the plan holds for every micro-batch. Which rows and why is
+    logged in one line. The run's data order and random state are not touched."""
+    chosen = heaviest_batch(
+        train_data,
+        collate,
+        micro_batch_size=cfg.micro_batch_size,
+        sequence_len=cfg.sequence_len,
+        packing=cfg.sample_packing,
+    )
+    logger.info(chosen.reason)
+    return chosen.batch
 
 
 def planner_loss(device: torch.device, chunked_loss_tokens: int | None):

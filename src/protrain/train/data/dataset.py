@@ -63,6 +63,14 @@ class TokenizedDataset(torch.utils.data.Dataset):
         tokens = {k: v.tolist() for k, v in self._tokens[index].items()}
         return {**tokens, **self._others[index]}
 
+    def token_counts(self) -> list[int]:
+        """Tokens of every item, without building their lists."""
+        return [len(t["input_ids"]) for t in self._tokens]
+
+    def media(self, index: int) -> dict[str, torch.Tensor]:
+        """The media tensors of item `index`, without building its token lists."""
+        return {k: v for k, v in self._others[index].items() if isinstance(v, torch.Tensor)}
+
 
 @dataclass
 class DatasetReport:

@@ -41,6 +41,12 @@ class ArrowItems(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, Any]:
         return self.ds[index]
 
+    def token_counts(self) -> list[int]:
+        """Tokens of every item, read from the Arrow column without building its lists."""
+        import pyarrow.compute as pc
+
+        return pc.list_value_length(self.ds.with_format("arrow")["input_ids"]).to_pylist()
+
 
 def _file_stamps(settings: DataSettings) -> list[Any]:
     stamps = []
