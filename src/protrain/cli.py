@@ -76,9 +76,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     p_plan = sub.add_parser(
-        "plan", help="profile one step and print the memory plan and its best candidates"
+        "plan",
+        help="profile one step and print the memory plan and its best candidates; with "
+        "fsdp_version: 2, the FSDP2 engine's measured peak per rank",
     )
     add_config_args(p_plan)
+    p_plan.add_argument(
+        "--gpu-budget",
+        default=None,
+        metavar="SIZE",
+        help="the chunk engine's plan at this device memory per rank, e.g. 24GiB (as --set "
+        "memory.auto=true --set memory.gpu_budget=SIZE); with fsdp_version: 2, printed after "
+        "the FSDP2 engine's peak, so that the two can be compared",
+    )
 
     p_profile = sub.add_parser(
         "profile", help="profile one step and write a picture of its memory over time"
@@ -210,6 +220,57 @@ def _sdpa(cfg):
     return sdpa_backend(cfg.model.sdpa_backend, resolve_device(cfg.device))
 
 
+def _chunk_plan_keys(gpu_budget: str) -> list[str]:
+    """Overrides that turn a config into the chunk engine's, planned at ``gpu_budget``."""
+    return [
+        "fsdp_version=null",
+        "fsdp_config=null",
+        "memory.auto=true",
+        f"memory.gpu_budget={gpu_budget}",
+    ]
+
+
+def _print_chunk_plan(cfg, is_main: bool) -> None:
+    from protrain.plan import candidates_table, explain
+    from protrain.train.planning import plan_memory, planning_inputs
+
+    model, batch, settings = planning_inputs(cfg)
+    planner_log = logging.getLogger("protrain.plan.auto")
+    drop = _DropPlanRecord()
+    planner_log.addFilter(drop)
+    try:
+        with _sdpa(cfg):  # the trace runs attention as training will
+            plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+    finally:
+        planner_log.removeFilter(drop)
+    if is_main:
+        print(explain(plan, with_candidates=False))
+        print("best candidates:")
+        print(candidates_table(plan))
+
+
+def _print_fsdp2_peak(cfg, device, is_main: bool) -> None:
+    """Every rank traces two real steps of the FSDP2 engine on its own; rank 0 prints the
+    largest peak of any rank (`train/fsdp2_trace.py`)."""
+    from protrain.train.fsdp2_trace import fsdp2_inputs, largest_over_ranks, measure_fsdp2_peak
+
+    log = logging.getLogger("protrain")
+    level = log.level
+    if not is_main:  # rank 0 logs for the job, as in training
+        log.setLevel(logging.WARNING)
+    try:
+        model, batch, autocast_dtype = fsdp2_inputs(cfg, device)
+        with _sdpa(cfg):
+            # the model was built for the trace alone: it is sharded and trained, not copied
+            peak = measure_fsdp2_peak(model, batch, cfg, device, autocast_dtype, copy_model=False)
+        del model
+    finally:
+        log.setLevel(level)
+    peak = largest_over_ranks(peak, device)
+    if is_main:
+        print(peak.describe(), flush=True)
+
+
 def _run(args: argparse.Namespace) -> int:
     from protrain.train.config import load_config
     from protrain.train.errors import ConfigError
@@ -237,27 +298,26 @@ def _run(args: argparse.Namespace) -> int:
         return 0
 
     if args.command == "plan":
-        from protrain.plan import candidates_table, explain
         from protrain.train.modeling import resolve_device
-        from protrain.train.planning import plan_memory, planning_inputs
         from protrain.train.ranks import start_ranks, stop_ranks
 
         # under torchrun: every rank measures the hardware with the others, the first
         # traces and searches, and prints the plan each rank will run
-        ranks, _ = start_ranks(resolve_device(cfg.device))
-        model, batch, settings = planning_inputs(cfg)
-        planner_log = logging.getLogger("protrain.plan.auto")
-        drop = _DropPlanRecord()
-        planner_log.addFilter(drop)
-        try:
-            with _sdpa(cfg):  # the trace runs attention as training will
-                plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
-        finally:
-            planner_log.removeFilter(drop)
-        if ranks.is_main:
-            print(explain(plan, with_candidates=False))
-            print("best candidates:")
-            print(candidates_table(plan))
+        chunk_cfg = cfg if cfg.fsdp is None else None
+        if args.gpu_budget is not None:  # the chunk engine's plan at that budget
+            try:
+                chunk_cfg = load_config(
+                    args.config, args.overrides + _chunk_plan_keys(args.gpu_budget)
+                )
+            except ConfigError as exc:
+                raise ConfigError(
+                    f"--gpu-budget {args.gpu_budget}: {exc} (a size such as 24GiB)"
+                ) from None
+        ranks, device = start_ranks(resolve_device(cfg.device))
+        if cfg.fsdp is not None:
+            _print_fsdp2_peak(cfg, device, ranks.is_main)
+        if chunk_cfg is not None:
+            _print_chunk_plan(chunk_cfg, ranks.is_main)
         stop_ranks()
         return 0
     if args.command == "profile":
