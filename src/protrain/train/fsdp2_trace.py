@@ -25,6 +25,7 @@ engine's trace does, so dropout draws do not shift a run that follows.
 from __future__ import annotations
 
 import copy
+import gc
 import weakref
 from dataclasses import dataclass
 
@@ -140,6 +141,9 @@ def measure_fsdp2_peak(
         finally:
             trainable.close()
             del trainable
+    if device.type == "cuda":  # the cached blocks back, for whatever is traced next
+        gc.collect()
+        torch.cuda.empty_cache()
     return FSDP2Peak(
         allocated_bytes=allocated,
         reserved_bytes=reserved,
