@@ -10,6 +10,8 @@ mapped to its module through `_modules`, to check what `fully_shard` was actuall
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -161,3 +163,44 @@ def test_trainable_sets_prefetch(tmp_path):
         assert got[""] == (["model.layers.0"], ["model.layers.2"])
     finally:
         trainable.close()
+
+
+class _Reversed(nn.Module):
+    """`late` is registered first and runs second."""
+
+    def __init__(self):
+        super().__init__()
+        self.late = nn.Linear(32, 32)  # 1056
+        self.early = nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.late(self.early(x))
+
+
+def test_first_forward_corrects_the_order(one_rank):
+    """The module tree says late, early; the first forward with gradients sees early, late:
+    the lists follow what ran, and a warning says so. A forward without gradients first
+    changes nothing."""
+    model = _Reversed()
+    got = _shard(model, one_rank, **SIZE_1K, forward_prefetch=True)
+    assert got[""] == (["late"], ["early"]) and got["late"] == (["early"], [])
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        model(x)
+    assert _set_lists(model) == got
+    # a handler on the logger itself: `protrain` may not propagate to pytest's caplog
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    log = logging.getLogger("protrain.distributed.fsdp2")
+    log.addHandler(handler)
+    try:
+        model(x).sum().backward()
+    finally:
+        log.removeHandler(handler)
+    assert _set_lists(model) == {
+        "": (["early"], ["late"]),
+        "early": (["late"], []),
+        "late": ([], ["early"]),
+    }
+    assert len(warnings) == 1 and "at 1: 'early' instead of 'late'" in warnings[0]

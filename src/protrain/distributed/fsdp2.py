@@ -35,7 +35,10 @@ orders are taken from the module tree, assuming children run in the order they a
 registered (as in Hugging Face decoder stacks): forward, the root then the units in
 pre-order (a unit's pre-forward runs before those of the units nested in it); backward,
 the reverse of the units' post-order (a unit's outputs come after those of the units nested
-in it, so its pre-backward fires first). A unit whose subtree holds no parameter at or after
+in it, so its pre-backward fires first). The first forward run with gradients checks this
+with hooks on the units (the order their forwards began and ended); where the units ran
+otherwise (a vision-language model embeds its text before its vision tower runs, though
+the tower is registered first), they are told the order that ran, with a warning. A unit whose subtree holds no parameter at or after
 the first trainable one (a frozen embedding under LoRA) is left out of the backward order:
 its outputs need no gradient, its pre-backward never fires, and a prefetch of it would be
 an all-gather for nothing. An empty backward list is FSDP2's own default (prefetch by the
@@ -64,6 +67,7 @@ each layer hands it to the weight FSDP2 has just gathered (bitsandbytes reads it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -79,11 +83,14 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+from torch.utils._pytree import tree_leaves
 
 from protrain.quant import is_4bit_linear
 
 TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
 SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
+logger = logging.getLogger(__name__)
+
 DEFAULT_MIN_NUM_PARAMS = int(1e8)  # accelerate's and FSDP1's default
 
 
@@ -212,7 +219,7 @@ class PrefetchOrder:
         out: dict[str, list[str | None]] = {name: [None, None] for name in self.forward}
         for i, order in enumerate((self.forward, self.backward)):
             for current, following in zip(order, order[1:]):
-                out[current][i] = following
+                out.setdefault(current, [None, None])[i] = following
         return {name: (fwd, bwd) for name, (fwd, bwd) in out.items()}
 
 
@@ -248,16 +255,86 @@ def _inside(name: str, parent: str) -> bool:
 def set_prefetch(
     model: nn.Module, units: Iterable[str], forward: bool, backward: bool
 ) -> PrefetchOrder:
-    """Each sharded unit prefetches the next one of each order ([Note: explicit prefetch])."""
+    """Each sharded unit prefetches the next one of each order ([Note: explicit prefetch]);
+    the first forward with gradients checks the orders against the units that ran."""
     order = prefetch_order(model, units)
+    if forward or backward:
+        _apply_order(model, order, forward, backward)
+        _OrderCheck(model, order, forward, backward)
+    return order
+
+
+def _apply_order(model: nn.Module, order: PrefetchOrder, forward: bool, backward: bool) -> None:
     for name, (fwd, bwd) in order.neighbours().items():
         module = model.get_submodule(name)
         assert isinstance(module, FSDPModule), name
-        if forward and fwd is not None:
-            module.set_modules_to_forward_prefetch([model.get_submodule(fwd)])
-        if backward and bwd is not None:
-            module.set_modules_to_backward_prefetch([model.get_submodule(bwd)])
-    return order
+        if forward:
+            module.set_modules_to_forward_prefetch([model.get_submodule(fwd)] if fwd else [])
+        if backward:
+            module.set_modules_to_backward_prefetch([model.get_submodule(bwd)] if bwd else [])
+
+
+class _OrderCheck:
+    """Forward hooks on every unit for the first forward run with gradients: the order the
+    units' forwards began (the forward order) and the reverse of the order they ended, kept
+    where their output needs a gradient (the backward order). Where the module tree's orders
+    differ, the units are told the ones that ran, with a warning; then the hooks go."""
+
+    def __init__(self, model: nn.Module, order: PrefetchOrder, forward: bool, backward: bool):
+        self.model, self.order, self.forward, self.backward = model, order, forward, backward
+        self.began: list[str] = []
+        self.ended: list[str] = []
+        self.handles = []
+        for name in order.forward:
+            module = model.get_submodule(name)
+            self.handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self.handles.append(module.register_forward_hook(self._post(name)))
+
+    def _pre(self, name: str):
+        def hook(module: nn.Module, args: Any) -> None:
+            if name == "":
+                self.began, self.ended = [], []
+            if torch.is_grad_enabled() and name not in self.began:
+                self.began.append(name)
+
+        return hook
+
+    def _post(self, name: str):
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not torch.is_grad_enabled() or name in self.ended:
+                return
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            if name == "" or not tensors or any(t.requires_grad for t in tensors):
+                self.ended.append(name)
+            if name == "":
+                self._done()
+
+        return hook
+
+    def _done(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        ran = PrefetchOrder(forward=tuple(self.began), backward=tuple(reversed(self.ended)))
+        if (not self.forward or ran.forward == self.order.forward) and (
+            not self.backward or ran.backward == self.order.backward
+        ):
+            return
+        logger.warning(
+            "fsdp2 prefetch: the units ran in another order than the module tree's "
+            "(forward %s, backward %s); prefetching in the order they ran",
+            _first_difference(self.order.forward, ran.forward),
+            _first_difference(self.order.backward, ran.backward),
+        )
+        _apply_order(self.model, ran, self.forward, self.backward)
+
+
+def _first_difference(planned: tuple[str, ...], ran: tuple[str, ...]) -> str:
+    for i, (a, b) in enumerate(zip(planned, ran)):
+        if a != b:
+            return f"at {i}: {b or 'the root'!r} instead of {a or 'the root'!r}"
+    if len(planned) == len(ran):
+        return "as planned"
+    return f"{len(ran)} units instead of {len(planned)}"
 
 
 def _mesh_device(mesh: DeviceMesh) -> torch.device:
