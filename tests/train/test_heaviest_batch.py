@@ -20,7 +20,7 @@ from tests.data.vision_helpers import QWEN_SPECIALS, Qwen2VLImageOnlyProcessor, 
 from protrain.train.config import validate_config
 from protrain.train.data import build_collator, build_train_dataset
 from protrain.train.data.config import DataSettings
-from protrain.train.heaviest_batch import row_sizes
+from protrain.train.heaviest_batch import heaviest_batch, pad_tokens, row_sizes
 from protrain.train.modeling import load_tokenizer
 from protrain.train.planning import PlanSettings, plan_memory, planner_loss, sample_batch
 from protrain.train.sampling import MicroBatchStream, StreamPosition
@@ -112,6 +112,29 @@ def test_row_sizes_of_a_prepared_arrow_dataset_match_its_rows():
     arrow = ArrowItems(datasets.Dataset.from_list(items))
     assert [s.tokens for s in row_sizes(arrow)] == [5, 9, 2]
     assert row_sizes(arrow) == row_sizes([arrow[i] for i in range(3)])  # item by item
+
+
+def test_padding_keeps_media_and_pads_per_token_tensors():
+    """Llama 3.2 Vision's cross-attention mask is a media tensor laid out per token: padded
+    with zeros; pixel values are kept as they are, though their leading dims match."""
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long),
+             "labels": torch.ones(2, 3, dtype=torch.long),
+             "attention_mask": torch.ones(2, 3, dtype=torch.long),
+             "cross_attention_mask": torch.ones(2, 3, 1, 4, dtype=torch.long),
+             "pixel_values": torch.ones(2, 3, 8, 8)}  # fmt: skip
+    out = pad_tokens(batch, 5, pad_id=7, media_keys={"cross_attention_mask", "pixel_values"})
+    assert out["input_ids"][:, 3:].eq(7).all() and out["labels"][:, 3:].eq(-100).all()
+    assert out["attention_mask"].sum().item() == 6
+    assert out["cross_attention_mask"].shape == (2, 5, 1, 4)
+    assert out["cross_attention_mask"][:, 3:].eq(0).all()
+    assert out["pixel_values"] is batch["pixel_values"]
+
+
+def test_bad_micro_batch_size_and_empty_data_are_named():
+    with pytest.raises(ValueError, match="micro_batch_size=0"):
+        heaviest_batch([], None, micro_batch_size=0, sequence_len=8, packing=False)
+    with pytest.raises(ValueError, match="the training dataset is empty"):
+        heaviest_batch([], None, micro_batch_size=1, sequence_len=8, packing=False)
 
 
 # -- vision-language -------------------------------------------------------------------------

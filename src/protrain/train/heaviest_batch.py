@@ -111,8 +111,8 @@ def pad_tokens(
 ) -> dict[str, torch.Tensor]:
     """`batch` with its per-token tensors padded on the right to `width` tokens: pad ids,
     untrained labels, masked attention, positions that go on counting (a packed row's
-    padding is a sample of its own), zeros elsewhere. Media tensors are kept, except those
-    laid out per token (`(batch, tokens, ...)`, as Llama 3.2 Vision's cross-attention
+    padding is a sample of its own), zeros elsewhere. Media tensors are kept, except integer
+    ones laid out per token (`(batch, tokens, ...)`, as Llama 3.2 Vision's cross-attention
     mask), which are padded with zeros."""
     ids = batch["input_ids"]
     n_pad = width - ids.shape[1]
@@ -122,8 +122,8 @@ def pad_tokens(
     out = {}
     for key, t in batch.items():
         per_token = torch.is_tensor(t) and t.dim() >= 2 and t.shape[:2] == ids.shape
-        if key in media_keys:
-            per_token = per_token and t.dim() >= 3
+        if key in media_keys:  # pixels never: their leading dims can match by chance
+            per_token = per_token and t.dim() >= 3 and not t.is_floating_point()
         if not per_token:
             out[key] = t
         elif key == "position_ids":
