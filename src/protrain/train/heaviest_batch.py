@@ -23,7 +23,7 @@ tokens. Choosing reads row sizes only: no random draw, no stream position is use
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,7 +107,7 @@ def heaviest_batch(
 
 
 def pad_tokens(
-    batch: dict[str, torch.Tensor], width: int, pad_id: int, media_keys: set[str] = frozenset()
+    batch: dict[str, torch.Tensor], width: int, pad_id: int, media_keys: Collection[str] = ()
 ) -> dict[str, torch.Tensor]:
     """`batch` with its per-token tensors padded on the right to `width` tokens: pad ids,
     untrained labels, masked attention, positions that go on counting (a packed row's
