@@ -567,9 +567,11 @@ class AutoTrainable(EngineTrainable):
         if self._t_last_backward is None:
             return
         # the whole optimizer step less the micro-batches before the last, each taken to
-        # last as long as the last one (which waits for no host update)
+        # last as long as the last one (which waits for no host update); never below an
+        # even share of the whole (micro-batches of uneven length)
         micro_s = self._t_last_backward - self._t_last
-        step_s = self._now() - self._t_first - (self._micro - 1) * micro_s
+        whole_s = self._now() - self._t_first
+        step_s = max(whole_s - (self._micro - 1) * micro_s, whole_s / self._micro)
         self._reset_step_times()
         self._steps_run += 1
         # Timed: steps after the warm-up that ran without the CPU counter's overhead.
