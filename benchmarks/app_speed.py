@@ -5,8 +5,10 @@ sit beside ``run.py``'s rows of the same run id (FSDP2 CPU offload, ...).
 
 The model is the workload's shape with cheap random weights (``materialize.py``), saved once
 in bf16 under ``--work`` with the quickstart tokenizer (``resume_ranks.build_shape_dir``); LoRA
-rank 16 on every linear layer as ``run.py``'s LoRA. The data is the quickstart's chat set,
-packed to the workload's sequence length, micro-batch the workload's batch, no clipping, the
+rank 16 on every linear layer as ``run.py``'s LoRA. The data (``--data long``, the default) is text rows
+longer than the sequence (truncated to it), not packed: every micro-batch is batch x sequence
+real tokens, the shapes run.py's rows compute; ``--data packed`` trains the quickstart's chat
+set packed (a micro-batch is then one row of batch x sequence). No clipping, the
 chunked loss at 4096 tokens (what ``run.py --auto --chunked-loss-tokens 4096`` plans with).
 The app's CUDA allocator is capped at the budget before it starts, as ``run.py`` caps its
 systems, so a plan that overflows fails here as it would on a card of that size.
@@ -59,6 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
     p.add_argument("--seq", type=int, help="default: the workload's")
     p.add_argument("--batch", type=int, help="default: the workload's first")
+    p.add_argument("--data", choices=["long", "packed"], default="long")
     p.add_argument("--build-only", action="store_true", help="save the model and stop")
     p.add_argument("--work", type=Path, default=Path("/tmp/app_speed"))
     p.add_argument("--out", type=Path, help="the rows file (required unless --build-only)")
@@ -73,12 +76,19 @@ def write_config(run: Path, model_dir: Path, args, batch: int, seq: int, budget:
     from protrain.train.config import QUICKSTART_DIR
 
     workload = WORKLOADS[args.workload]
+    if args.data == "long":  # rows of words enough for seq tokens each, one word a token or more
+        data = run.with_name(f"{run.name}-long.jsonl")
+        words = " ".join(f"w{i % 97} x{i % 13}" for i in range(seq))
+        data.write_text("".join(json.dumps({"text": words}) + "\n" for _ in range(64)))
+        dataset = {"path": str(data), "type": "text"}
+    else:
+        dataset = {"path": str(QUICKSTART_DIR / "data" / "chat.jsonl"), "type": "chat"}
     cfg: dict = {
         "model": {"name_or_path": str(model_dir), "dtype": "bfloat16"},
         "mixed_precision": "bf16" if args.device == "cuda" else "no",
-        "datasets": [{"path": str(QUICKSTART_DIR / "data" / "chat.jsonl"), "type": "chat"}],
+        "datasets": [dataset],
         "sequence_len": seq,
-        "sample_packing": True,
+        "sample_packing": args.data == "packed",
         "micro_batch_size": batch,
         "gradient_accumulation_steps": 1,
         "num_epochs": 1000,  # the quickstart set is short: max_steps ends the run
@@ -130,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": shape, "mode": workload.mode, "params": n_params,
         "layers": args.layers_override, "budget_gib": budget, "batch": batch,
         "seq": seq, "world_size": 1, "checkpointing": "plan", "max_grad_norm": 0.0,
-        "chunked_loss_tokens": 4096, "steps": args.steps, "warmup": args.warmup,
+        "chunked_loss_tokens": 4096, "data": args.data, "steps": args.steps, "warmup": args.warmup,
         "model_build_s": build_s, "commit": args.commit,
         "run_id": args.run_id or f"{now:%Y-%m-%dT%H:%MZ}-{args.commit[:7]}",
         "date": f"{now:%Y-%m-%dT%H:%M:%SZ}",
