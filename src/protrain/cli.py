@@ -321,17 +321,24 @@ def _run(args: argparse.Namespace) -> int:
         stop_ranks()
         return 0
     if args.command == "profile":
+        from protrain.profile.hardware import measure_hardware
         from protrain.profile.timeline import write_timeline_html, write_timeline_png
         from protrain.train.planning import planning_inputs, profile_memory
 
         model, batch, settings = planning_inputs(cfg)
         with _sdpa(cfg):
             profile = profile_memory(model, batch, settings)
+        # the budget line, and the host AdamW lane at this machine's measured rates (cached)
+        picture = dict(
+            budget_bytes=settings.gpu_budget_bytes,
+            hardware=measure_hardware(settings.device),
+            clipping=settings.clipping,
+        )
         title = f"{cfg.model.name_or_path}, batch {cfg.micro_batch_size} x {cfg.sequence_len}"
         if args.out.lower().endswith(".png"):
-            path = write_timeline_png(profile, args.out)
+            path = write_timeline_png(profile, args.out, **picture)
         else:
-            path = write_timeline_html(profile, args.out, title=title)
+            path = write_timeline_html(profile, args.out, title=title, **picture)
         print(f"profile of one step written to {path}")
         return 0
 

@@ -168,6 +168,8 @@ def test_profile_command_writes_the_picture(tmp_path, name):
     assert proc.stdout.strip() == f"profile of one step written to {out}"
     data = out.read_bytes()
     assert data.startswith(b"\x89PNG") if name.endswith(".png") else b"<svg" in data
+    if name.endswith(".html"):  # the config's budget drawn, and the host optimizer's lane
+        assert b'class="budget"' in data and b"host AdamW" in data
     assert not (tmp_path / "run").exists()
 
 
