@@ -25,6 +25,7 @@ run_on() {  # run_on <GPUs>: $R for that many GPUs of this host
 nvidia-smi -L; nproc; free -g | head -2; df -h /tmp | tail -1
 W=/tmp/s14
 case "${PART:-ckpt}" in
+x1) ;;
 ckpt)  # the save on 2 GPUs; the 70B question; the MoE model saved for PART=moe
   timeout 330 python3 benchmarks/resume_ranks.py --commit "$C" --shape llama8b \
     --device cuda --gpu-budget 24GiB --save-on 2 --resume-on --window 2 --steps 2 \
@@ -81,3 +82,13 @@ four)
   ;;
 esac
 cp ~/.cache/protrain/hardware-*.json "$OUT/" 2>/dev/null; free -g | head -2; df -h /tmp | tail -1
+# PART=x1 (one GPU, nvidia-h100-x1 / nvidia-h200): issue 21's `protrain profile` pictures of
+# full-3b and lora-14b (benchmarks/profile_pictures.py); issue 19's FSDP2 peak from
+# `protrain plan` beside the same config's training (sessions/fsdp2_plan_check.py); the GPU
+# tests of engine, plan and train.
+if [ "${PART}" = x1 ]; then
+  timeout 260 python3 benchmarks/profile_pictures.py --out-dir "$OUT/pictures" 2>&1 | grep -v "it/s\]" | tail -4
+  timeout 150 python3 benchmarks/sessions/fsdp2_plan_check.py $W/fsdp2 "$OUT/fsdp2-plan.jsonl" 2>&1 | tail -2 | cut -c1-1500
+  timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine tests/plan \
+    tests/train -k "not wrap_close_cycles" 2>&1 | tail -4 | tee "$OUT/gpu-tests.log"
+fi
