@@ -15,8 +15,14 @@ from torch import nn
 
 from protrain.distributed.agree import on_main
 from protrain.distributed.process_group import NO_GROUP, resolve_context
-from protrain.plan.chunk_size import search_chunk_sizes
 from protrain.plan.host_budget import SHARE, default_cpu_budget
+from protrain.plan.loss_chunk import (
+    LossChunks,
+    logit_bytes,
+    loss_chunk_candidates,
+    search_loss_chunks,
+    traced_chunk,
+)
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
 from protrain.plan.search import NoPlanFits, PlanProblem
@@ -86,17 +92,30 @@ def profile_model(
     chunk_size_bytes: int | None = None,
     loss_fn: LossFn = hf_loss,
     tiled_mlp_tokens: int | None = None,
+    loss_chunks: LossChunks | None = None,
 ) -> ModelProfile:
     """Trace under the engine with as many persistent chunks as fit in half the budget less
     the full-sequence logits of a plain loss (the other half for the trace's activations,
     its buffers and gradients), the rest offloaded; a trace that runs out of memory anyway
-    is retried once with every chunk offloaded, and says so."""
+    is retried once with every chunk offloaded, and says so.
+
+    ``loss_chunks`` (the planner owns the loss; ``loss_fn`` is then not read): the step is
+    traced with the loss in its smallest chunk and the profile carries the chunks to search
+    (``protrain.plan.loss_chunk``)."""
     device = _device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
     logits = 0
-    if loss_fn is hf_loss:  # a chunked loss never holds the full-sequence logits
+    candidates: list[int | None] = []
+    if loss_chunks is not None:
+        positions = _loss_positions(sample_batch)
+        candidates = loss_chunk_candidates(positions, loss_chunks.floor_tokens)
+        traced = traced_chunk(candidates)
+        loss_fn = loss_chunks.loss_at(traced)
+        itemsize = torch.empty((), dtype=compute_dtype).element_size()
+        logits = loss_chunks.vocab_size * logit_bytes(itemsize) * (traced or positions)
+    elif loss_fn is hf_loss:  # a chunked loss never holds the full-sequence logits
         ids = sample_batch.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             logits = full_logits_bytes(model, ids.shape[0], ids.shape[1], compute_dtype)
@@ -125,6 +144,11 @@ def profile_model(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if traced:
+            if loss_chunks is not None:
+                profile.loss_chunk_tokens = traced_chunk(candidates)
+                profile.loss_vocab_size = loss_chunks.vocab_size
+                profile.loss_tokens = _loss_positions(sample_batch)
+                profile.loss_chunk_candidates = candidates
             if i:  # the plan time counts both traces: say so, and what the first one cost
                 first = "all" if attempts[0] is None else attempts[0]
                 profile.notes.append(
@@ -140,7 +164,7 @@ def profile_model(
                 reason,
             )
     hint = ""
-    if logits:
+    if logits and loss_chunks is None:
         hint = (
             f" The full-sequence logits of a plain loss take {logits / 2**30:.2f} GiB at this "
             "batch: a chunked loss (memory.chunked_loss_tokens) never holds them."
@@ -152,6 +176,15 @@ def profile_model(
         f"budget.{hint}",
         None,
     )
+
+
+def _loss_positions(batch: dict) -> int:
+    """The positions the loss scores in one micro-batch: the labels' (else the inputs')."""
+    for key in ("labels", "input_ids"):
+        t = batch.get(key)
+        if isinstance(t, torch.Tensor):
+            return int(t.numel())
+    raise ValueError("the sample batch has neither labels nor input_ids: no loss to chunk")
 
 
 def profile_and_plan(
@@ -171,6 +204,7 @@ def profile_and_plan(
     clipping: bool = True,
     process_group=None,
     distributed_mode: str | None = None,
+    loss_chunks: LossChunks | None = None,
 ) -> tuple[Plan, PlanProblem | None]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
@@ -182,7 +216,11 @@ def profile_and_plan(
     model and searches, for each rank's share (``plan/world.py``: ``gpu_budget_bytes`` is
     each GPU's, ``cpu_budget_bytes`` the host's, shared by its ranks), over both modes
     unless ``distributed_mode`` fixes one; every rank returns that plan (or raises its
-    error), the problem on the first rank only (None elsewhere)."""
+    error), the problem on the first rank only (None elsewhere).
+
+    ``loss_chunks``: the planner owns the loss and searches its chunk of positions
+    (``protrain.plan.loss_chunk``); the plan's ``chunked_loss_tokens`` is the one to train
+    with (None: the whole logits). Without it the loss is ``loss_fn``, as traced."""
     device = _device(device)
     ctx = resolve_context(process_group)
     if distributed_mode is not None and distributed_mode not in MODES:
@@ -206,6 +244,7 @@ def profile_and_plan(
         profile=profile,
         tiled_mlp_tokens=tiled_mlp_tokens,
         clipping=clipping,
+        loss_chunks=loss_chunks,
     )
     if not ctx.is_distributed:
         return _plan_here(**kwargs)
@@ -236,6 +275,7 @@ def _plan_here(
     profile: ModelProfile | None,
     tiled_mlp_tokens: int | None,
     clipping: bool,
+    loss_chunks: LossChunks | None = None,
     world: World = SINGLE,
     mode_fixed: bool = True,
 ) -> tuple[Plan, PlanProblem]:
@@ -255,6 +295,7 @@ def _plan_here(
             chunk_size_bytes=chunk_size_bytes,
             loss_fn=loss_fn,
             tiled_mlp_tokens=tiled_mlp_tokens,
+            loss_chunks=loss_chunks,
         )
     host_defaulted = cpu_budget is None
     if host_defaulted:  # after the trace: its arena is given back
@@ -280,7 +321,7 @@ def _plan_here(
     )
     t1 = time.perf_counter()
     try:
-        result, problem = search_chunk_sizes(
+        result, problem = search_loss_chunks(
             model,
             profile,
             hardware,

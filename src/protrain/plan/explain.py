@@ -66,20 +66,33 @@ def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
     return out
 
 
+def loss_words(plan: Plan) -> str:
+    """The plan's loss in words ("" where the planner does not own the loss)."""
+    if not plan.loss_planned:
+        return ""
+    if plan.chunked_loss_tokens is None:
+        return "loss over the whole logits"
+    return f"loss in chunks of {plan.chunked_loss_tokens} tokens"
+
+
 def candidates_table(plan: Plan) -> str:
+    loss = any("chunked_loss_tokens" in c for c in plan.candidates)
     rows = [("n_persist", "n_buffer", "n_swap", "n_ckpt", "peak GiB", "step s", "tokens/s")]
+    if loss:
+        rows[0] += ("loss chunk",)
     for c in plan.candidates:
-        rows.append(
-            (
-                str(c["n_persist"]),
-                str(c["n_buffer"]),
-                str(c["n_swap"]),
-                str(c["n_checkpoint"]),
-                f"{c['predicted_peak_bytes'] / _GIB:.2f}",
-                f"{c['predicted_step_s']:.3f}",
-                f"{c['predicted_tokens_per_s']:,.0f}",
-            )
+        row = (
+            str(c["n_persist"]),
+            str(c["n_buffer"]),
+            str(c["n_swap"]),
+            str(c["n_checkpoint"]),
+            f"{c['predicted_peak_bytes'] / _GIB:.2f}",
+            f"{c['predicted_step_s']:.3f}",
+            f"{c['predicted_tokens_per_s']:,.0f}",
         )
+        if loss:
+            row += (str(c.get("chunked_loss_tokens") or "off"),)
+        rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
 
@@ -88,7 +101,9 @@ def explain(plan: Plan, *, with_candidates: bool = True) -> str:
     lines = [
         f"Plan: n_persist={plan.n_persist}, n_buffer={plan.n_buffer}, n_swap={plan.n_swap}, "
         f"n_checkpoint={plan.n_checkpoint} ({plan.n_chunks} chunks of "
-        f"{plan.chunk_size_bytes / (1 << 20):.1f} MiB, {plan.n_blocks} blocks)",
+        f"{plan.chunk_size_bytes / (1 << 20):.1f} MiB, {plan.n_blocks} blocks"
+        + (f"; {loss_words(plan)}" if plan.loss_planned else "")
+        + ")",
         f"  predicted peak {_gib(plan.predicted_peak_bytes)} of {_gib(plan.gpu_budget_bytes)}; "
         f"step {plan.predicted_step_s:.3f} s, {plan.predicted_tokens_per_s:,.0f} tokens/s; "
         f"host memory {_gib(plan.predicted_host_bytes)}",

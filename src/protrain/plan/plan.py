@@ -31,6 +31,10 @@ class Plan:
     # the ranks it is for (plan.world): every rank runs these knobs, each predicted alone
     world_size: int = 1
     distributed_mode: str | None = None  # "sharded" | "replicated"; None: one rank
+    # The loss (protrain.plan.loss_chunk): where the planner owns it (``loss_planned``), the
+    # chunk of positions it runs in (None: the whole logits); the runner applies it.
+    chunked_loss_tokens: int | None = None
+    loss_planned: bool = False
 
     @property
     def knobs(self) -> dict[str, int]:

@@ -454,6 +454,8 @@ def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
         candidates=candidates,
         world_size=problem.world.size,
         distributed_mode=problem.world.distributed_mode,
+        chunked_loss_tokens=p.loss_chunk_tokens,
+        loss_planned=p.loss_vocab_size is not None,
     )
     plan.reasons = reasons_for(plan, problem)
     return plan

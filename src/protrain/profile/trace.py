@@ -172,6 +172,16 @@ class ModelProfile:
     # began: with the intervals, the picture's model states (``protrain.profile.timeline``).
     model_state_bytes: int | None = None
     start_resident_chunks: list[int] = field(default_factory=list)
+    # The loss head's forward (the last block's forward end to the loss), seconds: what a
+    # chunked loss computes again in backward (``protrain.plan.loss_chunk``).
+    loss_forward_s: float = 0.0
+    # The planner-owned loss the step was traced with (``protrain.plan.loss_chunk``): its
+    # chunk of tokens (None: the whole logits at once, or a loss the planner does not own)
+    # and the vocabulary of its logits (None: the loss is not the planner's to chunk).
+    loss_chunk_tokens: int | None = None
+    loss_vocab_size: int | None = None
+    loss_tokens: int = 0  # positions the loss scores per micro-batch (labels' numel)
+    loss_chunk_candidates: list[int | None] = field(default_factory=list)  # searched values
 
     @property
     def tokens(self) -> int:
@@ -348,6 +358,12 @@ class _StepTracer:
         self.pending_wait = 0.0
         self.start_resident = self.resident()
         self.clock.reset_peak()
+
+    def since_cut(self) -> float:
+        """Seconds of compute since the last cut (the running interval so far)."""
+        t = self.sync()
+        self.pending_wait += self.copy_wait()
+        return max(t - self.cut_t - self.pending_wait, 0.0)
 
     def cut(self, next_kind: str, next_block: int, *, sync: bool = True) -> tuple[float, int]:
         """Close the running interval and open the next; return (time, bytes) at the cut."""
@@ -625,6 +641,8 @@ def trace_model(
                 try:
                     tracer.start()
                     loss = loss_fn(model, batch)
+                    # the head's interval so far: the loss's forward (0: no head cut)
+                    loss_forward_s = tracer.since_cut() if tracer.cut_kind == "head" else 0.0
                     loss.backward()
                     del loss
                     tracer.cut("opt", -1)
@@ -707,6 +725,7 @@ def trace_model(
         wrap_build_s=dict(manager.build_s),
         model_state_bytes=model_states,
         start_resident_chunks=tracer.start_resident,
+        loss_forward_s=loss_forward_s,
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "

@@ -47,6 +47,38 @@ def planner_loss(device: torch.device, chunked_loss_tokens: int | None):
     return loss_fn
 
 
+def planner_loss_chunks(model: nn.Module, settings: PlanSettings):
+    """The loop's loss as one the planner chunks (`protrain.plan.loss_chunk.LossChunks`), or
+    None where the user fixed `memory.chunked_loss_tokens` or the model's logits cannot be
+    computed in chunks (`causal_lm_head` refuses its head: the whole logits, as now)."""
+    from protrain.activations import UnsupportedHead, causal_lm_head
+    from protrain.plan.loss_chunk import LossChunks
+
+    if settings.chunked_loss_tokens is not None:
+        return None
+    get_base = getattr(model, "get_base_model", None)
+    causal_lm = get_base() if callable(get_base) else model
+    try:
+        head, _ = causal_lm_head(causal_lm)
+    except UnsupportedHead as exc:
+        logger.info("memory: the loss is not searched in chunks (%s): whole logits", exc)
+        return None
+    vocab = getattr(getattr(head, "weight", None), "shape", (None,))[0]
+    if vocab is None:
+        return None
+    return LossChunks(
+        loss_at=lambda tokens: planner_loss(settings.device, tokens),
+        vocab_size=int(vocab),
+        floor_tokens=settings.loss_chunk_floor_tokens,
+    )
+
+
+def loss_chunk_of(plan, settings: PlanSettings) -> int | None:
+    """The `chunked_loss_tokens` to train with: the plan's where the planner chose it, else
+    the user's (`memory.chunked_loss_tokens`)."""
+    return plan.chunked_loss_tokens if plan.loss_planned else settings.chunked_loss_tokens
+
+
 @dataclass
 class PlanSettings:
     """The planner's arguments that come from the config and the device."""
@@ -64,6 +96,8 @@ class PlanSettings:
     clipping: bool = True
     # Several ranks: the mode the user fixed (memory.mode; None: the planner chooses).
     distributed_mode: str | None = None
+    # The smallest loss chunk searched where chunked_loss_tokens is not set (plan/loss_chunk).
+    loss_chunk_floor_tokens: int = 1024
 
     @classmethod
     def from_config(
@@ -100,7 +134,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
             return profile_and_plan(
                 model,
                 batch,
-                **_trace_kwargs(settings),
+                **_trace_kwargs(model, settings),
                 cpu_budget_bytes=settings.cpu_budget_bytes,
                 fixed_knobs=fixed_knobs,
                 clipping=settings.clipping,
@@ -117,12 +151,13 @@ def profile_memory(model: nn.Module, batch: dict, settings: PlanSettings):
     from protrain.plan import profile_model
 
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
-        return profile_model(model, batch, **_trace_kwargs(settings))
+        return profile_model(model, batch, **_trace_kwargs(model, settings))
 
 
-def _trace_kwargs(settings: PlanSettings) -> dict:
+def _trace_kwargs(model: nn.Module, settings: PlanSettings) -> dict:
     """What the trace needs from the settings, the same for planning and for profiling."""
     return dict(
+        loss_chunks=planner_loss_chunks(model, settings),
         gpu_budget_bytes=settings.gpu_budget_bytes,
         device=settings.device,
         compute_dtype=settings.compute_dtype,
@@ -143,9 +178,11 @@ def no_plan_fits_message(exc, settings: PlanSettings) -> str:
         # No smallest budget is known (the trace itself ran out of memory, say): the
         # planner's message says why and what to change.
         return f"{budget}: {_one_line(exc)}"
+    binding = getattr(exc, "binding_knobs", None) or {}
+    at = "".join(f" with the loss at its least memory (memory.{k} = {v})" for k, v in binding.items())
     return (
         f"{budget}: no plan fits; the smallest budget that would is "
-        f"{_size(smallest)} (set memory.gpu_budget to at least that)"
+        f"{_size(smallest)}{at} (set memory.gpu_budget to at least that)"
     )
 
 
