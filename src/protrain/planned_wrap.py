@@ -57,6 +57,7 @@ def wrap(
     cpu_budget: int | str | None = None,
     sample_batch: dict | None = None,
     loss_fn=None,
+    loss_chunks=None,
     loss_scaling: dict | None = None,
     host_threads: int | None = None,
     clipping: bool = True,
@@ -75,10 +76,13 @@ def wrap(
     (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
     ``cpu_budget`` bounds the plan's host memory (default: 90% of what the host has
     available after the trace, ``protrain.plan.host_budget``). ``loss_fn``: the loss the
-    trace runs (default: the model's own). ``clipping=False`` plans for training without
+    trace runs (default: the model's own). ``loss_chunks`` (a
+    ``protrain.plan.loss_chunk.LossChunks``, in place of ``loss_fn``): the caller's loss in
+    chunks of positions, the chunk searched; train with the plan's
+    ``chunked_loss_tokens`` (None: the whole logits). ``clipping=False`` plans for training without
     clipping, with ``step_in_backward``. With several ranks the plan is made on the first
     and every rank runs it (or raises its error). Without ``gpu_budget``, ``cpu_budget``,
-    ``sample_batch``, ``loss_fn`` and ``clipping`` are not read.
+    ``sample_batch``, ``loss_fn``, ``loss_chunks`` and ``clipping`` are not read.
     """
     knobs = {
         "n_persist": n_persist,
@@ -118,6 +122,7 @@ def wrap(
             clipping=clipping or target.compute_dtype == torch.float16,
             process_group=ctx.group if ctx.is_distributed else NO_GROUP,
             distributed_mode=distributed_mode if ctx.is_distributed else None,
+            loss_chunks=loss_chunks,
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         knobs = plan_knobs(plan)
