@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.heaviest_batch import heaviest_batch
@@ -97,7 +98,7 @@ class PlanSettings:
     # Several ranks: the mode the user fixed (memory.mode; None: the planner chooses).
     distributed_mode: str | None = None
     # The smallest loss chunk searched where chunked_loss_tokens is not set (plan/loss_chunk).
-    loss_chunk_floor_tokens: int = 1024
+    loss_chunk_floor_tokens: int = LOSS_CHUNK_FLOOR_TOKENS
 
     @classmethod
     def from_config(
@@ -119,6 +120,7 @@ class PlanSettings:
             chunked_loss_tokens=mem.chunked_loss_tokens,
             clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
             distributed_mode=mem.mode,
+            loss_chunk_floor_tokens=LOSS_CHUNK_FLOOR_TOKENS,
         )
 
 
@@ -179,7 +181,9 @@ def no_plan_fits_message(exc, settings: PlanSettings) -> str:
         # planner's message says why and what to change.
         return f"{budget}: {_one_line(exc)}"
     binding = getattr(exc, "binding_knobs", None) or {}
-    at = "".join(f" with the loss at its least memory (memory.{k} = {v})" for k, v in binding.items())
+    at = "".join(
+        f" with the loss at its least memory (memory.{k} = {v})" for k, v in binding.items()
+    )
     return (
         f"{budget}: no plan fits; the smallest budget that would is "
         f"{_size(smallest)}{at} (set memory.gpu_budget to at least that)"
