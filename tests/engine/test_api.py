@@ -160,7 +160,7 @@ def test_state_dicts_without_copies_are_views_of_the_engines_memory(mode):
     host_moments = {
         t.data_ptr()
         for opts in opt._host_opts.values()
-        for o, *_ in opts
+        for o in opts
         for st in o.state.values()
         for t in st.values()
         if torch.is_tensor(t) and t.dim() > 0

@@ -1,10 +1,12 @@
 """Hybrid AdamW: one optimizer object over parameters that live in chunks on two devices.
 
-Inside it, PyTorch's own fused AdamW does every update (``torch.optim.AdamW(fused=True)``):
-one instance over the fp32 masters of all persistent chunks, on the compute device (one
-multi-tensor launch, followed by one ``_foreach_copy_`` of the masters into the chunks), and
-one instance per offloaded chunk over that chunk's pinned fp32 masters, on the host. Nothing
-of Adam is written here; this class only decides when each instance steps. The cast of
+Inside it, PyTorch's own fused AdamW does every update: one ``torch.optim.AdamW(fused=True)``
+over the fp32 masters of all persistent chunks, on the compute device (one multi-tensor
+launch, followed by one ``_foreach_copy_`` of the masters into the chunks), and, on the
+host, torch's functional fused AdamW over each piece of an offloaded chunk's pinned fp32
+masters as flat views (:class:`~protrain.optim.flat_adamw.FlatAdamW`: one tensor per run of
+masters that lie back to back, not one per parameter; see [Note: flat runs] there). Nothing
+of Adam is written here; this class only decides when each update runs. The cast of
 updated offloaded masters into the low-precision chunk happens on the device at the chunk's
 next gather (see [Note: write-back on the device] in ``chunks/manager.py``).
 
@@ -19,8 +21,8 @@ forward*: ``step`` enqueues one task per offloaded chunk on the CPU worker and r
 (``runtime/host_worker.py``) runs them in forward order (each ranked by its chunk's
 position in ``manager.forward_order``), and the gather of a chunk in the next forward waits
 only for that chunk's task, or rather for the piece of it that writes each parameter: an
-update runs in pieces of at most ``_UPDATE_PIECE_NUMEL`` parameters, one fused AdamW
-instance each, and the gather copies every piece in as soon as it is written (see [Note:
+update runs in pieces of at most ``_UPDATE_PIECE_NUMEL`` parameters, one ``FlatAdamW``
+each, and the gather copies every piece in as soon as it is written (see [Note:
 gathering an updating chunk] in ``chunks/manager.py``).
 The norm stays cheap because each offloaded gradient's 2-norm is taken as it arrives, during
 backward (on the device for the first micro-batch, on the host worker after a host
@@ -86,6 +88,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.host_worker import HostWorker
@@ -154,15 +157,19 @@ class HybridAdamW(torch.optim.Optimizer):
         persistent = [s for s in self._slots if manager.chunks[s.chunk].persistent]
         self._persistent_slots = persistent
         self._device_opt = self._inner(persistent)
-        self._host_opts = {
-            c.index: [(*self._inner(piece), piece) for piece in _pieces(c.trainable_slots)]
+        self._host_opts: dict[int, list[FlatAdamW]] = {
+            c.index: [
+                FlatAdamW(piece, [self._group_of[id(s)] for s in piece])
+                for piece in _pieces(c.trainable_slots)
+            ]
             for c in manager.offloaded
             if c.trainable_slots
         }
         self._ready = True
 
     def _inner(self, slots: list[ParamSlot]):
-        """A fused torch AdamW over the masters of ``slots``; inner group -> outer group."""
+        """A fused torch AdamW over the masters of ``slots`` (the persistent chunks', on the
+        device); inner group -> outer group."""
         if not slots:
             return None
         groups, group_map = [], []
@@ -340,7 +347,7 @@ class HybridAdamW(torch.optim.Optimizer):
         pieces = {
             (ci, pi): piece
             for ci, opts in self._host_opts.items()
-            for pi, (_, _, piece) in enumerate(opts)
+            for pi, piece in enumerate(p.slots for p in opts)
         }
         self._sink.watch(pieces, self._start_in_backward)
 
@@ -374,7 +381,7 @@ class HybridAdamW(torch.optim.Optimizer):
         rank = order.index(chunk.index) if chunk.index in order else len(order) + chunk.index
         opts = self._host_opts[chunk.index]
         if with_grad is None:
-            with_grad = [s for s in opts[pi][2] if s.has_grad]
+            with_grad = [s for s in opts[pi].slots if s.has_grad]
         stepping = (with_grad, hyper, inv_scale, clip_coef)
         self._worker.submit(
             _step_host_piece_task,
@@ -428,7 +435,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 self._abandon_started_updates(stale=True)
                 for ci, pieces in started.items():  # a retried step() must not step them again
                     for pi in pieces:
-                        for slot in self._host_opts[ci][pi][2]:
+                        for slot in self._host_opts[ci][pi].slots:
                             slot.has_grad = False
                 # ... nor begin a new update of these chunks while their pieces still run
                 futures.wait([manager.chunks[ci].update_future for ci in started])
@@ -564,7 +571,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def _opt_of(self, s: ParamSlot):
         if self._manager.chunks[s.chunk].persistent:
             return self._device_opt[0]
-        return self._host_opts[s.chunk][s.update_piece][0]
+        return self._host_opts[s.chunk][s.update_piece]
 
     def state_dict(self, copy: bool = True) -> dict:
         """torch's format, every tensor on the CPU; ``copy=False``: the host AdamW's state as
@@ -710,47 +717,47 @@ def _grads_landed(with_grad: list[ParamSlot]) -> bool:
 
 @torch.no_grad()
 def _step_host_piece_task(
-    chunk: Chunk, progress: UpdateProgress, pi: int, inner: tuple, stepping: tuple, stats
+    chunk: Chunk, progress: UpdateProgress, pi: int, adam: FlatAdamW, stepping: tuple, stats
 ) -> None:
     """Runs on the CPU worker: piece ``pi`` of a chunk's update (unscale, clip, AdamW over
-    its fp32 masters), then tells ``progress``; an error fails the whole update. ``inner``:
-    the piece's (fused AdamW, group map, slots); ``stepping``: (slots with a gradient,
-    hyperparameters, inverse loss scale, clip coefficient)."""
-    opt, group_map, piece = inner
+    its fp32 masters), then tells ``progress``; an error fails the whole update.
+    ``stepping``: (slots with a gradient, hyperparameters, inverse loss scale, clip
+    coefficient)."""
     with_grad, hyper, inv_scale, clip_coef = stepping
     if progress.failed:  # an earlier piece failed: the update is over
         return
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
-        ids = set(map(id, with_grad))
-        _step_host_piece(opt, group_map, piece, ids, hyper, inv_scale, clip_coef, stats)
+        _step_host_piece(adam, with_grad, hyper, inv_scale, clip_coef, stats)
     except BaseException as e:
         progress.fail(e)
         raise
     progress.advance(pi)
 
 
-def _step_host_piece(opt, group_map, piece, stepping, hyper, inv_scale, clip_coef, stats) -> None:
-    with_grad = [s for s in piece if id(s) in stepping]
+def _step_host_piece(
+    adam: FlatAdamW, with_grad: list[ParamSlot], hyper, inv_scale, clip_coef, stats
+) -> None:
     for s in with_grad:
         if s.grad_event is not None:
             s.grad_event.synchronize()  # the gradient has landed in grad_acc
-    for s in piece:
-        s.master.grad = s.grad_acc if id(s) in stepping else None
     if not with_grad:
         return
+    t_prepare = time.perf_counter()
+    batch = adam.prepare(set(map(id, with_grad)))  # makes the state of a first step
     t0 = time.perf_counter()
+    # Unscale and clip over the flat gradient views the AdamW call takes: one multiply per
+    # element either way, so the same bits as per tensor, with fewer parallel regions.
     if inv_scale is not None:  # step() has already found every gradient finite
         found_inf = torch.zeros(1)
-        grads = [s.grad_acc for s in with_grad]
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        torch._amp_foreach_non_finite_check_and_unscale_(batch.grads, found_inf, inv_scale)
     # A coefficient of exactly 1 (the norm under max_norm) changes no bit: skip the pass
     # over the chunk's fp32 gradients, which costs about a third of its AdamW.
     if clip_coef is not None and float(clip_coef) != 1.0:
-        torch._foreach_mul_([s.grad_acc for s in with_grad], clip_coef)
+        torch._foreach_mul_(batch.grads, clip_coef)
     t1 = time.perf_counter()
-    _set_hyper(opt, group_map, hyper)
-    opt.step()
+    adam.step(batch, hyper)
     stats["host_clip_s"] = stats.get("host_clip_s", 0.0) + t1 - t0
-    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + time.perf_counter() - t1
+    adam_s = time.perf_counter() - t1 + t0 - t_prepare
+    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + adam_s
