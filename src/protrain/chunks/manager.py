@@ -75,6 +75,7 @@ from collections import OrderedDict
 import torch
 
 from protrain.chunks.chunk import Chunk, ChunkState, ParamSlot
+from protrain.chunks.copy_times import D2H, H2D, CopyTimes
 from protrain.chunks.layout import ChunkLayout
 from protrain.chunks.shard import ShardRange, shard_range
 
@@ -125,8 +126,10 @@ class ChunkManager:
         self.param_gather_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.grad_offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.stats = {"gathers": 0, "wait_cpu_optimizer_s": 0.0}
-        self._copy_wait_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self.time_copy_waits = False
+        # bytes and seconds of every copy, and the compute stream's waits for gathers
+        # ([Note: reading copy times without a sync] in chunks/copy_times.py)
+        self.copy_times = CopyTimes(device, self.stats)
+        self._copy_wait_read = 0.0  # wait_copy_s at the last copy_wait_s() call
         # Seconds of the build's parts (host arena allocated, pinned; parameters copied in):
         # where a large model's wrap time goes.
         self.build_s: dict[str, float] = {}
@@ -311,6 +314,7 @@ class ChunkManager:
                 c.users -= 1
 
     def begin_forward(self) -> None:
+        self.copy_times.harvest()  # the copies before this forward, if all are done
         if self.forward_order:
             self._order_recorded = True
         self.phase = Phase.FORWARD
@@ -376,16 +380,19 @@ class ChunkManager:
             if c.host_stale:
                 d2h = self.grad_offload_stream
                 d2h.wait_event(c.gathered_event)
-                with torch.cuda.stream(d2h):
+                with torch.cuda.stream(d2h), self.copy_times.span(D2H, d2h) as span:
                     for a, b, h in self._write_back_runs(c):
+                        span.add(b - a)
                         c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b], non_blocking=True)
                     c.host_written_event = d2h.record_event()
         else:
             c._set_state(ChunkState.IN_FLIGHT)
             self._copy_in_or_release(c)
             if c.host_stale:
-                for a, b, h in self._write_back_runs(c):
-                    c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b])
+                with self.copy_times.span(D2H) as span:
+                    for a, b, h in self._write_back_runs(c):
+                        span.add(b - a)
+                        c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
             self._wait_update(c)
         c.host_stale = False
@@ -421,48 +428,67 @@ class ChunkManager:
 
     def _copy_in(self, c: Chunk) -> None:
         """Enqueue the copy of ``c`` into its device storage (on the current stream)."""
-        if c.shard is not None:
-            self._copy_in_shard(c)
-            return
-        if not c.host_stale:
-            c.device_buffer[: c.used_bytes].copy_(
-                c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
-            )
-            return
-        # See [Note: write-back on the device] and [Note: gathering an updating chunk].
-        updating = c.update_future is not None and c.update_progress is not None
-        for a, b in c.byte_runs(trainable=False):
-            c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
-        for s in c.trainable_slots:
-            if updating and c.update_future is not None:
-                self._wait_update(c, s.update_piece + 1)
-            if not self.is_cuda:
-                s.device_view.copy_(s.master)
-            else:
-                master, dev = s.master.view(-1), s.device_view.view(-1)
-                for a in range(0, master.numel(), _PIECE_NUMEL):
-                    piece = master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
-                    dev[a : a + _PIECE_NUMEL].copy_(piece)
+        with self.copy_times.span(H2D, self.param_gather_stream) as span:
+            if c.shard is not None:
+                self._copy_in_shard(c, span)
+                return
+            if not c.host_stale:
+                span.add(c.used_bytes)
+                c.device_buffer[: c.used_bytes].copy_(
+                    c.host_buffer[: c.used_bytes], non_blocking=self.is_cuda
+                )
+                return
+            # See [Note: write-back on the device] and [Note: gathering an updating chunk].
+            updating = c.update_future is not None and c.update_progress is not None
+            for a, b in c.byte_runs(trainable=False):
+                span.add(b - a)
+                c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
+            waited = -1
+            for s in c.trainable_slots:
+                if updating and c.update_future is not None:
+                    waited = self._wait_piece(c, s.update_piece, waited, span)
+                span.add(4 * s.master.numel())
+                if not self.is_cuda:
+                    s.device_view.copy_(s.master)
+                else:
+                    master, dev = s.master.view(-1), s.device_view.view(-1)
+                    for a in range(0, master.numel(), _PIECE_NUMEL):
+                        piece = master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
+                        dev[a : a + _PIECE_NUMEL].copy_(piece)
 
-    def _copy_in_shard(self, c: Chunk) -> None:
+    def _wait_piece(self, c: Chunk, piece: int, waited: int, span) -> int:
+        """Wait for the update's pieces up to ``piece`` (``waited``: the last one waited
+        for); the copy span pauses before a new piece's wait, which may block the host
+        thread ([Note: reading copy times without a sync] in chunks/copy_times.py)."""
+        if piece != waited:
+            span.pause()
+        self._wait_update(c, piece + 1)
+        return piece
+
+    def _copy_in_shard(self, c: Chunk, span) -> None:
         """The own shard into its place in the device buffer, then the all-gather of every
-        rank's shard (see [Note: sharded chunks])."""
+        rank's shard (see [Note: sharded chunks]); ``span`` times the copies, not the
+        all-gather."""
         sh = c.shard
         own = c.device_buffer[sh.start : sh.end]
         if not c.host_stale:
+            span.add(own.numel())
             own.copy_(c.host_buffer, non_blocking=self.is_cuda)
         else:
             updating = c.update_future is not None and c.update_progress is not None
             for a, b in sh.clip_runs(c.byte_runs(trainable=False)):
+                span.add(b - a)
                 c.device_buffer[a:b].copy_(
                     c.host_buffer[a - sh.start : b - sh.start], non_blocking=self.is_cuda
                 )
+            waited = -1
             for s in c.trainable_slots:
                 if updating and c.update_future is not None:
-                    self._wait_update(c, s.update_piece + 1)
+                    waited = self._wait_piece(c, s.update_piece, waited, span)
                 lo, hi = s.shard
                 if hi == lo:
                     continue
+                span.add(4 * (hi - lo))
                 dev = s.device_view.view(-1)[lo:hi]
                 if not self.is_cuda:
                     dev.copy_(s.master)
@@ -470,19 +496,13 @@ class ChunkManager:
                 for a in range(0, hi - lo, _PIECE_NUMEL):
                     piece = s.master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
                     dev[a : a + _PIECE_NUMEL].copy_(piece)
+        span.pause()
         self.collectives.all_gather_chunk(c.device_buffer, own)
 
     def _wait_gathered(self, c: Chunk) -> None:
         if c.state is ChunkState.IN_FLIGHT:
             if self.is_cuda:
-                stream = torch.cuda.current_stream(self.device)
-                if self.time_copy_waits:
-                    before = stream.record_event(torch.cuda.Event(enable_timing=True))
-                    stream.wait_event(c.gathered_event)
-                    after = stream.record_event(torch.cuda.Event(enable_timing=True))
-                    self._copy_wait_events.append((before, after))
-                else:
-                    stream.wait_event(c.gathered_event)
+                self.copy_times.wait(torch.cuda.current_stream(self.device), c.gathered_event)
             c._set_state(ChunkState.RESIDENT)
 
     def _evict_one(self, keep: set[int]) -> bool:
@@ -509,13 +529,17 @@ class ChunkManager:
         for c in list(self.resident.values()):
             self._release(c)
 
+    def settle_counters(self) -> None:
+        """Count every copy enqueued so far into ``stats`` (synchronizes the device: call
+        it between steps; see chunks/copy_times.py)."""
+        self.copy_times.settle()
+
     def copy_wait_s(self) -> float:
-        """Seconds the compute stream stalled on gathers since the last call (needs sync)."""
-        if not self._copy_wait_events:
-            return 0.0
-        torch.cuda.synchronize(self.device)
-        total = sum(a.elapsed_time(b) for a, b in self._copy_wait_events) / 1000.0
-        self._copy_wait_events.clear()
+        """Seconds the compute stream stalled on gathers since the last call (synchronizes
+        the device)."""
+        self.settle_counters()
+        total = self.stats["wait_copy_s"] - self._copy_wait_read
+        self._copy_wait_read = self.stats["wait_copy_s"]
         return total
 
     # ---- slots --------------------------------------------------------------------------
@@ -627,6 +651,7 @@ class ChunkManager:
             _count_registered(-arena.numel())
         self._registered = []
         self._host_arena = None
+        self.copy_times.close()
         self.param_gather_stream = self.grad_offload_stream = None
 
 

@@ -48,6 +48,7 @@ import time
 import torch
 
 from protrain.chunks.chunk import ParamSlot
+from protrain.chunks.copy_times import D2H
 from protrain.chunks.manager import ChunkManager, Phase
 from protrain.runtime.host_worker import URGENT, HostWorker
 
@@ -145,8 +146,11 @@ class GradSink:
         if slot.accumulate_future is not None:
             self._wait(slot.accumulate_future)
             slot.accumulate_future = None
+        times = self.manager.copy_times
         if not self.manager.is_cuda:
-            slot.grad_acc.copy_(grad)
+            with times.span(D2H) as span:
+                span.add(4 * grad.numel())
+                slot.grad_acc.copy_(grad)
             slot.grad_norm = torch.linalg.vector_norm(slot.grad_acc)
             return
         stream = self.manager.grad_offload_stream
@@ -154,10 +158,12 @@ class GradSink:
         with torch.cuda.stream(stream):
             slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
             src, dst = grad.reshape(-1), slot.grad_acc.view(-1)
-            for a in range(0, src.numel(), _PIECE_NUMEL):
-                dst[a : a + _PIECE_NUMEL].copy_(
-                    src[a : a + _PIECE_NUMEL].to(torch.float32), non_blocking=True
-                )
+            with times.span(D2H, stream) as span:  # the fp32 cast is part of the copy
+                span.add(4 * src.numel())
+                for a in range(0, src.numel(), _PIECE_NUMEL):
+                    dst[a : a + _PIECE_NUMEL].copy_(
+                        src[a : a + _PIECE_NUMEL].to(torch.float32), non_blocking=True
+                    )
             grad.record_stream(stream)
             slot.grad_event = stream.record_event()
 
@@ -167,15 +173,20 @@ class GradSink:
         if slot.grad_staging is None:  # the run's first accumulation
             self.manager.ensure_grad_staging()
         done_event = None
+        nbytes = grad.numel() * grad.element_size()
         if self.manager.is_cuda:
             stream = self.manager.grad_offload_stream
             stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
             with torch.cuda.stream(stream):
-                slot.grad_staging.copy_(grad, non_blocking=True)
+                with self.manager.copy_times.span(D2H, stream) as span:
+                    span.add(nbytes)
+                    slot.grad_staging.copy_(grad, non_blocking=True)
                 grad.record_stream(stream)
                 done_event = stream.record_event()
         else:
-            slot.grad_staging.copy_(grad)
+            with self.manager.copy_times.span(D2H) as span:
+                span.add(nbytes)
+                slot.grad_staging.copy_(grad)
         slot.accumulate_future = self.worker.submit(
             _accumulate, slot, done_event, self.manager.stats, priority=URGENT
         )
