@@ -19,7 +19,13 @@ from protrain.plan.search import NoPlanFits
 from protrain.planned_wrap import apply_plan
 from protrain.profile.measure import measure_steps
 from protrain.profile.trace import trace_model
-from protrain.train.planning import PlanSettings, loss_chunk_of, plan_memory, planner_loss
+from protrain.train.planning import (
+    PlanSettings,
+    loss_chunk_of,
+    no_plan_fits_message,
+    plan_memory,
+    planner_loss,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import plan_synthetic  # noqa: E402
@@ -118,6 +124,11 @@ def test_search_takes_off_when_it_fits_and_a_chunk_when_it_does_not(traced):
         _plan(model, batch, prof, 1)
     assert least.value.binding_knobs == {"chunked_loss_tokens": FLOOR}
     assert "chunked_loss_tokens" in str(least.value)
+    settings = SimpleNamespace(gpu_budget_bytes=1, cpu_budget_bytes=None)
+    assert no_plan_fits_message(least.value, settings).endswith(
+        "with the loss at its least memory (memory.chunked_loss_tokens = 32) (set "
+        "memory.gpu_budget to at least that)"
+    )
     whole = profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu",
                           loss_fn=planner_loss(CPU, None))  # fmt: skip
     with pytest.raises(NoPlanFits) as refused:
