@@ -275,3 +275,76 @@ def test_a_slow_host_optimizer_replans_in_place_to_the_faster_plan(
     assert f"n_persist={favoured.n_persist}" in corrected_line
     assert any("re-planned to" in m and "host AdamW" in m for m in protrain_log)
     assert_same_training(plain_run, run, rtol=1e-6, atol=1e-6)
+
+
+def test_a_slow_link_replans_in_place_to_the_faster_plan(
+    tmp_path, plain_run, monkeypatch, protrain_log
+):
+    """The planner is told copies and the host AdamW cost nothing and the device AdamW is
+    slow (100 s a step for every parameter), so it offloads. The link is slower than it was
+    told: once training has begun, every byte copied takes 1 ms more, on a clock that the
+    engine's copy counters and the step timing share (the trace before it is as it ran).
+    The check reads the link's rates from the engine's counters and re-plans in place to the
+    plan a search with the true link makes (every chunk persistent), and training stays
+    plain PyTorch's to 1e-6."""
+    import protrain.plan as plan_api
+    import protrain.plan.auto as auto
+    from protrain.chunks.copy_times import CopyTimes, Span
+    from protrain.plan import PlanProblem, search
+    from protrain.profile.hardware import HardwareProfile
+
+    true_link = 1e3  # bytes a second, each way and both together (CPU copies take turns)
+    n_params = 869_504  # the tiny model's, every one trainable
+    claimed = HardwareProfile(
+        device="cpu", device_name="told", h2d_bytes_per_s=1e12, d2h_bytes_per_s=1e12,
+        duplex_bytes_per_s=1e12, cpu_adam_params_per_s=1e13,
+        device_adam_params_per_s=n_params / 100, collective_bytes_per_s=None, cpu_threads=1,
+    )  # fmt: skip
+    monkeypatch.setattr(auto, "measure_hardware", lambda *a, **kw: claimed)
+    extra, training = [0.0], [False]  # seconds the clock is ahead of the real one
+
+    def clock() -> float:
+        return time.perf_counter() + extra[0]
+
+    real_add, real_forward = Span.add, AutoTrainable.forward_loss_sum
+
+    def add(self, nbytes):
+        real_add(self, nbytes)  # the copy's start is marked: the slow link's seconds follow
+        if training[0]:
+            extra[0] += nbytes / true_link
+
+    def forward(self, batch):
+        training[0] = True
+        return real_forward(self, batch)
+
+    monkeypatch.setattr(AutoTrainable, "_now", lambda self: clock())
+    monkeypatch.setattr(CopyTimes, "clock", staticmethod(clock))
+    monkeypatch.setattr(Span, "add", add)
+    monkeypatch.setattr(AutoTrainable, "forward_loss_sum", forward)
+    real_check, seen = plan_api.check_plan, []
+    monkeypatch.setattr(plan_api, "check_plan", lambda plan, problem, **measured: seen.append(
+        (plan, problem, real_check(plan, problem, **measured))) or seen[-1][2])  # fmt: skip
+    run = train(validate_config(fast_config(tmp_path, memory={"auto": True, "gpu_budget": BUDGET})))
+
+    ((plan, problem, check),) = seen
+    assert plan.n_persist < plan.n_chunks  # it offloaded
+    (record,) = [r for r in read_metrics(run.output_dir) if "plan_predicted_peak_gib" in r]
+    assert record["plan_corrected"] is True and record["plan_correction"] == "step"
+    for key in ("h2d", "d2h", "duplex"):
+        assert record[f"plan_corrected_{key}_bytes_per_s"] == pytest.approx(true_link, rel=1e-3)
+    assert record["plan_measured_h2d_bytes"] > 0 and record["plan_measured_d2h_bytes"] > 0
+    # CPU: every copy second is a second the compute waited
+    assert record["plan_measured_wait_copy_s"] == pytest.approx(record["plan_measured_copy_busy_s"])
+    # the plan a search with the true link makes from the start
+    told = PlanProblem(
+        problem.profile,
+        dataclasses.replace(claimed, h2d_bytes_per_s=true_link, d2h_bytes_per_s=true_link,
+                            duplex_bytes_per_s=true_link),
+        gpu_budget_bytes=problem.gpu_budget_bytes, cpu_budget_bytes=problem.cpu_budget_bytes,
+        clipping=problem.clipping,
+    )  # fmt: skip
+    favoured = search(told).plan
+    assert favoured.n_persist == favoured.n_chunks
+    assert check.corrected.knobs == favoured.knobs
+    assert any("re-planned to" in m and "copies: h2d" in m for m in protrain_log)
+    assert_same_training(plain_run, run, rtol=1e-6, atol=1e-6)

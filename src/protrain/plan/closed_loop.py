@@ -28,14 +28,27 @@ the engine's counters are read over the same steps. A check without a steady ste
 shorter than the warm-up) is logged and changes no plan on time.
 
 [Note: which rates a step measures]
-The host AdamW rate: the engine counts the seconds the host optimizer spends in AdamW
-(``HybridAdamW.stats["host_adam_s"]``) on this plan's offloaded trainable parameters (this
-rank's shard of them), which is the rate under the concurrency the step really has (copies
-both ways, the gathers, the rank's neighbours on the host). The clip pass is not corrected:
-the engine skips it when the clip coefficient is 1, so its seconds measure the run's
-gradient norms, not a rate. The copy rates stay the hardware profile's: the engine counts no
-copy seconds. The seconds the forward waited for the host optimizer are logged next to the
-model's exposed host-optimizer term.
+Each is the rate under the concurrency the step really has (copies both ways, the gathers,
+the host optimizer, the rank's neighbours on the host), read from the engine's counters
+over the steady steps:
+
+- The host AdamW rate: the seconds the host optimizer spends in AdamW
+  (``stats["host_adam_s"]``) on this plan's offloaded trainable parameters (this rank's
+  shard of them). The clip pass is not corrected: the engine skips it when the clip
+  coefficient is 1, so its seconds measure the run's gradient norms, not a rate.
+- The copy rates (:class:`MeasuredCopies`, from ``chunks/copy_times.py``): host-to-device
+  and device-to-host, bytes over the seconds their copies took on their stream; both
+  directions together, the bytes of both over the seconds either was copying (the link's
+  busy time), so that the model's copy term of the current plan is at least the measured
+  busy time, whether the two directions overlapped or took turns. A direction that moved
+  nothing keeps the profile's rate, and so does the duplex rate unless both moved bytes.
+  The swapped activations' copies (``activations/transfer.py``) are not counted.
+- Compute: the step less the compute stream's waits (for gathers, for the host optimizer)
+  and the predicted device AdamW, against the model's compute term; every traced compute
+  time is scaled by their ratio (one ratio: the counters do not say which block was
+  slower). Only where the copy waits were measured; a step the waits and the device AdamW
+  leave nothing of is not corrected. On CUDA the host-optimizer wait is the host thread's,
+  an upper bound of the compute stream's.
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ from dataclasses import dataclass, field
 
 from protrain.plan.plan import Plan
 from protrain.plan.search import NoPlanFits, PlanProblem, search
+from protrain.profile.trace import ModelProfile
 
 log = logging.getLogger(__name__)
 _GIB = 1 << 30
@@ -57,6 +71,20 @@ SLOW_STEP = 0.20
 # smaller gain is within the step model's median error (10%), and a switch costs a close and
 # a wrap.
 SWITCH_MARGIN = 0.10
+
+
+@dataclass(frozen=True)
+class MeasuredCopies:
+    """One step's copies, from the engine's counters (``ChunkManager.stats``, see
+    ``chunks/copy_times.py``), averaged over the steady steps; with several micro-batches a
+    step, per micro-batch (the model predicts one)."""
+
+    h2d_bytes: float
+    h2d_s: float
+    d2h_bytes: float
+    d2h_s: float
+    busy_s: float  # either direction copying
+    wait_s: float  # the compute stream waiting for gathers
 
 
 @dataclass
@@ -71,6 +99,10 @@ class PlanCheck:
     corrected_step_s: float | None = None
     # hardware profile field -> (profile's rate, measured rate)
     corrected_rates: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # the step less its waits and the device AdamW (None: the copy waits were not measured)
+    measured_compute_s: float | None = None
+    # measured over predicted compute, applied to the traced times (None: not corrected)
+    compute_scale: float | None = None
 
     @property
     def peak_error(self) -> float:
@@ -90,6 +122,7 @@ def check_plan(
     measured_allocated_bytes: int | None = None,
     measured_host_adam_s: float | None = None,
     measured_wait_host_optimizer_s: float | None = None,
+    measured_copies: MeasuredCopies | None = None,
     steady: bool = True,
 ) -> PlanCheck:
     """Compare; return the check, with a corrected plan when the current one would not fit
@@ -99,7 +132,8 @@ def check_plan(
     ``measured_step_s``: the steady-state step ([Note: steady-state steps]; ``steady=False``
     for a warm-up step, which changes no plan on time). ``measured_host_adam_s`` and
     ``measured_wait_host_optimizer_s``: seconds per step of the host AdamW and of the waits
-    for it, over the same steps (None: not measured).
+    for it, over the same steps (None: not measured); ``measured_copies``: the engine's copy
+    counters over them (None: not measured).
     Raises :class:`NoPlanFits` when, with the measured bytes counted, no plan fits.
     """
     check = PlanCheck(
@@ -117,19 +151,23 @@ def check_plan(
         100 * check.step_error,
         "" if steady else " (a warm-up step: no steady-state step was run)",
     )
-    hardware, check.corrected_rates = _measured_hardware(plan, problem, measured_host_adam_s)
+    hardware, check.corrected_rates = _measured_hardware(
+        plan, problem, measured_host_adam_s, measured_copies
+    )
     if _correct_memory(check, plan, problem, hardware, measured_allocated_bytes):
         return check
     slow = check.measured_step_s > (1 + SLOW_STEP) * check.predicted_step_s
     if steady and slow:
-        _correct_time(
-            check, plan, problem, hardware, measured_host_adam_s, measured_wait_host_optimizer_s
-        )
+        profile = _measured_compute(check, plan, problem, measured_copies,
+                                    measured_wait_host_optimizer_s)  # fmt: skip
+        _correct_time(check, plan, _like(problem, profile=profile), hardware,
+                      measured_host_adam_s, measured_wait_host_optimizer_s,
+                      measured_copies)  # fmt: skip
     return check
 
 
 def _like(problem: PlanProblem, **changes) -> PlanProblem:
-    """``problem`` with other hardware or more measured bytes."""
+    """``problem`` with another profile or hardware, or more measured bytes."""
     args = dict(
         gpu_budget_bytes=problem.gpu_budget_bytes,
         cpu_budget_bytes=problem.cpu_budget_bytes,
@@ -139,21 +177,73 @@ def _like(problem: PlanProblem, **changes) -> PlanProblem:
         world=problem.world,
     )
     hardware = changes.pop("hardware", problem.hardware)
-    return PlanProblem(problem.profile, hardware, **{**args, **changes})
+    profile = changes.pop("profile", problem.profile)
+    if profile is problem.profile and hardware is problem.hardware and not changes:
+        return problem
+    return PlanProblem(profile, hardware, **{**args, **changes})
 
 
-def _measured_hardware(plan: Plan, problem: PlanProblem, host_adam_s: float | None):
+def _measured_hardware(
+    plan: Plan, problem: PlanProblem, host_adam_s: float | None, copies: MeasuredCopies | None
+):
     """The hardware profile with the rates the steps measured ([Note: which rates a step
     measures]), and ``{field: (profile's rate, measured rate)}`` of those replaced."""
-    runtime = problem.runtime
+    runtime, hw = problem.runtime, problem.hardware
+    rates: dict[str, tuple[float, float]] = {}
     params = (runtime.trainable[runtime.n_chunks] - runtime.trainable[plan.n_persist]) / (
         problem.world.shards
     )
-    if host_adam_s is None or host_adam_s <= 0 or params <= 0:
-        return problem.hardware, {}
-    rate = float(params / host_adam_s)
-    hardware = dataclasses.replace(problem.hardware, cpu_adam_busy_params_per_s=rate)
-    return hardware, {"cpu_adam_busy_params_per_s": (float(runtime.host_adam_rate), rate)}
+    if host_adam_s is not None and host_adam_s > 0 and params > 0:
+        rates["cpu_adam_busy_params_per_s"] = (
+            float(runtime.host_adam_rate), float(params / host_adam_s)
+        )  # fmt: skip
+    if copies is not None:
+        for name, nbytes, seconds in (
+            ("h2d_bytes_per_s", copies.h2d_bytes, copies.h2d_s),
+            ("d2h_bytes_per_s", copies.d2h_bytes, copies.d2h_s),
+        ):
+            if nbytes > 0 and seconds > 0:
+                rates[name] = (float(getattr(hw, name)), float(nbytes / seconds))
+        if copies.h2d_bytes > 0 and copies.d2h_bytes > 0 and copies.busy_s > 0:
+            both = (copies.h2d_bytes + copies.d2h_bytes) / copies.busy_s
+            rates["duplex_bytes_per_s"] = (float(hw.duplex_bytes_per_s), float(both))
+    if not rates:
+        return hw, {}
+    return dataclasses.replace(hw, **{k: new for k, (_, new) in rates.items()}), rates
+
+
+def _measured_compute(check, plan, problem, copies, wait_host_s):
+    """The profile with every traced compute time scaled to the compute the steps measured
+    ([Note: which rates a step measures]); ``problem.profile`` where none was measured."""
+    if copies is None:
+        return problem.profile
+    terms = plan.time_terms
+    compute = (
+        check.measured_step_s - copies.wait_s - (wait_host_s or 0.0)
+        - terms.get("device_optimizer", 0.0)
+    )  # fmt: skip
+    check.measured_compute_s = compute
+    predicted = terms.get("compute", 0.0)
+    if compute <= 0 or predicted <= 0:
+        return problem.profile
+    check.compute_scale = compute / predicted
+    return scaled_compute(problem.profile, check.compute_scale)
+
+
+def scaled_compute(profile: ModelProfile, scale: float) -> ModelProfile:
+    """``profile`` with the times the runtime model reads as compute multiplied by
+    ``scale`` (memory figures unchanged)."""
+
+    def times(obj, names):
+        return {n: getattr(obj, n) * scale for n in names if getattr(obj, n) is not None}
+
+    blocks = [
+        dataclasses.replace(b, **times(b, ("fwd_s", "bwd_s", "recompute_s")))
+        for b in profile.blocks
+    ]
+    names = ("pre_fwd_s", "head_s", "post_bwd_s", "step_s", "optimizer_step_s",
+             "free_pre_fwd_s", "free_blocks_fwd_s", "free_fwd_bwd_s")  # fmt: skip
+    return dataclasses.replace(profile, blocks=blocks, **times(profile, names))
 
 
 def _correct_memory(check, plan, problem, hardware, allocated_bytes) -> bool:
@@ -184,34 +274,23 @@ def _correct_memory(check, plan, problem, hardware, allocated_bytes) -> bool:
     return True
 
 
-def _correct_time(check, plan, problem, hardware, host_adam_s, wait_s) -> None:
-    """The search again with the measured rates; a new plan on ``check`` when it is
-    clearly faster than the current one with the same rates."""
-    terms = plan.time_terms
-    measured = (
-        f"step measured {check.measured_step_s:.3f} s, predicted {check.predicted_step_s:.3f} s"
-        f" ({100 * check.step_error:+.1f}%)"
-    )
-    if host_adam_s is not None:
-        measured += (
-            f"; host AdamW {host_adam_s:.3f} s a step (predicted "
-            f"{terms.get('host_optimizer', 0.0):.3f} s)"
-        )
-    if wait_s is not None:
-        measured += (
-            f", waited for {wait_s:.3f} s (predicted "
-            f"{terms.get('host_optimizer_exposed', 0.0):.3f} s)"
-        )
-    if not check.corrected_rates:
+def _correct_time(check, plan, problem, hardware, host_adam_s, wait_s, copies) -> None:
+    """The search again with the measured rates (and compute, already in ``problem``'s
+    profile); a new plan on ``check`` when it is clearly faster than the current one with
+    the same rates."""
+    measured = _measured_line(check, plan, host_adam_s, wait_s, copies)
+    if not check.corrected_rates and check.compute_scale is None:
         log.warning(
-            "protrain plan check: %s; no rate measured to correct (no offloaded trainable "
-            "parameters), the plan stands",
+            "protrain plan check: %s; nothing measured to correct (no offloaded trainable "
+            "parameters, no copy counters), the plan stands",
             measured,
         )
         return
-    corrected = "; ".join(
-        f"{name} {old:.3g} -> {new:.3g}" for name, (old, new) in check.corrected_rates.items()
-    )
+    corrected = [f"{name} {old:.3g} -> {new:.3g}"
+                 for name, (old, new) in check.corrected_rates.items()]  # fmt: skip
+    if check.compute_scale is not None:
+        corrected.append(f"compute x{check.compute_scale:.3g}")
+    corrected = ", ".join(corrected)
     corrected_problem = _like(problem, hardware=hardware)
     current_s = corrected_problem.evaluate(*plan.knobs.values())["step_s"]
     check.corrected_step_s = current_s
@@ -240,3 +319,52 @@ def _correct_time(check, plan, problem, hardware, host_adam_s, wait_s) -> None:
             f"{current_s:.3f} s for the previous one",
         )
         check.corrected, check.reason = best, "step"
+
+
+def _measured_line(check, plan, host_adam_s, wait_s, copies) -> str:
+    """Each part of the step measured against its prediction, for the log."""
+    terms = plan.time_terms
+    parts = [
+        f"step measured {check.measured_step_s:.3f} s, predicted {check.predicted_step_s:.3f} s"
+        f" ({100 * check.step_error:+.1f}%)"
+    ]
+    if check.measured_compute_s is not None:
+        parts.append(
+            f"compute {check.measured_compute_s:.3f} s (predicted "
+            f"{terms.get('compute', 0.0):.3f} s)"
+        )
+    if copies is not None:
+        gb = 1e9
+        rates = check.corrected_rates
+
+        def direction(name: str, nbytes: float, seconds: float, field: str) -> str:
+            text = f"{name} {nbytes / gb:.3g} GB (predicted {terms.get(f'{name}_bytes', 0.0) / gb:.3g})"
+            if field in rates:
+                old, new = rates[field]
+                text += f" at {new / gb:.3g} GB/s (profile {old / gb:.3g})"
+            return text + f" in {seconds:.3f} s"
+
+        parts.append(
+            "copies: "
+            + direction("h2d", copies.h2d_bytes, copies.h2d_s, "h2d_bytes_per_s")
+            + ", "
+            + direction("d2h", copies.d2h_bytes, copies.d2h_s, "d2h_bytes_per_s")
+            + f", link busy {copies.busy_s:.3f} s (predicted {terms.get('copy', 0.0):.3f} s)"
+            + f", compute waited {copies.wait_s:.3f} s for gathers (predicted "
+            + f"{terms.get('copy_exposed', 0.0):.3f} s)"
+        )
+    if host_adam_s is not None:
+        parts.append(
+            f"host AdamW {host_adam_s:.3f} s a step (predicted "
+            f"{terms.get('host_optimizer', 0.0):.3f} s)"
+        )
+    if wait_s is not None:
+        waited = (
+            f"waited for {wait_s:.3f} s (predicted "
+            f"{terms.get('host_optimizer_exposed', 0.0):.3f} s)"
+        )
+        if host_adam_s is not None:
+            parts[-1] += ", " + waited
+        else:
+            parts.append("host optimizer " + waited)
+    return "; ".join(parts)

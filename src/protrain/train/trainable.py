@@ -449,6 +449,10 @@ class EngineTrainable(Trainable):
             self._closed = True
 
 
+# the engine's copy counters the plan check reads, in MeasuredCopies' order
+_COPY_COUNTERS = ("h2d_bytes", "h2d_s", "d2h_bytes", "d2h_s", "copy_busy_s", "wait_copy_s")
+
+
 class AutoTrainable(EngineTrainable):
     """`memory: {auto: true}`: the planner profiles one step of the real model at the first
     micro-batch, searches the fastest knobs that fit `gpu_budget` (the ones the user set are
@@ -467,10 +471,13 @@ class AutoTrainable(EngineTrainable):
     `WARMUP_STEPS` after the plan was applied are left out ([Note: steady-state steps] in
     `plan/closed_loop.py`), and the engine's host-optimizer counters are read over the same
     steps (the host work of the last warm-up step finished before, of the last step
-    counted after). The peak is the allocator's reserved peak on CUDA; on the CPU, the
-    engine's device-side tensor bytes (what the planner's CPU accounting counts) over the
-    first two optimizer steps (the first creates the optimizer state, the second runs with
-    it), counted from the freshly applied plan as `protrain.profile.measure` does.
+    counted after), and so are its copy counters (bytes and seconds of the host-device
+    copies each way, the link's busy time, the compute stream's waits for gathers;
+    ``chunks/copy_times.py``), per micro-batch, as the model predicts one. The peak is the
+    allocator's reserved peak on CUDA; on the CPU, the engine's device-side tensor bytes
+    (what the planner's CPU accounting counts) over the first two optimizer steps (the
+    first creates the optimizer state, the second runs with it), counted from the freshly
+    applied plan as `protrain.profile.measure` does.
     """
 
     # The first step creates the optimizer state and touches its host pages, the allocator
@@ -581,8 +588,7 @@ class AutoTrainable(EngineTrainable):
         if self._steps_run == self.PEAK_STEPS:
             self._stop_peak_counter()
         if self._steps_run == self.WARMUP_STEPS:  # the host work of the warm-up is done
-            self.optimizer.synchronize()
-            self._stats_after_warmup = dict(self.optimizer.stats)
+            self._stats_after_warmup = self._settled_stats()
 
     def skip_step(self) -> None:
         super().skip_step()
@@ -596,6 +602,7 @@ class AutoTrainable(EngineTrainable):
         from protrain.distributed import resolve_context
         from protrain.distributed.agree import max_over_ranks, on_main
         from protrain.plan import NoPlanFits, check_plan
+        from protrain.plan.closed_loop import MeasuredCopies
 
         if self._checked or self._steps_run == 0:
             return None
@@ -606,12 +613,19 @@ class AutoTrainable(EngineTrainable):
         steady = bool(self._step_times)
         measured_step_s = statistics.median(self._step_times) if steady else self._last_step_s
         host_adam_s = wait_s = -1.0  # not measured
+        copies = [-1.0] * len(_COPY_COUNTERS)
         if self._stats_after_warmup is not None and self._steps_run > self.WARMUP_STEPS:
-            self.optimizer.synchronize()  # the last step's host work is counted too
-            before, now = self._stats_after_warmup, self.optimizer.stats
+            # the last step's host work and copies are counted too
+            before, now = self._stats_after_warmup, self._settled_stats()
             n = self._steps_run - self.WARMUP_STEPS
-            host_adam_s = (now.get("host_adam_s", 0.0) - before.get("host_adam_s", 0.0)) / n
-            wait_s = (now["wait_cpu_optimizer_s"] - before["wait_cpu_optimizer_s"]) / n
+
+            def per_step(key: str) -> float:
+                return (now.get(key, 0.0) - before.get(key, 0.0)) / n
+
+            host_adam_s = per_step("host_adam_s")
+            wait_s = per_step("wait_cpu_optimizer_s")
+            micro = self.cfg.gradient_accumulation_steps
+            copies = [per_step(key) / micro for key in _COPY_COUNTERS]
         cuda = self.device.type == "cuda"
         measured_peak = (
             torch.cuda.max_memory_reserved(self.device) if cuda else self._measured_peak_bytes
@@ -621,11 +635,15 @@ class AutoTrainable(EngineTrainable):
         # every rank runs the plan: the largest of each is what must fit, the slowest rank's
         # step and host optimizer what the plan is judged by
         measured = max_over_ranks(
-            ctx, [measured_peak, allocated, measured_step_s, host_adam_s, wait_s], self.device
+            ctx,
+            [measured_peak, allocated, measured_step_s, host_adam_s, wait_s, *copies],
+            self.device,
         )
         measured_peak, allocated = int(measured[0]), int(measured[1])
         measured_step_s = measured[2]
-        host_adam_s, wait_s = (v if v >= 0 else None for v in measured[3:])
+        host_adam_s, wait_s = (v if v >= 0 else None for v in measured[3:5])
+        copies = measured[5:]
+        measured_copies = MeasuredCopies(*copies) if min(copies) >= 0 else None
         record = {
             "plan_predicted_peak_gib": self.plan.predicted_peak_bytes / 2**30,
             "plan_measured_peak_gib": measured_peak / 2**30,
@@ -636,6 +654,11 @@ class AutoTrainable(EngineTrainable):
         }
         if host_adam_s is not None:
             record["plan_measured_host_adam_s"] = host_adam_s
+        if wait_s is not None:
+            record["plan_measured_wait_host_optimizer_s"] = wait_s
+        if measured_copies is not None:
+            for key, value in zip(_COPY_COUNTERS, copies):
+                record[f"plan_measured_{key}"] = value
 
         def check_here():
             return check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
@@ -643,6 +666,7 @@ class AutoTrainable(EngineTrainable):
                               measured_allocated_bytes=allocated if cuda else None,
                               measured_host_adam_s=host_adam_s,
                               measured_wait_host_optimizer_s=wait_s,
+                              measured_copies=measured_copies,
                               steady=steady)  # fmt: skip
 
         try:
@@ -654,11 +678,24 @@ class AutoTrainable(EngineTrainable):
             raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
         if check.corrected_step_s is not None:
             record["plan_corrected_step_s"] = check.corrected_step_s
+            for name, (_, rate) in check.corrected_rates.items():
+                record[f"plan_corrected_{name}"] = rate
+            if check.measured_compute_s is not None:
+                record["plan_measured_compute_s"] = check.measured_compute_s
+            if check.compute_scale is not None:
+                record["plan_compute_scale"] = check.compute_scale
         if check.corrected is not None:
             self.replan(check.corrected)
             record["plan_corrected"] = True
             record["plan_correction"] = check.reason
         return record
+
+    def _settled_stats(self) -> dict:
+        """The engine's counters with every host task and copy so far counted in (a
+        synchronization: between steps only)."""
+        self.optimizer.synchronize()
+        self.model._protrain_engine.manager.settle_counters()
+        return dict(self.optimizer.stats)
 
     def replan(self, plan) -> None:
         """Run `plan` from here on: the model and optimizer state move over exactly."""
