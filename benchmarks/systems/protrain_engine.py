@@ -99,10 +99,14 @@ def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]
 
 
 class _StepTimes:
-    """Per-step seconds from the engine's cumulative counters (keys ending in `_s`).
+    """Per-step figures from the engine's cumulative counters (keys ending in `_s` or
+    `_bytes`): host optimizer and waits, and the copies each way with their seconds, the
+    link's busy time and the compute's waits for gathers (`wait_copy_s`), all the engine's
+    own (`protrain/chunks/copy_times.py`).
 
     The engine keeps them in a `stats` dict: on the optimizer if it exposes one, else on
-    its chunk manager. Each call returns the growth since the previous call.
+    its chunk manager. Each call returns the growth since the previous call, after the
+    manager has counted every copy so far (a synchronization, between steps).
     """
 
     def __init__(self, model, optimizer) -> None:
@@ -111,22 +115,16 @@ class _StepTimes:
         self._manager = getattr(engine, "manager", None)
         if not isinstance(self._stats, dict):
             self._stats = getattr(self._manager, "stats", None)
-        # Compute-stream stalls on gathers, timed with CUDA events (read once per step).
-        if self._manager is not None and getattr(self._manager, "is_cuda", False):
-            self._manager.time_copy_waits = True
-        self._copy_wait_s = 0.0
         self._last = self._snapshot()
 
     def _snapshot(self) -> dict[str, float]:
         if not isinstance(self._stats, dict):
             return {}
-        return {k: float(v) for k, v in self._stats.items() if k.endswith("_s")}
+        return {k: float(v) for k, v in self._stats.items() if k.endswith(("_s", "_bytes"))}
 
     def __call__(self) -> dict[str, float]:
-        if self._manager is not None and getattr(self._manager, "time_copy_waits", False):
-            self._copy_wait_s += self._manager.copy_wait_s()
-            if isinstance(self._stats, dict):
-                self._stats["wait_copy_s"] = self._copy_wait_s
+        if self._manager is not None:
+            self._manager.settle_counters()
         now = self._snapshot()
         delta = {k: v - self._last.get(k, 0.0) for k, v in now.items()}
         self._last = now
