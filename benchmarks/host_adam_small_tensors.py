@@ -11,6 +11,12 @@ LoRA-shaped tensors (rank 16 on a Llama-3-70B-shaped layer's seven projections, 
 of them) and over one flat tensor of the same size, at each ``--threads`` count, with
 ``--busy`` spinning processes beside it; one JSON line per case (median of ``--repeats``).
 
+``--cases engine`` times the engine's own host step instead (``FlatAdamW`` through the step
+task's ``_step_host_piece``, in the engine's pieces) over the same tensors carved from one
+arena as the chunk manager carves them: ``engine_per_tensor`` each master followed by its
+accumulator (one tensor per parameter: a run of its own), ``engine_flat`` the chunk's masters
+back to back, then its accumulators (one flat tensor per piece).
+
 Usage: ``python benchmarks/host_adam_small_tensors.py --layers 20 --threads 1,2 --busy 0,1``
 """
 
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -37,6 +44,44 @@ def _params(shapes):
     return params
 
 
+def _engine_step(shapes, back_to_back: bool):
+    """A callable running the engine's host step over ``shapes`` (one chunk's pieces), and
+    the number of tensors its fused calls take."""
+    import torch
+
+    from protrain.chunks.chunk import ParamSlot
+    from protrain.chunks.layout import ParamPlacement
+    from protrain.chunks.manager import _align64, _carve
+    from protrain.optim.flat_adamw import FlatAdamW
+    from protrain.optim.hybrid_adamw import _pieces, _step_host_piece
+
+    numels = [a * b for a, b in shapes]
+    arena = torch.empty(2 * sum(_align64(4 * n) for n in numels), dtype=torch.uint8)
+    order = [(k, i) for i in range(len(shapes)) for k in ("master", "grad")]
+    if back_to_back:
+        order = sorted(order)  # every grad, then every master: each back to back
+    views, off = {}, 0
+    for k, i in order:
+        views[k, i], off = _carve(arena, off, 4 * numels[i], torch.float32, shapes[i])
+    slots = []
+    for i, shape in enumerate(shapes):
+        p = torch.nn.Parameter(torch.empty(0))
+        pl = ParamPlacement([f"p{i}"], 0, 0, numels[i], shape, torch.float32, True)
+        s = ParamSlot(p, pl, 0, i, torch.float32, torch.device("cpu"), p.data)
+        s.master, s.grad_acc = views["master", i], views["grad", i]
+        s.master.normal_()
+        s.grad_acc.normal_()
+        slots.append(s)
+    adams = [FlatAdamW(piece, [0] * len(piece)) for piece in _pieces(slots)]
+    hyper = [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}]
+
+    def step():
+        for adam in adams:
+            _step_host_piece(adam, adam.slots, hyper, None, None, {})
+
+    return step, sum(len(a.runs) for a in adams), len(adams)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--layers", type=int, default=20)
@@ -44,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", default="1,2", help="comma-separated intra-op thread counts")
     p.add_argument("--busy", default="0,1", help="comma-separated counts of spinning processes")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cases", choices=["torch", "engine"], default="torch")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     import torch
@@ -53,7 +99,13 @@ def main(argv: list[str] | None = None) -> int:
         s for _ in range(args.layers) for o, i in _PROJ for s in ((args.rank, i), (o, args.rank))
     ]
     numel = sum(a * b for a, b in shapes)
-    cases = {"many": _params(shapes), "flat": _params([(numel,)])}
+    if args.cases == "torch":
+        cases = {"many": _params(shapes), "flat": _params([(numel,)])}
+    else:
+        cases = {
+            "engine_per_tensor": _engine_step(shapes, back_to_back=False),
+            "engine_flat": _engine_step(shapes, back_to_back=True),
+        }
     rows = []
     for busy in (int(b) for b in args.busy.split(",")):
         spinners = [
@@ -63,18 +115,25 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5 if busy else 0)
             for threads in (int(t) for t in args.threads.split(",")):
                 torch.set_num_threads(threads)
-                for name, params in cases.items():
-                    opt = torch.optim.AdamW(params, fused=True)
-                    opt.step()  # state made
+                for name, case in cases.items():
+                    if args.cases == "torch":
+                        opt = torch.optim.AdamW(case, fused=True)
+                        run, tensors, extra = opt.step, len(case), {}
+                    else:
+                        run, fused_tensors, pieces = case
+                        tensors = len(shapes)
+                        extra = {"fused_tensors": fused_tensors, "pieces": pieces}
+                    run()  # state made
                     times = []
                     for _ in range(args.repeats):
                         t0 = time.perf_counter()
-                        opt.step()
+                        run()
                         times.append(time.perf_counter() - t0)
                     step = sorted(times)[len(times) // 2]
-                    row = {"tensors": len(params), "params": numel, "threads": threads,
+                    row = {"tensors": tensors, **extra, "params": numel, "threads": threads,
                            "busy_neighbours": busy, "case": name, "step_s": round(step, 4),
                            "g_params_per_s": round(numel / step / 1e9, 3),
+                           "load_avg_1min": round(os.getloadavg()[0], 2),
                            "torch": torch.__version__}  # fmt: skip
                     rows.append(row)
                     print(json.dumps(row), flush=True)

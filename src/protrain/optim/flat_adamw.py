@@ -72,8 +72,11 @@ def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _flat(first: torch.Tensor, numel: int) -> torch.Tensor:
-    return first.as_strided((numel,), (1,))  # from first's storage offset on
+def _flat(tensors: list[torch.Tensor], numel: int) -> torch.Tensor:
+    """One flat view of back-to-back ``tensors`` (a lone one as itself, flattened)."""
+    if len(tensors) == 1:
+        return tensors[0].view(-1)
+    return tensors[0].as_strided((numel,), (1,))  # from the first's storage offset on
 
 
 def _runs(slots: list[ParamSlot], groups: list[int]) -> list[_Run]:
@@ -97,14 +100,13 @@ def _runs(slots: list[ParamSlot], groups: list[int]) -> list[_Run]:
         offsets = [0]
         for s in members:
             offsets.append(offsets[-1] + s.master.numel())
-        first = members[0]
         out.append(
             _Run(
                 slots=members,
                 group=groups[idx[0]],
                 offsets=offsets,
-                master=_flat(first.master, offsets[-1]),
-                grad=_flat(first.grad_acc, offsets[-1]),
+                master=_flat([s.master for s in members], offsets[-1]),
+                grad=_flat([s.grad_acc for s in members], offsets[-1]),
             )
         )
     return out
