@@ -47,6 +47,12 @@ for offload in (False, True):
               "-m", "protrain"]  # fmt: skip
     plan = subprocess.run(launch + ["plan", str(path)], capture_output=True, text=True)
     train = subprocess.run(launch + ["train", str(path)], capture_output=True, text=True)
+
+    def errors(proc) -> list[str]:  # the rank's own lines, not torchrun's summary
+        keep = ("error", "Error", "Traceback", 'File "')
+        lines = [ln for ln in proc.stderr.splitlines() if any(k in ln for k in keep)]
+        return [ln for ln in lines if "elastic" not in ln][-12:] if proc.returncode else []
+
     metrics = work / f"run-{offload}" / "metrics.jsonl"
     recs = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
     row = {
@@ -54,8 +60,8 @@ for offload in (False, True):
         "seq": 2048, "offload_params": offload, "activation_checkpointing": True,
         "world_size": 1, "plan_rc": plan.returncode,
         "plan_out": (plan.stdout.strip().splitlines() or [""])[-6:],
-        "plan_err": plan.stderr[-600:] if plan.returncode else "",
-        "train_rc": train.returncode, "train_err": train.stderr[-600:] if train.returncode else "",
+        "plan_err": errors(plan),
+        "train_rc": train.returncode, "train_err": errors(train),
         "train_gpu_peak_alloc_gib": max((r.get("gpu_peak_gib", 0) for r in recs), default=None),
         "train_tokens_per_s": [round(r["tokens_per_s"]) for r in recs if "tokens_per_s" in r],
     }  # fmt: skip
