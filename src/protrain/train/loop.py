@@ -5,7 +5,7 @@
 2. tokenizer and data, validated in full before anything is written;
 3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
    engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
-   chose for the first micro-batch under `memory.auto`; the LR scheduler;
+   chose for the heaviest micro-batch under `memory.auto`; the LR scheduler;
 4. resume from the newest intact checkpoint when asked;
 5. the loop: gradient accumulation over micro-batches, global-norm clipping, the non-finite
    check, optimizer and scheduler steps, metrics, evaluation and checkpoints; SIGINT and
