@@ -90,3 +90,62 @@ def test_busy_time_is_the_union_of_the_copy_intervals():
     intervals = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (5.2, 5.8), (6.0, 6.5)]
     assert union_s(intervals) == pytest.approx(3.0 + 1.5)
     assert union_s(list(reversed(intervals))) == pytest.approx(4.5)
+
+
+class _Event:
+    """A stand-in for a completed (or pending) CUDA timing event at ``t`` seconds."""
+
+    def __init__(self, t: float) -> None:
+        self.t, self.done = t, True
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: _Event) -> float:
+        return (end.t - self.t) * 1e3
+
+
+class _Stream:
+    """Records stand-in events at the given times, in order."""
+
+    def __init__(self, *times: float) -> None:
+        self.events = [_Event(t) for t in times]
+        self._next = iter(self.events)
+
+    def record_event(self, event=None) -> _Event:
+        return next(self._next)
+
+    def wait_event(self, event) -> None:
+        pass
+
+
+def test_cuda_records_are_counted_once_all_have_completed(monkeypatch):
+    """The CUDA bookkeeping, with stand-in events: nothing is read while a record is
+    pending; then each direction's seconds, their union and the compute's waits; the next
+    records are read against the last counted one."""
+    from protrain.chunks import copy_times as ct
+
+    monkeypatch.setattr(ct, "_timing_event", lambda: None)
+    stats: dict = {}
+    times = ct.CopyTimes(torch.device("cpu"), stats)
+    times.is_cuda, times._anchor = True, _Event(0.0)  # as construction on CUDA leaves it
+    h2d, d2h, compute = _Stream(1.0, 3.0, 6.0, 7.0), _Stream(2.0, 5.0), _Stream(2.5, 3.0)
+    with times.span(ct.H2D, h2d) as span:
+        span.add(100)
+        span.add(50)
+    with times.span(ct.D2H, d2h) as span:
+        span.add(30)
+    times.wait(compute, event=None)
+    d2h.events[-1].done = False  # still copying
+    times.harvest()
+    assert stats["h2d_bytes"] == 0 and stats["copy_busy_s"] == 0.0
+    d2h.events[-1].done = True
+    times.harvest()
+    assert (stats["h2d_bytes"], stats["d2h_bytes"]) == (150, 30)
+    assert (stats["h2d_s"], stats["d2h_s"]) == (pytest.approx(2.0), pytest.approx(3.0))
+    assert stats["copy_busy_s"] == pytest.approx(4.0)  # [1, 3] and [2, 5] overlap
+    assert stats["wait_copy_s"] == pytest.approx(0.5)
+    with times.span(ct.H2D, h2d) as span:  # after the count: anchored at its last end
+        span.add(10)
+    times.harvest()
+    assert stats["h2d_s"] == pytest.approx(3.0) and stats["copy_busy_s"] == pytest.approx(5.0)

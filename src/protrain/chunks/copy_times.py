@@ -151,14 +151,16 @@ class CopyTimes:
 
     def _count(self) -> None:
         st = self.stats
-        intervals = []
+        # one time axis per anchor: every burst of a count shares one, unless a span was
+        # open across the last count (then its union with the others is not taken)
+        axes: dict[int, list[tuple[float, float]]] = {}
         for b in self._bursts:
             seconds = max(b.start.elapsed_time(b.end), 0.0) / 1e3
             st[f"{b.direction}_bytes"] += b.nbytes
             st[f"{b.direction}_s"] += seconds
             t0 = max(b.anchor.elapsed_time(b.start), 0.0) / 1e3
-            intervals.append((t0, t0 + seconds))
-        st["copy_busy_s"] += union_s(intervals)
+            axes.setdefault(id(b.anchor), []).append((t0, t0 + seconds))
+        st["copy_busy_s"] += sum(union_s(intervals) for intervals in axes.values())
         st["wait_copy_s"] += sum(a.elapsed_time(b) for a, b in self._waits) / 1e3
         if self._bursts:  # completed before any later record is enqueued
             self._anchor = self._bursts[-1].end
