@@ -222,6 +222,7 @@ class ChunkManager:
                 host_nbytes = c.nbytes if c.shard is None else c.shard.nbytes
                 c.host_buffer = self._host_arena[arena_off : arena_off + host_nbytes]
                 arena_off += _align64(host_nbytes)
+            needs_grad_acc: list[ParamSlot] = []
             for pl in c.spec.placements:
                 p = by_name[pl.names[0]]
                 src = p.detach()
@@ -244,22 +245,27 @@ class ChunkManager:
                     else:
                         slot.device_view.copy_(src)
                 elif c.shard is not None:
-                    self._build_shard_slot(c, slot, src, take, scratch)
+                    self._build_shard_slot(c, slot, src, take)
                 else:
                     slot.host_view = c.view(c.host_buffer, pl)
                     slot.host_view.copy_(src)
                     if pl.trainable:
-                        fp32_bytes = pl.numel * 4
-                        slot.master = take(fp32_bytes, torch.float32, pl.shape)
+                        slot.master = take(pl.numel * 4, torch.float32, pl.shape)
                         slot.master.copy_(src)
-                        # not zeroed: a step's first gradient is copied in, not added
-                        if scratch is not None:
-                            slot.grad_acc, _ = _carve(scratch, 0, fp32_bytes, torch.float32,
-                                                      pl.shape)  # fmt: skip
-                        else:
-                            slot.grad_acc = take(fp32_bytes, torch.float32, pl.shape)
+                if slot.master is not None and not c.persistent:
+                    needs_grad_acc.append(slot)
                 p.data = slot.device_view
                 c.slots.append(slot)
+            # The accumulators after all the chunk's masters: masters back to back, and
+            # accumulators too, which the host AdamW steps as flat views ([Note: flat runs]
+            # in optim/flat_adamw.py). Not zeroed: a step's first gradient is copied in.
+            for slot in needs_grad_acc:
+                shape = slot.master.shape
+                if scratch is not None:
+                    slot.grad_acc, _ = _carve(scratch, 0, slot.master.numel() * 4,
+                                              torch.float32, shape)  # fmt: skip
+                else:
+                    slot.grad_acc = take(slot.master.numel() * 4, torch.float32, shape)
             c.drop_build_storage()  # views are made; one offloaded chunk at a time on device
         if self.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()
@@ -269,9 +275,10 @@ class ChunkManager:
             "copy_in": round(time.perf_counter() - t1, 3),
         }
 
-    def _build_shard_slot(self, c: Chunk, slot: ParamSlot, src: torch.Tensor, take, scratch):
-        """A parameter of a sharded chunk: host copy, master and accumulator of the elements
-        this rank owns, flat (see [Note: sharded chunks])."""
+    def _build_shard_slot(self, c: Chunk, slot: ParamSlot, src: torch.Tensor, take):
+        """A parameter of a sharded chunk: host copy and master of the elements this rank
+        owns, flat (see [Note: sharded chunks]); its accumulator comes after the chunk's
+        masters."""
         pl = slot.placement
         lo, hi = c.shard.owned_elements(pl)
         slot.shard = (lo, hi)
@@ -280,13 +287,8 @@ class ChunkManager:
         own = src.reshape(-1)[lo:hi]
         slot.host_view.copy_(own)
         if pl.trainable:
-            fp32_bytes = (hi - lo) * 4
-            slot.master = take(fp32_bytes, torch.float32, (hi - lo,))
+            slot.master = take((hi - lo) * 4, torch.float32, (hi - lo,))
             slot.master.copy_(own)
-            if scratch is not None:
-                slot.grad_acc, _ = _carve(scratch, 0, fp32_bytes, torch.float32, (hi - lo,))
-            else:
-                slot.grad_acc = take(fp32_bytes, torch.float32, (hi - lo,))
 
     # ---- moving chunks ------------------------------------------------------------------
 

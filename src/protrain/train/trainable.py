@@ -498,7 +498,7 @@ class AutoTrainable(EngineTrainable):
         sample_batch: dict[str, torch.Tensor],
         several_ranks: bool = False,
     ):
-        from protrain.train.planning import PlanSettings, plan_memory
+        from protrain.train.planning import PlanSettings, loss_chunk_of, plan_memory
 
         model.train()
         Trainable.__init__(self, model, device, None, cfg.memory.chunked_loss_tokens)
@@ -510,6 +510,8 @@ class AutoTrainable(EngineTrainable):
         self.plan, self.problem = plan_memory(model, sample_batch, self.settings,
                                               cfg.memory.fixed_knobs)  # fmt: skip
         logger.info("memory plan:\n%s", self.plan)
+        # the loss chunk the plan was made for (searched unless memory.chunked_loss_tokens)
+        self.chunked_loss_tokens = loss_chunk_of(self.plan, self.settings)
         self._closed = True
         self._apply(self.plan)
         self._checked = False
@@ -700,6 +702,7 @@ class AutoTrainable(EngineTrainable):
     def replan(self, plan) -> None:
         """Run `plan` from here on: the model and optimizer state move over exactly."""
         import protrain
+        from protrain.train.planning import loss_chunk_of
 
         model_state = protrain.state_dict(self.model)
         optimizer_state = self.optimizer.state_dict()
@@ -708,6 +711,7 @@ class AutoTrainable(EngineTrainable):
         protrain.load_state_dict(self.model, model_state)
         self.optimizer.load_state_dict(optimizer_state)
         self.plan = plan
+        self.chunked_loss_tokens = loss_chunk_of(plan, self.settings)
         logger.info("memory plan, corrected:\n%s", plan)
 
     def close(self, keep_weights: bool = True) -> None:
@@ -772,7 +776,7 @@ def make_trainable(
     sample_batch: Callable[[], dict[str, torch.Tensor]],
     several_ranks: bool = False,
 ) -> Trainable:
-    """The trainable the `memory:` section asks for; `sample_batch()` (the first micro-batch)
+    """The trainable the `memory:` section asks for; `sample_batch()` (the heaviest micro-batch)
     is called only when a plan is made. Several ranks run the engine (with no knob set, every
     chunk on the GPU: gradients all-reduced chunk by chunk, as DDP would)."""
     if cfg.fsdp_version:  # the FSDP2 engine, on one rank or several
