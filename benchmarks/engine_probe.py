@@ -82,7 +82,6 @@ def run_one(args, n_persist: int, n_buffer: int, run_id: str) -> dict:
     row["chunk_size_mib"] = round(layout.chunk_size_bytes / 2**20, 1)
     print(layout, flush=True)
     engine = model._protrain_engine
-    engine.manager.time_copy_waits = True
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g).cuda()
     torch.cuda.reset_peak_memory_stats()

@@ -539,8 +539,8 @@ def trace_model(
     training loss (e.g. a chunked loss); ``tiled_mlp_tokens`` traces with tiled MLPs, as
     training will run them.
     """
-    import protrain
     from protrain.activations import apply_activation_knobs
+    from protrain.engine import wrap as engine_wrap
 
     t_begin = time.perf_counter()
     if device is None:
@@ -574,7 +574,8 @@ def trace_model(
     # host only: kept device weights would take memory from the traced step.
     originals = {p: p.data for p in model.parameters() if p.device.type == "cpu"}
 
-    model, optimizer, chunk_layout = protrain.wrap(
+    # the engine's own wrap: the profiler sits below "plan, then wrap" (planned_wrap.py)
+    model, optimizer, chunk_layout = engine_wrap(
         model,
         n_persist=n_persist,
         n_buffer=n_buffer,
@@ -613,8 +614,7 @@ def trace_model(
         trainable = [(n, p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
         copy_wait = lambda: 0.0  # noqa: E731
         if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
-            manager.time_copy_waits = True
-            copy_wait = manager.copy_wait_s
+            copy_wait = manager.copy_wait_s  # copies are always timed (chunks/copy_times.py)
         # On CUDA one more step, and the caching allocator emptied after the first: the keep
         # pass and the first step (kernels, the persistent chunks' optimizer state) leave
         # blocks cached that training with the plan never has, and reserved minus allocated
