@@ -420,7 +420,8 @@ def _start_single_rank_group(device: torch.device) -> bool:
     if dist.is_initialized():
         return False
     if device.type == "cuda":
-        torch.cuda.set_device(device)
+        # torch 2.11's set_device refuses a bare "cuda" (no index); 2.13 takes it
+        torch.cuda.set_device(torch.cuda.current_device() if device.index is None else device)
     backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     logger.info("fsdp2 on one process: a process group of one rank (%s)", backend)
