@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Session 15. Carry .whl (pydantic, pytest, DeepSpeed).
+# Session 15. Carry .whl-ds (.whl without bitsandbytes: pydantic, pytest, DeepSpeed).
 # PART=save (4-GPU host, first call): issue 18: full-8b through `protrain train` under
 #            torchrun, sharded, auto at 24 GiB, 2 steps, saved on 2 GPUs: the save's own
 #            seconds and host memory (checkpoint_probe.py rows inside resume_ranks' row).
@@ -31,7 +31,7 @@ four)
   run_on 4
   row 170 $O14 $A
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
-    --target /tmp/site ../.whl/deepspeed-0.19.8.tar.gz >/dev/null 2>&1
+    --target /tmp/site ../.whl-ds/deepspeed-0.19.8.tar.gz >/dev/null 2>&1
   for b in 4 2 1; do  # ZeRO-3 at its largest batch that fits
     out=$(row 200 $O14 --system ds_z3_offload --batch $b); echo "${out:-no row}"
     echo "$out" | grep -q '"status": "oom"' || break
