@@ -76,33 +76,12 @@ class FSDP2Peak:
 def fsdp2_inputs(
     cfg: TrainConfig, device: torch.device
 ) -> tuple[nn.Module, dict[str, torch.Tensor], torch.dtype | None]:
-    """Model, sample batch (the planner's `sample_batch`) and autocast dtype, built as
-    `protrain train` builds them (same seed, data and model), writing nothing."""
-    from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.loop import seed_everything
-    from protrain.train.modeling import (
-        build_model,
-        load_media_processor,
-        load_tokenizer,
-        resolve_autocast_dtype,
-    )
-    from protrain.train.planning import sample_batch
+    """Model, sample batch and autocast dtype, built as `protrain train` builds them (the
+    planner's builder, `planning.run_model_and_batch`), writing nothing."""
+    from protrain.train.planning import run_autocast_dtype, run_model_and_batch
 
-    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    seed_everything(cfg.seed)
-    autocast_dtype = resolve_autocast_dtype(cfg.mixed_precision, device, engine=several)
-    tokenizer = load_tokenizer(cfg)
-    train_data = build_train_dataset(
-        cfg,
-        tokenizer,
-        sequence_len=cfg.sequence_len,
-        seed=cfg.seed,
-        processor=load_media_processor(cfg),
-    )
-    collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
-    batch = sample_batch(cfg, train_data, collate)
-    model = build_model(cfg, tokenizer).model
-    model.train()
+    autocast_dtype = run_autocast_dtype(cfg, device)
+    model, batch = run_model_and_batch(cfg)
     return model, batch, autocast_dtype
 
 

@@ -207,21 +207,38 @@ def _rng_devices(device: torch.device) -> list:
 
 
 def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
-    """Model, sample batch and planner settings, built as `protrain train` builds them (same
-    seed, data and model), writing nothing: for `protrain plan` and `protrain profile`."""
-    from protrain.train import loop
-    from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.modeling import (
-        build_model,
-        load_media_processor,
-        load_tokenizer,
-        resolve_device,
-    )
+    """Model, sample batch and planner settings, built as `protrain train` builds them,
+    writing nothing: for `protrain plan` and `protrain profile`."""
+    from protrain.train.modeling import resolve_device
 
-    loop.seed_everything(cfg.seed)
     device = resolve_device(cfg.device)
-    autocast_dtype = loop.resolve_autocast_dtype(cfg.mixed_precision, device)
-    settings = PlanSettings.from_config(cfg, device, autocast_dtype)
+    # before the data and the model are built: a missing budget is refused at once
+    settings = PlanSettings.from_config(cfg, device, run_autocast_dtype(cfg, device))
+    model, batch = run_model_and_batch(cfg)
+    return model, batch, settings
+
+
+def run_autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
+    """The compute dtype `protrain train` resolves for `cfg` on `device` (the engine's own
+    where the chunked engine runs or several ranks train)."""
+    import torch.distributed as dist
+
+    from protrain.train.modeling import resolve_autocast_dtype
+
+    several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    engine = cfg.memory.engine_enabled or several
+    return resolve_autocast_dtype(cfg.mixed_precision, device, engine=engine)
+
+
+def run_model_and_batch(cfg: TrainConfig) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """The model (in training mode) and the planning micro-batch (`sample_batch`) of a run,
+    built as `protrain train` builds them (same seed, data, collator and model), writing
+    nothing: the one builder of `planning_inputs` and of the FSDP2 engine's trace."""
+    from protrain.train.data import build_collator, build_train_dataset
+    from protrain.train.loop import seed_everything
+    from protrain.train.modeling import build_model, load_media_processor, load_tokenizer
+
+    seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg)
     train_data = build_train_dataset(
         cfg,
@@ -234,4 +251,4 @@ def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
     batch = sample_batch(cfg, train_data, collate)
     model = build_model(cfg, tokenizer).model
     model.train()
-    return model, batch, settings
+    return model, batch
