@@ -45,6 +45,7 @@ from protrain.chunks.shard import shard_multiple
 from protrain.distributed import ChunkCollectives, DistContext, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
 from protrain.model.readers import DirectReads, direct_reads
+from protrain.optim.device_step import DeviceStep
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
 from protrain.quant.four_bit import lift_quant_state
@@ -374,6 +375,7 @@ def wrap(
     distributed_mode: str | None = None,
     grad_reduce: str = "mean",
     plan=None,
+    n_device_step: int = 0,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks with the knobs given and return ``(model,
     optimizer, layout)``. The engine takes knobs, never a budget: ``protrain.wrap``
@@ -401,6 +403,9 @@ def wrap(
     on every rank. Either way gradients are reduced chunk by chunk during backward:
     averaged over ranks with ``grad_reduce="mean"`` (as DDP), summed with ``"sum"`` (for a
     loss already divided by the tokens of the whole global batch).
+    ``n_device_step``: offloaded chunks (the last ones in forward order) whose AdamW runs on
+    the device, their masters and moments streamed over the link, instead of on the host
+    (``protrain/optim/device_step.py``); one rank or ``distributed_mode="replicated"``.
     ``plan``: the decision these knobs came from, kept for :func:`plan_of`; the engine does
     not read it.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
@@ -424,6 +429,13 @@ def wrap(
             f"loss_scaling is for compute_dtype=torch.float16 only (got {compute_dtype})"
         )
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
+    if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
+        raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
+    if n_device_step and sharded:
+        raise ValueError(
+            f"n_device_step={n_device_step} is not allowed with distributed_mode='sharded': "
+            "device-stepped chunks are for one rank or distributed_mode='replicated'"
+        )
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = params_in_order(model)
@@ -472,6 +484,8 @@ def wrap(
         # The worker's CPU kernels run with host_threads intra-op threads.
         worker = HostWorker(host_threads or default_host_threads(ctx.local_world_size))
         sink = GradSink(manager, worker)
+        device_step = DeviceStep(manager, n_device_step)  # checks the count against the layout
+        sink.device_step = device_step if n_device_step else None
         if collectives is not None:
             sink.reducer = GradReducer(
                 manager, collectives, sink.deliver, mean=grad_reduce == "mean"
@@ -487,6 +501,7 @@ def wrap(
             weight_decay=weight_decay,
             scaler=scaler,
             sink=sink,
+            device_step=device_step,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)

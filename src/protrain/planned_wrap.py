@@ -65,10 +65,12 @@ def wrap(
     process_group=None,
     distributed_mode: str | None = None,
     grad_reduce: str = "mean",
+    n_device_step: int = 0,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
-    The knobs, the optimizer settings, ``loss_scaling``, ``host_threads``,
+    The knobs (``n_device_step`` among them), the optimizer settings, ``loss_scaling``,
+    ``host_threads``,
     ``discard_offloaded_grads`` and several ranks are those of the engine's wrap
     (:func:`protrain.engine.wrap`, which documents them).
     With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
@@ -91,6 +93,7 @@ def wrap(
         "n_swap": n_swap,
         "n_checkpoint": n_checkpoint,
         "distributed_mode": distributed_mode,
+        "n_device_step": n_device_step,
     }
     plan = None
     if gpu_budget is not None:

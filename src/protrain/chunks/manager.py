@@ -123,6 +123,9 @@ class ChunkManager:
         self._host_arena: torch.Tensor | None = None
         self._registered: list[torch.Tensor] = []  # arenas this manager pinned (close unpins)
         self._staging_ready = False  # see ensure_grad_staging
+        # chunk -> event after which its host copy and masters hold a device step's result
+        # (optim/device_step.py): its next gather copies in after that
+        self._host_writes: dict[int, object] = {}
         self.param_gather_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.grad_offload_stream = torch.cuda.Stream(device) if self.is_cuda else None
         self.stats = {"gathers": 0, "wait_cpu_optimizer_s": 0.0}
@@ -375,6 +378,9 @@ class ChunkManager:
         if updating and c.update_progress is None:
             self._wait_update(c)
         if self.is_cuda:
+            written = self._host_writes.pop(c.index, None)
+            if written is not None:
+                self.param_gather_stream.wait_event(written)
             with torch.cuda.stream(self.param_gather_stream):
                 c._set_state(ChunkState.IN_FLIGHT)
                 self._copy_in_or_release(c)
@@ -401,6 +407,11 @@ class ChunkManager:
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
+
+    def note_host_write(self, ci: int, event) -> None:
+        """Chunk ``ci``'s host copy and masters are being written on the device's side
+        until ``event`` (a device step, CUDA): its next gather waits for it."""
+        self._host_writes[ci] = event
 
     @staticmethod
     def _write_back_runs(c: Chunk) -> list[tuple[int, int, int]]:
@@ -642,6 +653,7 @@ class ChunkManager:
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
         self.resident.clear()
+        self._host_writes.clear()
         for c in self.chunks:
             for s in c.slots:
                 s.device_view = s.host_view = s.master = s.grad_acc = s.grad_staging = None

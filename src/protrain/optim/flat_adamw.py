@@ -137,9 +137,7 @@ class FlatAdamW:
     def prepare(self, stepping: set[int]) -> FlatBatch:
         """The spans of the slots in ``stepping`` (ids), state made for those without
         (zero moments, step 0, as torch's first step makes it)."""
-        for s in self.slots:
-            if id(s) in stepping and id(s) not in self._step:
-                self.init_state(s)
+        self.ensure_state(stepping)
         spans = []
         for run in self.runs:
             i, n = 0, len(run.slots)
@@ -192,6 +190,25 @@ class FlatAdamW:
             value = float(t)
             for s in run.slots[a:b]:
                 self._step[id(s)] = value
+
+    def ensure_state(self, stepping: set[int]) -> None:
+        """State for the slots in ``stepping`` (ids) that have none, as torch's first step
+        makes it (zero moments, step 0)."""
+        for s in self.slots:
+            if id(s) in stepping and id(s) not in self._step:
+                self.init_state(s)
+
+    def moments(self, s: ParamSlot) -> tuple[torch.Tensor, torch.Tensor]:
+        """``exp_avg`` and ``exp_avg_sq`` of ``s``: the flat moments' own views, which an
+        update elsewhere (``optim/device_step.py``) reads and writes in place."""
+        run, i = self._where[id(s)]
+        return run.view("exp_avg", i), run.view("exp_avg_sq", i)
+
+    def step_count(self, s: ParamSlot) -> float:
+        return self._step[id(s)]
+
+    def set_step_count(self, s: ParamSlot, value: float) -> None:
+        self._step[id(s)] = value
 
     # ---- per-parameter state (torch's format) -------------------------------------------
 

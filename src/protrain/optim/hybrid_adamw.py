@@ -88,6 +88,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.optim.device_step import DeviceStep
 from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
@@ -134,6 +135,7 @@ class HybridAdamW(torch.optim.Optimizer):
         close_fn=None,
         scaler: LossScaler | None = None,
         sink: GradSink | None = None,
+        device_step: DeviceStep | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._ready = False
@@ -146,6 +148,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._found_inf: torch.Tensor | None = None  # set by unscale_, read by step
         self._inv_scale: torch.Tensor | None = None
         self._sink = sink
+        # the offloaded chunks stepped on the device (optim/device_step.py); None: none
+        self._device_step = device_step if device_step and device_step.n_chunks else None
         self._armed_hyper: list[dict] | None = None  # set by step_in_backward
         # chunk -> its pieces whose update began in backward (see [Note: step in backward])
         self._armed_started: dict[int, set[int]] = {}
@@ -296,6 +300,11 @@ class HybridAdamW(torch.optim.Optimizer):
                 norm = s.grad_norm.to(device)
                 norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
+                if self._on_device(s.chunk):  # the gradient is on the device
+                    acc = self._device_step.grad(s)
+                    grad = acc if inv_scale is None else acc * inv_scale
+                    norms.append(torch.linalg.vector_norm(grad, norm_type))
+                    continue
                 _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
@@ -344,9 +353,10 @@ class HybridAdamW(torch.optim.Optimizer):
             raise RuntimeError("protrain: this optimizer was built without a gradient sink")
         self._armed_hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         self._armed_started = {}
-        pieces = {
+        pieces = {  # device-stepped chunks step in step(): their gradients stay on the device
             (ci, pi): piece
             for ci, opts in self._host_opts.items()
+            if not self._on_device(ci)
             for pi, piece in enumerate(p.slots for p in opts)
         }
         self._sink.watch(pieces, self._start_in_backward)
@@ -447,7 +457,7 @@ class HybridAdamW(torch.optim.Optimizer):
                     "updated. Change hyperparameters after step(), as LR schedulers do"
                 )
             self._disarm()
-        host_inv_scale = None
+        host_inv_scale = device_inv_scale = None
         if self.scaler.enabled:  # see [Note: loss scaling over chunks]
             if not any(s.has_grad for s in self._slots):
                 # GradScaler's rule: a step that saw no gradient must not grow the scale.
@@ -465,6 +475,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 log.info("protrain: inf or nan in the gradients, step skipped")
                 return loss
             host_inv_scale = inv_scale.to("cpu")
+            device_inv_scale = inv_scale
         clip_coef = self._clip_coef
         self._clip_coef = None
 
@@ -479,9 +490,15 @@ class HybridAdamW(torch.optim.Optimizer):
 
         manager.release_all()  # device copies of offloaded chunks are about to be stale
         host_coef = None if clip_coef is None else clip_coef.to("cpu")
+        on_device = []  # (slot, its FlatAdamW, its group) of the device-stepped chunks
         for chunk in manager.offloaded:  # the worker runs them in forward order
             ci = chunk.index
             if ci not in self._host_opts:
+                continue
+            if self._on_device(ci):
+                opts = self._host_opts[ci]
+                on_device += [(s, opts[s.update_piece], self._group_of[id(s)])
+                              for s in chunk.trainable_slots if s.has_grad]  # fmt: skip
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
                 chunk.host_stale = True
@@ -495,6 +512,10 @@ class HybridAdamW(torch.optim.Optimizer):
             self._begin_update(chunk)
             for pi in range(len(self._host_opts[ci])):
                 self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)
+        if on_device:  # after the host tasks are queued: on the CPU this step is synchronous
+            # the host task's rule: a coefficient of exactly 1 changes no bit
+            coef = clip_coef if host_coef is not None and float(host_coef) != 1.0 else None
+            self._device_step.step(on_device, hyper, device_inv_scale, coef)
         return loss
 
     @torch.no_grad()
@@ -520,7 +541,9 @@ class HybridAdamW(torch.optim.Optimizer):
         self._wait_accumulations()
         for chunk in self._manager.offloaded:
             had = [s for s in chunk.trainable_slots if s.has_grad]
-            chunk.host_stale = chunk.host_stale or bool(had)
+            # a device-stepped chunk's host copy stays fresh: only its gradients go
+            if not self._on_device(chunk.index):
+                chunk.host_stale = chunk.host_stale or bool(had)
             for s in had:
                 s.has_grad = False
         if any(s.has_grad for s in self._persistent_slots):
@@ -539,6 +562,8 @@ class HybridAdamW(torch.optim.Optimizer):
             s.param.grad = None
         for s in self._persistent_slots:  # device accumulators are made by the next backward
             s.grad_acc = s.master.grad = None
+        if self._device_step is not None:
+            self._device_step.drop_grads()
 
     # ---- state --------------------------------------------------------------------------
 
@@ -561,6 +586,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._worker.barrier()
         if self._manager.is_cuda:  # device-to-host copies into host memory
             torch.cuda.synchronize(self._manager.device)
+        if self._device_step is not None:
+            self._device_step.harvest()
         self._wait_accumulations()
         for c in self._manager.offloaded:
             # an update begun in an armed backward completes only once step() queues the
@@ -652,7 +679,13 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._close_fn is not None:
             self._close_fn()
 
+    def _on_device(self, chunk: int) -> bool:
+        """Whether ``chunk``'s AdamW runs on the device (optim/device_step.py)."""
+        return self._device_step is not None and self._device_step.takes(chunk)
+
     def _release(self) -> None:
+        if self._device_step is not None:
+            self._device_step.close()
         self._device_opt, self._host_opts, self._slots = None, {}, []
         self._closed = True
 

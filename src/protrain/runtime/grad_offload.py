@@ -62,6 +62,9 @@ class GradSink:
         # With several ranks: the protrain.distributed.GradReducer that reduces gradients
         # chunk by chunk and hands them to ``deliver`` (see [Note: gradient buckets]).
         self.reducer = None
+        # protrain.optim.device_step.DeviceStep: the offloaded chunks whose gradients stay
+        # on the device for a device-side AdamW (None: none)
+        self.device_step = None
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._watched: dict[object, set[int]] | None = None  # key -> id(slot) still missing
         self._key_of: dict[int, object] = {}  # id(slot) -> its group's key
@@ -100,6 +103,12 @@ class GradSink:
         this rank owns, reduced over ranks) into the slot's accumulator."""
         first = not slot.has_grad
         chunk = self.manager.chunks[slot.chunk]
+        on_device = self.device_step is not None and self.device_step.takes(slot.chunk)
+        if on_device:  # the gradient never leaves the device (optim/device_step.py)
+            slot.has_grad = True
+            with torch.no_grad():
+                self.device_step.accumulate(slot, grad, first)
+            return
         if not first and not chunk.persistent and self.manager.discard_offloaded_grads:
             self.manager.ensure_grad_staging()  # raises: see [Note: discarded gradients]
         slot.has_grad = True

@@ -1,0 +1,138 @@
+"""Device-stepped offloaded chunks (``optim/device_step.py``) compute bit for bit what the host
+AdamW computes: full fine-tuning (gpt2's odd sizes) and LoRA, decay and no-decay groups,
+clipping, accumulation over micro-batches, fp16 loss scaling, a resume from the state dicts,
+and the step started in backward. On the CPU the "device" is the CPU: the same pieces,
+staging sets and copies run, synchronously. Pieces of 48 elements cut tensors inside."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+from protrain.optim import device_step
+
+from .models import batches, build, lora
+from .test_equivalence import ACCUM, LR
+from .test_flat_host_adam import _assert_bitwise, _groups, _states, _train
+
+STEPS = 2
+
+
+def _wrap(base, n_device_step, fp16=False):
+    model = copy.deepcopy(base)
+    groups = [g for g in _groups(model) if g["params"]]
+    return protrain.wrap(
+        model,
+        n_persist=1,
+        lr=LR,
+        device="cpu",
+        param_groups=groups,
+        compute_dtype=torch.float16 if fp16 else None,
+        n_device_step=n_device_step,
+    )
+
+
+def _stepped_numel(opt) -> int:
+    ds = opt._device_step
+    return sum(
+        s.master.numel() for ci in ds.chunk_ids() for s in opt._manager.chunks[ci].trainable_slots
+    )
+
+
+@pytest.mark.parametrize(
+    "kind,mode,fp16,resume",
+    [
+        ("gpt2", "full", False, True),
+        ("llama", "lora", False, False),
+        ("llama", "full", True, False),
+    ],
+)
+def test_device_step_equals_host_step(kind, mode, fp16, resume, monkeypatch):
+    """gpt2: one device-stepped chunk, then a resume; llama: every offloaded chunk."""
+    monkeypatch.setattr(device_step, "PIECE_NUMEL", 48)
+    base = build(kind)
+    if mode == "lora":
+        base = lora(base, kind)
+    data = batches(kind, (STEPS + 2) * ACCUM)
+
+    model, opt, layout = _wrap(base, 0, fp16)
+    n_trainable = sum(1 for c in opt._manager.offloaded if c.trainable_slots)
+    _train(model, opt, data, range(STEPS))
+    host = _states(model, opt)
+    if resume:
+        _train(model, opt, data, range(STEPS, STEPS + 2))
+        host_after = _states(model, opt)
+    protrain.close(model)
+    assert n_trainable >= 2
+
+    n = 1 if resume else n_trainable
+    model, opt, _ = _wrap(base, n, fp16)
+    _train(model, opt, data, range(STEPS))
+    assert opt._device_step.chunk_ids() == frozenset(opt._manager.forward_order[-n:])
+    _assert_bitwise(host, _states(model, opt))
+    stats = opt.stats
+    assert stats["device_steps"] == STEPS
+    assert stats["device_step_h2d_bytes"] == 12 * _stepped_numel(opt) * STEPS
+    assert stats["device_step_s"] > 0
+    saved = copy.deepcopy(_states(model, opt))
+    protrain.close(model)
+    if resume:
+        model, opt, _ = _wrap(base, n, fp16)  # resumed from the state dicts
+        protrain.load_state_dict(model, saved[0])
+        opt.load_state_dict(saved[1])
+        _train(model, opt, data, range(STEPS, STEPS + 2))
+        _assert_bitwise(host_after, _states(model, opt))
+        protrain.close(model)
+
+
+def test_device_step_in_backward_without_clipping(monkeypatch):
+    """Armed by step_in_backward(): the host chunks start in backward, the device-stepped
+    ones step in step(); the same bits as the host path."""
+    monkeypatch.setattr(device_step, "PIECE_NUMEL", 48)
+    base = build("llama")
+    data = batches("llama", STEPS * ACCUM)
+
+    def run(n):
+        model, opt, _ = _wrap(base, n)
+        for step in range(STEPS):
+            for mb in range(ACCUM):
+                if mb == ACCUM - 1:
+                    opt.step_in_backward()
+                (model(**data[step * ACCUM + mb]).loss / ACCUM).backward()
+            opt.step()
+            opt.zero_grad()
+        out = copy.deepcopy(_states(model, opt))
+        protrain.close(model)
+        return out
+
+    _assert_bitwise(run(0), run(2))
+
+
+def test_device_step_knob_is_checked():
+    base = build("llama")
+    with pytest.raises(ValueError, match="n_device_step=99 is not allowed"):
+        _wrap(base, 99)
+    with pytest.raises(ValueError, match="n_device_step=-1 is not allowed"):
+        _wrap(base, -1)
+
+
+def test_split_pieces_cuts_tensors_at_lane_units():
+    class _S:
+        def __init__(self, n):
+            self.master = torch.empty(n)
+
+    items = [(_S(n), None, 0) for n in (40, 7, 100)]
+    pieces = device_step.split_pieces(items, 48)
+    for p in pieces:
+        assert sum(s.hi - s.lo for s in p) <= 48
+        for s in p:  # a cut inside a tensor starts at a multiple of 16
+            assert s.lo % 16 == 0
+            assert s.hi % 16 == 0 or s.hi == s.slot.master.numel()
+    covered = {}
+    for p in pieces:
+        for s in p:
+            covered.setdefault(id(s.slot), []).append((s.lo, s.hi))
+    assert [sum(b - a for a, b in covered[id(s)]) for s, _, _ in items] == [40, 7, 100]
