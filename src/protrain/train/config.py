@@ -152,6 +152,12 @@ class MemoryConfig(StrictModel):
     )
     n_persist: int | None = Field(None, ge=0, description="Chunks kept on the GPU.")
     n_buffer: int | None = Field(None, ge=1, description="GPU buffers for offloaded chunks.")
+    n_device_step: int | None = Field(
+        None,
+        ge=0,
+        description="Offloaded chunks (the last in forward order) whose AdamW runs on the GPU, "
+        "their fp32 masters and Adam moments streamed over the host link; default 0.",
+    )
     chunk_size: ByteSize | None = Field(None, description="Chunk size; default: least waste.")
     n_swap: int | None = Field(None, ge=0, description="Blocks whose activations go to the host.")
     n_checkpoint: int | None = Field(None, ge=0, description="Blocks recomputed in backward.")

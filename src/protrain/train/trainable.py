@@ -347,6 +347,7 @@ class EngineTrainable(Trainable):
                 model,
                 n_persist=mem.n_persist,
                 n_buffer=mem.n_buffer,
+                n_device_step=mem.n_device_step or 0,
                 device=device,
                 lr=cfg.learning_rate,
                 betas=(cfg.adam_beta1, cfg.adam_beta2),
