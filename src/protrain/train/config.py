@@ -13,6 +13,7 @@ beyond reading the YAML file.
 from __future__ import annotations
 
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
@@ -92,13 +93,85 @@ class ModelConfig(StrictModel):
         return self
 
 
+# an adapter's name is a key of peft's ModuleDicts and a subfolder of the export
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9_-]+")
+# subfolders of a run's `final/` that are not adapters (the tiny base beside an adapter)
+RESERVED_ADAPTER_NAMES = ("base_model",)
+LORA_TARGETS_DESCRIPTION = "Module names (or all-linear) the adapter wraps."
+
+
+def _check_adapter_name(name: str) -> str:
+    if not ADAPTER_NAME.fullmatch(name):
+        raise ValueError("an adapter name is letters, digits, '_' and '-' (no dots or spaces)")
+    if name in RESERVED_ADAPTER_NAMES:
+        raise ValueError(f"{name!r} is the folder of the tiny base model; choose another name")
+    return name
+
+
+class ExtraAdapterConfig(StrictModel):
+    """One more adapter on the same model, active in every forward next to the main one:
+    a new LoRA/DoRA adapter (type, r, ...) or one loaded from a PEFT adapter directory
+    (path), whose own adapter_config.json then decides its shape."""
+
+    name: str
+    path: str | None = Field(
+        None, description="A PEFT adapter directory (adapter_config.json) to load it from."
+    )
+    trainable: bool | None = Field(
+        None,
+        description="Trained with the main adapter; default: true when new, false "
+        "when loaded from path (frozen: in the forward, no gradient, no optimizer state).",
+    )
+    type: Literal["lora", "dora"] = "lora"
+    r: int = Field(8, gt=0)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description=LORA_TARGETS_DESCRIPTION
+    )
+
+    _check_name = field_validator("name")(_check_adapter_name)
+
+    @model_validator(mode="after")
+    def _check_source(self) -> ExtraAdapterConfig:
+        shape = sorted(self.model_fields_set & {"type", "r", "alpha", "dropout", "target_modules"})
+        if self.path is not None and shape:
+            raise ValueError(
+                f"adapter {self.name!r}: path and {', '.join(shape)} both set: an adapter loaded "
+                "from path has the shape its adapter_config.json says; remove "
+                f"{', '.join(shape)}, or remove path to make a new adapter"
+            )
+        if self.path is None and self.trainable is False:
+            raise ValueError(
+                f"adapter {self.name!r}: trainable = false for a new adapter (no path): it would "
+                "stay at its initial value, which adds nothing; set path to load a trained "
+                "adapter, or make it trainable"
+            )
+        return self
+
+    @property
+    def is_trainable(self) -> bool:
+        return self.trainable if self.trainable is not None else self.path is None
+
+
 class AdapterConfig(StrictModel):
     type: Literal["none", "lora", "qlora", "dora"] = "none"
     r: int = Field(8, gt=0)
     alpha: float = Field(16.0, gt=0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    target_modules: Literal["all-linear"] | list[str] = Field(
+        "all-linear", description=LORA_TARGETS_DESCRIPTION
+    )
     bits: Literal[4, 8] = Field(4, description="Base-weight bits for qlora.")
+    name: str = Field(
+        "default", description="The main adapter's name (peft's; `default` exports to final/)."
+    )
+    extra: list[ExtraAdapterConfig] = Field(
+        default_factory=list,
+        description="More adapters on the same model, trained with the main one or frozen.",
+    )
+
+    _check_name = field_validator("name")(_check_adapter_name)
 
     @model_validator(mode="before")
     @classmethod
@@ -108,9 +181,36 @@ class AdapterConfig(StrictModel):
             return {"type": value}
         return value
 
+    @field_validator("extra")
+    @classmethod
+    def _check_extra(cls, extra: list[ExtraAdapterConfig], info) -> list[ExtraAdapterConfig]:
+        if not extra:
+            return extra
+        if info.data.get("type", "none") == "none":
+            raise ValueError(
+                "more adapters need a main one: set adapter.type to lora, qlora or dora"
+            )
+        names = [info.data.get("name", "default")] + [e.name for e in extra]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"adapter names {repeated} appear more than once (adapter.name and "
+                "adapter.extra[].name); every adapter needs its own name"
+            )
+        return extra
+
     @property
     def enabled(self) -> bool:
         return self.type != "none"
+
+    @property
+    def trained_names(self) -> list[str]:
+        """The adapters trained (and exported), the main one first."""
+        return [self.name] + [e.name for e in self.extra if e.is_trainable]
+
+    @property
+    def all_names(self) -> list[str]:
+        return [self.name] + [e.name for e in self.extra]
 
 
 class EvalConfig(StrictModel):

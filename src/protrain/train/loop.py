@@ -64,6 +64,7 @@ from protrain.train.modeling import (
     model_auto_class,
     resolve_autocast_dtype,
     resolve_device,
+    trained_adapter_names,
 )
 from protrain.train.nonfinite import (
     NonFiniteError,
@@ -465,12 +466,17 @@ def evaluate(trainable: Trainable, data, collate, cfg: TrainConfig) -> float:
 
 
 def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> None:
-    """Write the model atomically: Hugging Face format, or a PEFT adapter directory."""
+    """Write the model atomically: Hugging Face format, or the trained PEFT adapters (frozen
+    ones stay where they were loaded from)."""
     tmp = final_dir.with_name(final_dir.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
     model = trainable.export_model()
-    model.save_pretrained(tmp, safe_serialization=True)
+    adapters = trained_adapter_names(model, trainable.names)
+    if adapters is None:
+        model.save_pretrained(tmp, safe_serialization=True)
+    else:  # peft's layout: `default` at the top, any other adapter in its own subfolder
+        model.save_pretrained(tmp, safe_serialization=True, selected_adapters=adapters)
     built.tokenizer.save_pretrained(tmp)
     write_extra = _tiny_base_writer(cfg, built)
     if write_extra is not None:

@@ -16,7 +16,13 @@ import torch
 from torch import nn
 
 from protrain.train.attention import choose_attn_implementation
-from protrain.train.config import QUICKSTART_DIR, AdapterConfig, TrainConfig, one_line
+from protrain.train.config import (
+    QUICKSTART_DIR,
+    AdapterConfig,
+    ExtraAdapterConfig,
+    TrainConfig,
+    one_line,
+)
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
 
@@ -461,28 +467,156 @@ def is_seq2seq(model: nn.Module) -> bool:
 
 
 def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
-    from peft import LoraConfig, get_peft_model
+    """The peft model: the main adapter, then `adapter.extra` (new ones added, existing
+    ones loaded from their PEFT directories), all active in the forward; the frozen ones
+    get no gradient (and so no optimizer state: the trainables take `requires_grad`)."""
+    from peft import get_peft_model
 
-    lora = LoraConfig(
-        r=adapter.r,
-        lora_alpha=adapter.alpha,
-        lora_dropout=adapter.dropout,
-        target_modules=adapter.target_modules,
-        use_dora=adapter.type == "dora",
-        task_type="SEQ_2_SEQ_LM" if is_seq2seq(model) else "CAUSAL_LM",
-    )
+    task = "SEQ_2_SEQ_LM" if is_seq2seq(model) else "CAUSAL_LM"
     try:
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, _lora_config(adapter, task), adapter_name=adapter.name)
     except ValueError as exc:
         raise ConfigError(f"adapter.target_modules = {adapter.target_modules!r}: {exc}") from None
-    n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_all = sum(p.numel() for p in model.parameters())
-    logger.info(
-        "adapter %s r=%d: %s of %s parameters trainable (%.2f%%)",
-        adapter.type,
-        adapter.r,
-        f"{n_train:,}",
-        f"{n_all:,}",
-        100.0 * n_train / max(n_all, 1),
-    )
+    if adapter.extra:
+        training = model.training  # peft's load_adapter of a frozen adapter sets eval()
+        for i, extra in enumerate(adapter.extra):
+            if extra.path is None:
+                _add_new_adapter(model, extra, f"adapter.extra[{i}]", task)
+            else:
+                _load_existing_adapter(model, extra, f"adapter.extra[{i}]")
+        # every adapter in the forward (peft's multi-adapter API, which marks them all
+        # trainable), then the frozen ones frozen
+        model.base_model.set_adapter(adapter.all_names)
+        _freeze_adapters(model, [e.name for e in adapter.extra if not e.is_trainable])
+        model.train(training)
+    _log_adapters(model, adapter)
     return model
+
+
+def _lora_config(spec, task: str):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.r,
+        lora_alpha=spec.alpha,
+        lora_dropout=spec.dropout,
+        target_modules=spec.target_modules,
+        use_dora=spec.type == "dora",
+        task_type=task,
+    )
+
+
+def _add_new_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str, task: str) -> None:
+    try:
+        model.add_adapter(extra.name, _lora_config(extra, task))
+    except ValueError as exc:
+        raise ConfigError(
+            f"{key} ({extra.name!r}): peft refuses it next to the other adapters: "
+            f"{one_line(exc)}; allowed: type lora or dora with target_modules of this model"
+        ) from None
+
+
+def _load_existing_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str) -> None:
+    """A PEFT LoRA adapter directory loaded as adapter ``extra.name``: every one of its
+    weights must land on a module of this model with its shape."""
+    path = Path(extra.path).expanduser()
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise ConfigError(
+            f"{key}.path = {extra.path!r} is not a PEFT adapter directory (no "
+            "adapter_config.json there); allowed: a directory written by peft's "
+            "save_pretrained, such as a LoRA run's final/"
+        )
+    try:
+        saved = json.loads(config_file.read_text())
+    except ValueError as exc:
+        raise ConfigError(f"{key}.path: {config_file} is not JSON ({exc})") from None
+    if saved.get("peft_type") != "LORA":
+        raise ConfigError(
+            f"{key}.path = {extra.path!r} holds a {saved.get('peft_type')!r} adapter; "
+            "allowed: LORA adapters (LoRA, DoRA, QLoRA)"
+        )
+    base_name = getattr(model.get_base_model().config, "_name_or_path", "")
+    saved_base = saved.get("base_model_name_or_path") or ""
+    if base_name and saved_base and Path(base_name).name != Path(saved_base).name:
+        warn_once(
+            f"{key}.path = {extra.path!r} was trained on {saved_base!r}, this model is "
+            f"{base_name!r}; its shapes fit, so it is loaded",
+        )
+    try:
+        result = model.load_adapter(
+            str(path), adapter_name=extra.name, is_trainable=extra.is_trainable
+        )
+    except (ValueError, RuntimeError, KeyError) as exc:  # modules absent, or other shapes
+        raise ConfigError(
+            f"{key}.path = {extra.path!r} does not fit this model (an adapter of another "
+            f"base model?): {one_line(exc)}"
+        ) from None
+    missing = [k for k in result.missing_keys if f".{extra.name}." in k]
+    if missing:
+        raise ConfigError(
+            f"{key}.path = {extra.path!r} lacks weights for {len(missing)} of its modules "
+            f"(first: {missing[0]}): an adapter of another base model?"
+        )
+
+
+def _freeze_adapters(model: nn.Module, names: list[str]) -> None:
+    params = dict(model.named_parameters())
+    by_adapter = adapter_parameter_names(model)
+    for name in names:
+        for param_name in by_adapter[name]:
+            params[param_name].requires_grad_(False)
+
+
+def adapter_parameter_names(model: nn.Module) -> dict[str, list[str]]:
+    """Adapter name -> the names of its parameters, for every adapter of a peft model (read
+    from its tuner layers, not from name patterns, which an adapter named like a module
+    would match)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    out: dict[str, list[str]] = {name: [] for name in model.peft_config}
+    for module_name, module in model.named_modules():
+        if not isinstance(module, BaseTunerLayer):
+            continue
+        for attr in module.adapter_layer_names:
+            for key, layer in getattr(module, attr).items():
+                prefix = f"{module_name}.{attr}.{key}"
+                if isinstance(layer, nn.Parameter):
+                    out.setdefault(key, []).append(prefix)
+                else:
+                    names = [f"{prefix}.{n}" for n, _ in layer.named_parameters()]
+                    out.setdefault(key, []).extend(names)
+    return out
+
+
+def trained_adapter_names(model: nn.Module, trained: list[str]) -> list[str] | None:
+    """The adapters of a peft model that hold some of the ``trained`` parameter names, in
+    the model's order; None for a model without adapters."""
+    if not hasattr(model, "peft_config"):
+        return None
+    trained_set = set(trained)
+    return [
+        name
+        for name, params in adapter_parameter_names(model).items()
+        if trained_set.intersection(params)
+    ]
+
+
+def _log_adapters(model: nn.Module, adapter: AdapterConfig) -> None:
+    n_all = sum(p.numel() for p in model.parameters())
+    params = dict(model.named_parameters())
+    specs = {adapter.name: adapter, **{e.name: e for e in adapter.extra}}
+    for name, names in adapter_parameter_names(model).items():
+        n_params = sum(params[n].numel() for n in names)
+        n_train = sum(params[n].numel() for n in names if params[n].requires_grad)
+        spec = specs[name]
+        source = f"from {spec.path}" if getattr(spec, "path", None) else f"{spec.type} r={spec.r}"
+        logger.info(
+            "adapter %r (%s): %s parameters, %s (%.2f%% of %s)",
+            name,
+            source,
+            f"{n_params:,}",
+            f"{n_train:,} trained" if n_train else "frozen",
+            100.0 * n_train / max(n_all, 1),
+            f"{n_all:,}",
+        )

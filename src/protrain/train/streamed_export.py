@@ -10,8 +10,9 @@ alone; then every tensor is gathered (`Trainable.full_tensor`: one parameter's e
 a collective of the engine's sharded chunks or of FSDP2's DTensors), rank 0 writes it at
 its place and drops it. No rank ever holds more than one whole tensor beyond its own share.
 
-LoRA: only the trainable tensors (the adapter) are gathered, never the base model, and
-peft writes its adapter directory from them (`save_pretrained(state_dict=...)`).
+LoRA: only the trainable tensors (the trained adapters) are gathered, never the base model
+nor frozen adapters, and peft writes the adapter directories from them
+(`save_pretrained(state_dict=..., selected_adapters=...)`).
 
 A model whose saved names are not its parameters' (transformers' weight conversions, e.g.
 fused MoE experts saved unfused) is refused by `streamable`, and the loop exports it
@@ -27,6 +28,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from protrain.train.modeling import trained_adapter_names
 
 if TYPE_CHECKING:
     from protrain.train.ranks import Ranks
@@ -188,7 +191,12 @@ def _export_adapter(trainable: Trainable, tmp: Path, ranks: Ranks) -> None:
         if ranks.is_main:
             state[name] = value
     if ranks.is_main:
-        trainable.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        trainable.model.save_pretrained(
+            tmp,
+            state_dict=state,
+            safe_serialization=True,
+            selected_adapters=trained_adapter_names(trainable.model, trainable.names),
+        )
 
 
 def _export_full(trainable: Trainable, tmp: Path, ranks: Ranks, max_shard_size) -> None:
