@@ -34,6 +34,7 @@ def plan_knobs(plan) -> dict:
         "n_swap": plan.n_swap,
         "n_checkpoint": plan.n_checkpoint,
         "distributed_mode": plan.distributed_mode,
+        "n_device_step": plan.n_device_step,
     }
 
 
@@ -65,7 +66,7 @@ def wrap(
     process_group=None,
     distributed_mode: str | None = None,
     grad_reduce: str = "mean",
-    n_device_step: int = 0,
+    n_device_step: int | None = None,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -93,7 +94,7 @@ def wrap(
         "n_swap": n_swap,
         "n_checkpoint": n_checkpoint,
         "distributed_mode": distributed_mode,
-        "n_device_step": n_device_step,
+        "n_device_step": n_device_step or 0,
     }
     plan = None
     if gpu_budget is not None:
@@ -129,6 +130,15 @@ def wrap(
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         knobs = plan_knobs(plan)
+        if n_device_step is not None and n_device_step != plan.n_device_step:
+            # not a knob of the search (plan/search.py): the user's count replaces the plan's
+            log.info(
+                "protrain.wrap: n_device_step=%d as given (the plan chose %d; its predictions "
+                "are for its own)",
+                n_device_step,
+                plan.n_device_step,
+            )
+            knobs["n_device_step"] = n_device_step
         device, compute_dtype = target.device, target.compute_dtype
         log.info("protrain.wrap: plan\n%s", plan)
     return engine.wrap(

@@ -33,6 +33,10 @@
   chunk's size and reduces it on its own stream (``distributed/grad_reducer.py``): the
   bucket being filled, the one being reduced, and a reduce-scatter's output shard (sharded
   mode) are live at once. A peak in forward does not hold them.
+- **device step** (``n_device_step`` > 0, ``optim/device_step.py``): the staging sets of the
+  pipeline, and the fp32 gradient accumulators of the device-stepped chunks, which stay on
+  the device from their first gradient to ``zero_grad`` (counted whole, as if every one were
+  live at the peak).
 - **allocator overhead** (CUDA): the traced step's reserved peak minus its allocated peak,
   both raw (buffer pool included), in a step that ran on the cache of one step like it (the
   trace empties the cache after its first step).
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protrain.optim.device_step import PIECE_NUMEL, staging_bytes
 from protrain.plan.world import SINGLE, World
 from protrain.profile.trace import ModelProfile
 
@@ -82,6 +87,7 @@ class MemoryModel:
         self.chunk_bytes = t.chunk_size_bytes
         self.n_chunks = t.n_chunks
         trn = np.asarray(t.trainable_numel, dtype=np.int64)
+        self._trn = trn
         tensors = np.asarray(t.trainable_tensors, dtype=np.int64)
         per_chunk = (
             self.chunk_bytes
@@ -214,7 +220,19 @@ class MemoryModel:
     def swap_host_bytes(self, pol: np.ndarray) -> np.ndarray:
         return np.where(pol == SWAP, self.saved, 0).sum(axis=1)
 
-    def terms(self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> dict:
+    def device_step_terms(self, n_persist: int, n_device_step: int) -> dict[str, int]:
+        """The device step's bytes (see the module note): {} when it steps nothing."""
+        idx = np.flatnonzero(self._trn[n_persist:] > 0) + n_persist
+        chunks = idx[max(len(idx) - n_device_step, 0) :] if n_device_step else idx[:0]
+        numel = int(self._trn[chunks].sum())
+        if not numel:
+            return {}
+        piece = min(PIECE_NUMEL, -(-numel // 16) * 16)
+        return {"device_step_staging": staging_bytes(piece), "device_step_grads": 4 * numel}
+
+    def terms(
+        self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int, n_device_step=0
+    ) -> dict:
         """Every term of one plan, in bytes (their sum is the predicted peak)."""
         return {
             "model_states": int(self.model_states[n_persist]),
@@ -225,6 +243,7 @@ class MemoryModel:
             "offload_grad_transient": int(self.grad_piece[n_persist]),
             "other_resident": self.other_resident,
             "allocator_overhead": self.allocator_overhead,
+            **self.device_step_terms(n_persist, n_device_step),
         }
 
     def host_bytes(self, n_persist: int, n_swap: int, n_checkpoint: int) -> int:

@@ -35,6 +35,9 @@ class Plan:
     # chunk of positions it runs in (None: the whole logits); the runner applies it.
     chunked_loss_tokens: int | None = None
     loss_planned: bool = False
+    # offloaded chunks whose AdamW runs on the device (optim/device_step.py); chosen after
+    # the other knobs for the best of them (plan/search.py), so not among KNOBS
+    n_device_step: int = 0
 
     @property
     def knobs(self) -> dict[str, int]:

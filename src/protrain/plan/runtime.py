@@ -26,6 +26,20 @@
   the gradient and parameter copies. With clipping, the host step first multiplies the
   chunk's fp32 gradients by the clip coefficient: one more pass, at its own measured rate
   (``cpu_clip_params_per_s``; 0.16-0.42 s a step on full-3b).
+- **device-stepped chunks** (``n_device_step``, see [Note: device-stepped chunks]).
+
+[Note: device-stepped chunks]
+The last ``n_device_step`` offloaded trainable chunks step on the device
+(``optim/device_step.py``): their fp32 gradients stay on the device (4 bytes a parameter
+less device-to-host in backward), and after backward their masters and moments cross the
+link both ways (12 bytes a parameter in, 12 out, plus the cast weights out); the next
+gather copies the cast weights in (not the fp32 masters) and nothing is written back. The
+stream runs at the measured link rates (the longer of each direction and the duplex total)
+or the device AdamW rate, whichever is slower, chunk after chunk from the end of backward;
+its bytes are counted with the forward's copies, which they share the link with. The host
+worker no longer steps these chunks (their host AdamW time leaves the critical path); each
+arrives for the next forward when its device step and its gather are done. Memory: the
+staging sets and the chunks' fp32 gradient accumulators (``plan/memory.py``).
 
 [Note: swapped blocks run at the pace of their copies]
 A swapped block cannot spread its copies over the rest of the phase: in forward, at most
@@ -201,9 +215,11 @@ class RuntimeModel:
         self._task_chunk = np.asarray(task_chunk, dtype=np.int64)
         self._task_bwd_after = np.asarray(task_bwd_after, dtype=np.float64)
         self._task_share = np.asarray(task_share, dtype=np.float64)
-        self.host_stall_s = self._host_stall(
-            trn, frozen, np.asarray(t.max_trainable_numel, dtype=np.int64), needed_at
-        )
+        self._trn, self._frozen = trn, frozen
+        self._trainable_bytes = np.asarray(t.trainable_bytes, dtype=np.int64)
+        self._needed_at = needed_at
+        self._last_numel = np.asarray(t.max_trainable_numel, dtype=np.int64)
+        self.host_stall_s = self._host_stall()
 
     def _collective_s(self, chunk_bytes: int) -> None:
         """Seconds of one chunk's all-gather, reduce-scatter and all-reduce ([Note: several
@@ -249,10 +265,22 @@ class RuntimeModel:
             bwd = (trn_off + trn_persist) * self.all_reduce_s
         return fwd, bwd
 
-    def _host_stall(self, trn, frozen, last_numel, needed_at) -> np.ndarray:
+    def _host_stall(self) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
+        if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
+            return (self.trainable[n] - self.trainable) * self.host_s_per_param / self.world.shards
+        stall = np.zeros(n + 1)
+        for n_p in range(n):
+            stall[n_p] = self._stall_at(n_p, np.zeros(0, dtype=np.int64))
+        return stall
+
+    def _stall_at(self, n_p: int, on_device: np.ndarray) -> float:
+        """Seconds the next forward waits for offloaded chunks at ``n_persist = n_p``, the
+        chunks ``on_device`` stepped on the device (see [Note: device-stepped chunks])."""
+        hw, n = self.hw, self.n_chunks
         sh = self.world.shards
+        trn, frozen, last_numel = self._trn, self._frozen, self._last_numel
         host_s = trn * self.host_s_per_param / sh
         gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         # the copy after the last piece of an update (the pieces before hide under it), and
@@ -260,31 +288,65 @@ class RuntimeModel:
         last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
         tail_s = (frozen + 4 * last_piece) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
-        dev_opt_s = self.trainable / hw.device_adam_params_per_s  # per n_persist
-        stall = np.zeros(n + 1)
-        if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
-            return (self.trainable[n] - self.trainable) * self.host_s_per_param / sh
-        gc = np.concatenate([[0.0], np.cumsum(gather_s)])
+        dev_opt_s = self.trainable[n_p] / hw.device_adam_params_per_s
         stepped = trn > 0
+        dev_done = np.full(n, -np.inf)
+        if len(on_device):  # one after another from the end of backward, cast weights in
+            stepped = stepped.copy()
+            stepped[on_device] = False
+            dev_done[on_device] = np.cumsum(self.device_step_chunk_s(on_device))
+            own = (frozen + self._trainable_bytes)[on_device] / sh / hw.h2d_bytes_per_s
+            gather_s, tail_s = gather_s.copy(), tail_s.copy()
+            gather_s[on_device] = tail_s[on_device] = own + self.gather_coll_s
+        gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         # Without clipping each piece is released when its own gradients are on the host,
         # during backward (negative: before its end); with clipping all at once.
-        tc = self._task_chunk
-        piece_release = grad_tail_s[tc] - self._task_bwd_after
-        piece_work = host_s[tc] * self._task_share
-        for n_p in range(n):
-            if self.clipping:
-                release = np.full(n, grad_tail_s[n_p])
-                done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))[n_p:]
-            else:
-                ends = _lowest_first(piece_release, piece_work, stepped[tc] & (tc >= n_p))
-                done = np.full(n, -np.inf)
-                np.maximum.at(done, tc, ends)
-                done = done[n_p:]
-            # A_j = max over i <= j of (done_i + tail_i + gathers i+1..j)
-            arrive = np.maximum.accumulate(done + tail_s[n_p:] - gc[n_p + 1 :]) + gc[n_p + 1 :]
-            late = np.max(arrive - needed_at[n_p:]) - dev_opt_s[n_p]
-            stall[n_p] = max(late, 0.0) if np.isfinite(late) else 0.0
-        return stall
+        if self.clipping:
+            release = np.full(n, grad_tail_s[n_p])
+            done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))
+        else:
+            tc = self._task_chunk
+            piece_release = grad_tail_s[tc] - self._task_bwd_after
+            piece_work = host_s[tc] * self._task_share
+            ends = _lowest_first(piece_release, piece_work, stepped[tc] & (tc >= n_p))
+            done = np.full(n, -np.inf)
+            np.maximum.at(done, tc, ends)
+        done = np.maximum(done, dev_done)[n_p:]
+        # A_j = max over i <= j of (done_i + tail_i + gathers i+1..j)
+        arrive = np.maximum.accumulate(done + tail_s[n_p:] - gc[n_p + 1 :]) + gc[n_p + 1 :]
+        late = np.max(arrive - self._needed_at[n_p:]) - dev_opt_s
+        return max(late, 0.0) if np.isfinite(late) else 0.0
+
+    # ---- device-stepped chunks ([Note: device-stepped chunks]) -------------------------
+
+    def device_step_chunks(self, n_persist: int, n_device_step: int) -> np.ndarray:
+        """The chunks a device step takes: the last ``n_device_step`` offloaded trainable
+        ones (an index array; fewer if there are fewer)."""
+        idx = np.flatnonzero(self._trn[int(n_persist) :] > 0) + int(n_persist)
+        return idx[max(len(idx) - int(n_device_step), 0) :] if n_device_step else idx[:0]
+
+    def host_step_chunk_s(self, chunks: np.ndarray) -> np.ndarray:
+        """Seconds of each chunk's host step (AdamW, and the clip pass with clipping)."""
+        return self._trn[chunks] * self.host_s_per_param / self.world.shards
+
+    def device_step_bytes(self, chunks: np.ndarray) -> tuple[float, float]:
+        """(host-to-device, device-to-host) bytes per rank a device step of ``chunks``
+        streams: masters and both moments each way, and the cast weights out."""
+        trn = float(self._trn[chunks].sum())
+        tb = float(self._trainable_bytes[chunks].sum())
+        return 12 * trn / self.world.shards, (12 * trn + tb) / self.world.shards
+
+    def device_step_chunk_s(self, chunks: np.ndarray) -> np.ndarray:
+        """Seconds of each chunk's device step: its link traffic at the measured rates or
+        its device AdamW, whichever is longer (the pieces pipeline the two)."""
+        hw, sh = self.hw, self.world.shards
+        trn = self._trn[chunks].astype(np.float64)
+        h2d, d2h = 12 * trn / sh, (12 * trn + self._trainable_bytes[chunks]) / sh
+        link = np.maximum(
+            np.maximum(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s),
+            (h2d + d2h) / hw.duplex_bytes_per_s,
+        )
+        return np.maximum(link, trn / sh / hw.device_adam_params_per_s)
 
     def swap_wait_s(self, pol: np.ndarray, phase: str | None = None) -> np.ndarray:
         """Seconds the swapped blocks wait for their own copies, per row of policies: in
@@ -303,11 +365,23 @@ class RuntimeModel:
         return compute, swap
 
     def step_s(
-        self, n_persist, n_buffer, compute_s, swap_bytes, fwd_wait_s=0.0, *, breakdown=False
+        self,
+        n_persist,
+        n_buffer,
+        compute_s,
+        swap_bytes,
+        fwd_wait_s=0.0,
+        *,
+        breakdown=False,
+        n_device_step: int = 0,
     ):
         """Step seconds; arrays broadcast. ``fwd_wait_s``: the part of ``compute_s`` that
         swapped blocks wait in forward (:meth:`swap_wait_s`), which only forward copies can
-        overlap. ``breakdown=True`` returns the terms as well."""
+        overlap. ``breakdown=True`` returns the terms as well. ``n_device_step`` (with a
+        scalar ``n_persist``): see [Note: device-stepped chunks]."""
+        dev = np.zeros(0, dtype=np.int64)
+        if n_device_step:
+            dev = self.device_step_chunks(int(n_persist), n_device_step)
         n_persist = np.asarray(n_persist)
         n_buffer = np.asarray(n_buffer)
         n = self.n_chunks
@@ -318,6 +392,17 @@ class RuntimeModel:
         d2h_f = self.write_back[n] - self.write_back[n_persist] + swap_bytes
         h2d_b = self.used[n - resident_at_turn] - self.used[n_persist] + swap_bytes
         d2h_b = self.grads_out[n] - self.grads_out[n_persist]
+        dev_h2d = dev_d2h = dev_step_s = 0.0
+        host_params = self.trainable[n] - self.trainable[n_persist]
+        if len(dev):  # see [Note: device-stepped chunks]
+            sh = self.world.shards
+            trn, tb = self._trn[dev].sum(), self._trainable_bytes[dev].sum()
+            dev_h2d, dev_d2h = self.device_step_bytes(dev)
+            h2d_f = h2d_f - (4 * trn - tb) / sh + dev_h2d  # cast weights in, not masters
+            d2h_f = d2h_f - tb / sh + dev_d2h  # no write-back
+            d2h_b = d2h_b - 4 * trn / sh  # gradients stay on the device
+            dev_step_s = float(self.device_step_chunk_s(dev).sum())
+            host_params = host_params - trn
 
         def copy_seconds(h2d, d2h):
             return np.maximum(
@@ -340,7 +425,12 @@ class RuntimeModel:
         copy_s = copy_f + copy_b
         h2d, d2h = h2d_f + h2d_b, d2h_f + d2h_b
         dev_opt_s = self.trainable[n_persist] / hw.device_adam_params_per_s
-        stall_s = self.host_stall_s[n_persist]
+        if not len(dev):
+            stall_s = self.host_stall_s[n_persist]
+        elif concurrent:
+            stall_s = self._stall_at(int(n_persist), dev)
+        else:  # the CPU: every term adds
+            stall_s = host_params * self.host_s_per_param / self.world.shards + dev_step_s
         total = overlapped + dev_opt_s + stall_s
         if not breakdown:
             return total
@@ -352,12 +442,11 @@ class RuntimeModel:
             "h2d_bytes": float(h2d),
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
-            "host_optimizer": float(
-                (self.trainable[n] - self.trainable[n_persist])
-                * self.host_s_per_param
-                / self.world.shards
-            ),
+            "host_optimizer": float(host_params * self.host_s_per_param / self.world.shards),
             "host_optimizer_exposed": float(stall_s),
+            "device_step": dev_step_s,
+            "device_step_h2d_bytes": float(dev_h2d),
+            "device_step_d2h_bytes": float(dev_d2h),
         }
 
 

@@ -20,6 +20,14 @@ never gets better with more compute or more swap bytes. So:
    candidate). Ties: the earlier pair in bound order, then more persistent chunks, then
    more buffers.
 
+4. ``n_device_step`` (offloaded chunks stepped on the device, ``optim/device_step.py``) is
+   chosen last, for the best row only: it changes that row's step time and adds device
+   bytes, and the values worth trying are few: 0, and the counts around the one where the
+   device-stepped chunks' link time meets the host AdamW time of the rest
+   (:func:`_choose_device_step`, at most four evaluations). Not on a CPU device (there the
+   "device" step is the host's own work plus copies) nor with sharded chunks (the engine
+   steps only whole chunks on the device).
+
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
 intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
 most), reported in :attr:`SearchResult.work`. Knobs the user fixed are single values
@@ -152,18 +160,26 @@ class PlanProblem:
 
     # ---- evaluation -------------------------------------------------------------------
 
-    def evaluate(self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> dict:
+    def evaluate(
+        self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int, n_device_step=0
+    ) -> dict:
         """Predicted peak, step time and host bytes of one knob setting (no fit check).
         The engine clamps ``n_buffer`` to the offloaded chunks; so does this."""
         n_buffer = min(n_buffer, self.memory.n_chunks - n_persist)
-        mem = self.memory.terms(n_persist, n_buffer, n_swap, n_checkpoint)
+        mem = self.memory.terms(n_persist, n_buffer, n_swap, n_checkpoint, n_device_step)
         if self.extra_bytes:
             mem["measured_beyond_model"] = self.extra_bytes
         pol = policy_matrix(self.memory.n_blocks, np.array([n_swap]), np.array([n_checkpoint]))
         compute, swap = self.runtime.pair_terms(pol)
         fwd_wait = self.runtime.swap_wait_s(pol, "forward")
         step, time_terms = self.runtime.step_s(
-            n_persist, n_buffer, compute[0], swap[0], fwd_wait[0], breakdown=True
+            n_persist,
+            n_buffer,
+            compute[0],
+            swap[0],
+            fwd_wait[0],
+            breakdown=True,
+            n_device_step=n_device_step,
         )
         time_terms["swap_wait"] = float(self.runtime.swap_wait_s(pol)[0])  # part of compute
         return {
@@ -256,9 +272,13 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     plain = _plain_layout(problem, best[0][0][0])
     if plain is not None:
         rows_ = [plain[0]] + [r for r in rows_ if r != plain[0]][: k - 1]
-    plan = _make_plan(problem, rows_)
+    n_device_step, why, tried = _choose_device_step(problem, rows_[0])
+    work["device_step_evaluations"] = tried
+    plan = _make_plan(problem, rows_, n_device_step)
     if plain is not None:
         plan.reasons.append(plain[1])
+    if why:
+        plan.reasons.append(why)
     log.debug("plan search work: %s", work)
     return SearchResult(plan=plan, work=work)
 
@@ -413,16 +433,50 @@ def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> No
     )
 
 
-def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
-    """The plan of ``best[0]``; ``best`` (knobs, fastest first) becomes its candidates, each
-    evaluated as the plan is."""
+def _choose_device_step(problem: PlanProblem, knobs: list[int]) -> tuple[int, str, int]:
+    """``n_device_step`` for the plan ``knobs``, the reason (``""`` when not searched) and
+    the evaluations it took: 0 and the counts around the balance of link and host time,
+    the fastest that fits."""
+    rt, hw = problem.runtime, problem.hardware
+    n_p = knobs[0]
+    chunks = rt.device_step_chunks(n_p, problem.memory.n_chunks)  # every offloaded trainable
+    if (
+        hw.device == "cpu"
+        or (problem.world.distributed and problem.world.mode == "sharded")
+        or not len(chunks)
+    ):
+        return 0, "", 0
+    host = rt.host_step_chunk_s(chunks)
+    dev = rt.device_step_chunk_s(chunks)
+    # d chunks on the device (the last d): host time of the others against device time
+    host_left = np.concatenate([np.cumsum(host)[::-1], [0.0]])  # index d
+    dev_time = np.concatenate([[0.0], np.cumsum(dev[::-1])])
+    balance = int(np.argmax(dev_time >= host_left))
+    values = sorted({0, *(d for d in (balance - 1, balance, balance + 1) if 0 < d <= len(chunks))})
+    tried = []
+    best_d, best_s = 0, None
+    for d in values:
+        ev = problem.evaluate(*knobs, n_device_step=d)
+        fits = ev["peak_bytes"] <= problem.gpu_budget_bytes
+        tried.append(f"{d}: {ev['step_s']:.4f} s" + ("" if fits else " (does not fit)"))
+        if fits and (best_s is None or ev["step_s"] < best_s):
+            best_d, best_s = d, ev["step_s"]
+    why = f"n_device_step={best_d} (offloaded chunks stepped on the device) of those tried: "
+    return best_d, why + "; ".join(tried), len(values)
+
+
+def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int = 0) -> Plan:
+    """The plan of ``best[0]`` with ``n_device_step``; ``best`` (knobs, fastest first)
+    becomes its candidates, each evaluated as the plan is (the first with
+    ``n_device_step``, the others without)."""
     from protrain.plan.explain import reasons_for
 
     p = problem.profile
     fixed_nb = problem.fixed.get("n_buffer")
     candidates = []
-    for knobs in best:
-        ev = problem.evaluate(*knobs)
+    for i, knobs in enumerate(best):
+        d = n_device_step if i == 0 else 0
+        ev = problem.evaluate(*knobs, n_device_step=d)
         if fixed_nb is not None:
             knobs = [knobs[0], fixed_nb, *knobs[2:]]  # the user's value, not the clamped one
         t = ev["step_s"]
@@ -433,10 +487,11 @@ def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
                 "predicted_step_s": t,
                 "predicted_tokens_per_s": p.tokens / t if t else 0.0,
                 "predicted_host_bytes": ev["host_bytes"],
+                "n_device_step": d,
             }
         )
     knobs = [candidates[0][k] for k in KNOBS]
-    ev = problem.evaluate(*knobs)
+    ev = problem.evaluate(*knobs, n_device_step=n_device_step)
     plan = Plan(
         **dict(zip(KNOBS, knobs)),
         chunk_size_bytes=p.chunks.chunk_size_bytes,
@@ -456,6 +511,7 @@ def _make_plan(problem: PlanProblem, best: list[list[int]]) -> Plan:
         distributed_mode=problem.world.distributed_mode,
         chunked_loss_tokens=p.loss_chunk_tokens,
         loss_planned=p.loss_vocab_size is not None,
+        n_device_step=n_device_step,
     )
     plan.reasons = reasons_for(plan, problem)
     return plan

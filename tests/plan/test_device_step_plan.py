@@ -1,0 +1,86 @@
+"""The step-time and memory models of device-stepped offloaded chunks ([Note: device-stepped
+chunks] in plan/runtime.py) and the search's choice of ``n_device_step``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import plan_synthetic as syn
+import pytest
+
+from protrain.optim.device_step import staging_bytes
+from protrain.plan import PlanProblem, search
+from protrain.plan.memory import policy_matrix
+from protrain.plan.runtime import RuntimeModel
+
+GIB = 1 << 30
+
+
+def _terms(rt, p, n_p, d):
+    pol = policy_matrix(len(p.blocks), np.array([0]), np.array([0]))
+    compute, swap = rt.pair_terms(pol)
+    return rt.step_s(n_p, 3, compute[0], swap[0], breakdown=True, n_device_step=d)
+
+
+def test_device_step_terms():
+    p, hw = syn.profile(8, 10), dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=0.5e9)
+    rt = RuntimeModel(p, hw, clipping=True)
+    t0, b0 = _terms(rt, p, 2, 0)
+    t2, b2 = _terms(rt, p, 2, 2)
+    trn = np.asarray(p.chunks.trainable_numel[-2:], dtype=np.float64)
+    tb = float(np.sum(p.chunks.trainable_bytes[-2:]))
+    assert b2["device_step_h2d_bytes"] == 12 * trn.sum()
+    assert b2["device_step_d2h_bytes"] == 12 * trn.sum() + tb
+    # masters and moments in, cast weights in instead of fp32 masters
+    assert b2["h2d_bytes"] - b0["h2d_bytes"] == pytest.approx(12 * trn.sum() - (4 * trn.sum() - tb))
+    # masters, moments and cast weights out; no gradients, no write-back
+    assert b2["d2h_bytes"] - b0["d2h_bytes"] == pytest.approx(8 * trn.sum())
+    assert b0["host_optimizer"] - b2["host_optimizer"] == pytest.approx(
+        trn.sum() * rt.host_s_per_param
+    )
+    tb8 = p.chunks.trainable_bytes[8]
+    link = max(12 * trn[0] / hw.h2d_bytes_per_s, (12 * trn[0] + tb8) / hw.d2h_bytes_per_s,
+               (24 * trn[0] + tb8) / hw.duplex_bytes_per_s)  # fmt: skip
+    assert rt.device_step_chunk_s(np.array([8]))[0] == pytest.approx(
+        max(link, trn[0] / hw.device_adam_params_per_s)
+    )
+    assert b2["device_step"] > 0 and b0["device_step"] == 0
+    assert t2 < t0  # the host AdamW was the bound
+    # n_device_step=0 is the model without it
+    assert t0 == _terms(rt, p, 2, 0)[0] and "device_step" in b0
+
+    problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB)
+    mem0 = problem.evaluate(2, 3, 0, 0)["memory_terms"]
+    mem2 = problem.evaluate(2, 3, 0, 0, n_device_step=2)["memory_terms"]
+    assert "device_step_grads" not in mem0
+    assert mem2["device_step_grads"] == 4 * trn.sum()
+    assert mem2["device_step_staging"] == staging_bytes()
+
+
+@pytest.mark.parametrize("cpu_adam", [0.3e9, 1e13])
+def test_search_takes_device_steps_where_the_host_adamw_is_the_bound(cpu_adam):
+    p = syn.profile(8, 10)
+    hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=cpu_adam)
+    problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs={"n_persist": 2})
+    result = search(problem)
+    plan = result.plan
+    assert 1 <= result.work["device_step_evaluations"] <= 4
+    assert any(r.startswith("n_device_step=") for r in plan.reasons)
+    knobs = list(plan.knobs.values())
+    without = problem.evaluate(*knobs)["step_s"]
+    if cpu_adam < 1e12:  # slow host: the device steps some, and the step is faster
+        assert plan.n_device_step > 0
+        assert plan.predicted_step_s < without
+    else:
+        assert plan.n_device_step == 0
+        assert plan.predicted_step_s == without
+    assert plan.candidates[0]["n_device_step"] == plan.n_device_step
+
+
+def test_search_leaves_device_steps_off_on_a_cpu_device():
+    p = dataclasses.replace(syn.profile(8, 10), device="cpu")
+    hw = dataclasses.replace(syn.hardware("cpu"), cpu_adam_params_per_s=0.3e9)
+    result = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs={"n_persist": 2}))
+    assert result.plan.n_device_step == 0
+    assert result.work["device_step_evaluations"] == 0
