@@ -234,8 +234,8 @@ def test_example_runs(tmp_path, budget):
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "final" / "model.safetensors").is_file()
     logged = out.stdout + out.stderr
-    # with a budget the plan is made from the Trainer's first batch and printed once
-    assert logged.count("protrain memory plan from the first training batch") == int(bool(budget))
+    # with a budget the plan is made for the heaviest micro-batch and printed once
+    assert logged.count("protrain memory plan for the planning micro-batch") == int(bool(budget))
 
 
 @pytest.mark.gpu

@@ -1,5 +1,5 @@
-"""ProTrainTrainer with a GPU budget: the memory plan from the Trainer's own first batch
-(ProTrainConfig.gpu_budget), logged once, training to the Trainer's own losses (the
+"""ProTrainTrainer with a GPU budget: the memory plan for the heaviest micro-batch of the
+Trainer's data (ProTrainConfig.gpu_budget), logged once, training to the Trainer's own losses (the
 tolerance of the application's auto tests), and resuming exactly from its checkpoints."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from protrain.integrations.transformers import ProTrainConfig
-from protrain.integrations.transformers.planning import pad_to
 
 from .test_hf_trainer import EngineTrainer, dataset, run_plain, tiny_model, trained_state
 from .test_hf_trainer import arguments as trainer_arguments
@@ -31,7 +30,7 @@ def planned_trainer(tmp, lora, max_grad_norm, config, **kw) -> EngineTrainer:
 
 
 # The user fixes n_persist=1 and the chunk size (chunks offload); the planner chooses n_buffer
-# and the activation knobs, from a first batch padded to the widest the data can give.
+# and the activation knobs, from the heaviest micro-batch padded to plan_sequence_len.
 CONFIG = ProTrainConfig(gpu_budget=BUDGET, n_persist=1, chunk_size_bytes=1 << 19,
                         plan_sequence_len=32)  # fmt: skip
 SAVE = dict(save_strategy="steps", save_steps=2)
@@ -52,7 +51,7 @@ def planned_run(tmp_path_factory):
     logger.setLevel(logging.INFO)
     try:
         trainer = planned_trainer(tmp_path_factory.mktemp("planned"), False, 0.05, CONFIG, **SAVE)
-        assert not trainer.wrapped and trainer.plan is None  # until the first batch
+        assert not trainer.wrapped and trainer.plan is None  # until train() starts
         assert next(trainer.model.parameters()).device.type == "cpu"
         trainer.train()
     finally:
@@ -62,14 +61,14 @@ def planned_run(tmp_path_factory):
     trainer.close()
 
 
-def test_plan_from_first_batch_gives_the_trainers_losses(tmp_path, planned_run):
+def test_planned_run_gives_the_trainers_losses(tmp_path, planned_run):
     trainer, records = planned_run
     losses, state, _, _ = run_plain(tmp_path / "plain", False, 0.05)
     plan = trainer.plan
     assert plan is not None and trainer.layout.n_persist == plan.n_persist == 1
     assert plan.chunk_size_bytes == 1 << 19
     assert sum(not c.persistent for c in trainer.layout.chunks) >= 2
-    lines = [m for m in records if m.startswith("protrain memory plan from the first")]
+    lines = [m for m in records if m.startswith("protrain memory plan for the planning")]
     # per_device_train_batch_size=2 rows of 24 tokens, padded to plan_sequence_len
     assert len(lines) == 1 and "batch 2x32:" in lines[0] and str(plan) in lines[0]
     torch.testing.assert_close(trainer.losses, losses, rtol=1e-5, atol=1e-6)
@@ -89,41 +88,6 @@ def test_resume_with_a_budget_continues_exactly(tmp_path, planned_run):
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=0)
     resumed.close()
-
-
-def test_the_peek_leaves_the_random_state_and_the_first_batch_as_they_were():
-    """A sampler and a collator that draw from torch's global generator (the Trainer's
-    sampler with use_seedable_sampler=False, a random-masking collator): the peek changes
-    neither what training then draws nor the first batch it gets."""
-    from torch.utils.data import DataLoader, RandomSampler
-
-    from protrain.integrations.transformers.planning import first_batch
-
-    def collate(rows):
-        ids = torch.stack([r["input_ids"] for r in rows])
-        return {"input_ids": ids, "noise": torch.rand(ids.shape)}
-
-    rows = dataset(8)
-    loader = DataLoader(rows, batch_size=2, sampler=RandomSampler(rows), collate_fn=collate)
-    torch.manual_seed(3)
-    state = torch.get_rng_state()
-    peeked = first_batch(loader, torch.device("cpu"))
-    assert torch.equal(torch.get_rng_state(), state)
-    real = next(iter(loader))
-    assert torch.equal(peeked["input_ids"], real["input_ids"])
-    assert torch.equal(peeked["noise"], real["noise"])
-
-
-def test_pad_to_keeps_the_batch_and_pads_its_tokens():
-    ids = torch.tensor([[5, 6, 7]])
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone(),
-             "position_ids": torch.tensor([[0, 1, 2]])}  # fmt: skip
-    padded = pad_to(batch, 5)
-    assert padded["input_ids"].tolist() == [[5, 6, 7, 0, 0]]
-    assert padded["attention_mask"].tolist() == [[1, 1, 1, 0, 0]]
-    assert padded["labels"].tolist() == [[5, 6, 7, -100, -100]]
-    assert padded["position_ids"].tolist() == [[0, 1, 2, 3, 4]]
-    assert pad_to(batch, 2) is batch
 
 
 @pytest.mark.parametrize(

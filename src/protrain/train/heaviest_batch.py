@@ -85,12 +85,17 @@ def heaviest_batch(
     collate: Callable[[list[dict[str, Any]]], dict[str, torch.Tensor]],
     *,
     micro_batch_size: int,
-    sequence_len: int,
-    packing: bool,
+    sequence_len: int | None = None,
+    packing: bool = False,
+    pad_to_multiple_of: int | None = None,
 ) -> HeaviestBatch:
-    """The heaviest micro-batch of `dataset` under `collate` (see the module's note)."""
+    """The heaviest micro-batch of `dataset` under `collate` (see the module's note).
+    `sequence_len`: the packs' length, needed where `packing`. `pad_to_multiple_of`: the
+    multiple the collator pads to (None: its own `pad_to_multiple_of` attribute, if any)."""
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size={micro_batch_size!r}: use an integer >= 1")
+    if packing and sequence_len is None:
+        raise ValueError("packing=True needs sequence_len, the length of a pack")
     sizes = row_sizes(dataset)
     if not sizes:
         raise ValueError("the training dataset is empty: there is no micro-batch to plan for")
@@ -100,9 +105,10 @@ def heaviest_batch(
     if packing:
         width = sequence_len * len(rows)
     else:
-        width = _round_up(max(s.tokens for s in sizes), getattr(collate, "pad_to_multiple_of", 0))
-    media_keys = {k for item in items for k, v in item.items() if torch.is_tensor(v)}
-    batch = pad_tokens(batch, width, getattr(collate, "pad_id", 0), media_keys)
+        if pad_to_multiple_of is None:
+            pad_to_multiple_of = getattr(collate, "pad_to_multiple_of", 0)
+        width = _round_up(max(s.tokens for s in sizes), pad_to_multiple_of)
+    batch = pad_tokens(batch, width, getattr(collate, "pad_id", 0), _media_keys(items))
     return HeaviestBatch(batch, rows, _reason(sizes, rows, batch, packing, sequence_len))
 
 
@@ -133,6 +139,20 @@ def pad_tokens(
             pad = t.new_full((t.shape[0], n_pad, *t.shape[2:]), fill.get(key, 0))
             out[key] = torch.cat([t, pad], dim=1)
     return out
+
+
+def _media_keys(items: list[dict[str, Any]]) -> set[str]:
+    """The rows' tensors other than their token tensors (integer, one value per token of
+    the row: ids, masks and labels of rows stored as tensors)."""
+    keys = set()
+    for item in items:
+        n_tokens = len(item["input_ids"])
+        for key, v in item.items():
+            if not torch.is_tensor(v):
+                continue
+            if not (v.dim() == 1 and v.shape[0] == n_tokens and not v.is_floating_point()):
+                keys.add(key)
+    return keys
 
 
 def _round_up(n: int, multiple: int | None) -> int:

@@ -23,7 +23,7 @@ class EngineStepCallback(TrainerCallback):
     (before clipping), for the Trainer's logs."""
 
     def __init__(self, optimizer: HybridAdamW | None, max_grad_norm: float | None):
-        # None until the model is wrapped (ProTrainConfig.gpu_budget: at the first batch)
+        # None until the model is wrapped (ProTrainConfig.gpu_budget: when training starts)
         self.optimizer = optimizer
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None

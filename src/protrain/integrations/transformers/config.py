@@ -26,11 +26,12 @@ class ProTrainConfig:
     ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
     last backward of the step (the same arithmetic, overlapped with the backward).
 
-    ``gpu_budget`` (bytes or a size such as ``"24GiB"``): plan the knobs left None from the
-    Trainer's first training batch (profile and search, ``protrain.plan``); the ones given
-    are kept. ``cpu_budget`` bounds the plan's host memory (default: 90% of what is
-    available). ``plan_sequence_len``: pad the planning batch to this many tokens, the
-    widest batch the collator can yield (None: the first batch as it comes).
+    ``gpu_budget`` (bytes or a size such as ``"24GiB"``): plan the knobs left None for the
+    heaviest micro-batch of the Trainer's training data (profile and search,
+    ``protrain.plan``; see ``planning.py``); the ones given are kept. ``cpu_budget`` bounds
+    the plan's host memory (default: 90% of what is available). ``plan_sequence_len``: pad
+    the planning batch to this many tokens, for a collator that yields batches wider than
+    the dataset's longest row (None: as wide as that row).
     """
 
     n_persist: int | None = None
@@ -82,7 +83,7 @@ class ProTrainConfig:
 
     @property
     def planned(self) -> bool:
-        """Whether the knobs left None are chosen by the planner from the first batch."""
+        """Whether the knobs left None are chosen by the planner when training starts."""
         return self.gpu_budget is not None
 
     def wrap_kwargs(self) -> dict[str, Any]:

@@ -1,79 +1,121 @@
-"""The memory plan from the Trainer's own first training batch.
+"""The memory plan for the heaviest micro-batch of the Trainer's training data.
 
 With ``ProTrainConfig.gpu_budget`` the model is wrapped when the Trainer builds its training
 dataloader (``get_train_dataloader``, public, called at the top of the training loop before
-the optimizer is created): the first batch that loader yields is the planner's sample, at its
-real shape (``per_device_train_batch_size`` rows, the collator's padded length).
+the optimizer is created). The planner's sample is the heaviest micro-batch the training
+dataset can produce, chosen as ``protrain train`` chooses it
+(``protrain.train.heaviest_batch``): the ``per_device_train_batch_size`` rows with the most
+media input, else the longest, collated by the loader's own collator (the Trainer's, with
+its unused columns removed), padded to the longest row of the dataset. A plan made for it
+holds for every micro-batch the loader yields. ``plan_sequence_len`` pads it further, for a
+collator that can yield wider batches than the rows (padding to a fixed length).
 
-[Note: peeking at the first batch]
-The batch is read from the loader under the accelerate adapter (``base_dataloader``), not
-from the adapter itself: iterating the adapter registers it with accelerate's gradient
-state until the iteration ends, and a peek never ends it. The read and the trace run under
-``torch.random.fork_rng``, so that what draws from torch's global generator (a
-``RandomSampler`` when ``use_seedable_sampler=False``, a random-masking collator, the trace's
-dropout) leaves the run's random state as it was: the Trainer then yields the same first
-batch again and trains as it would have without the plan.
+[Note: choosing without the training stream]
+Rows are read by index from the loader's dataset and collated by its ``collate_fn``; the
+loader is never iterated, so its sampler draws nothing and its position is untouched. The
+collation runs with torch's, Python's and NumPy's random states restored afterwards, so a
+collator that draws (random masking) leaves the run's random state as it was: the Trainer
+then yields the batches it would have yielded without the plan.
+
+Where the rows cannot be sized without collating them (an iterable dataset, or rows without
+``input_ids`` that the collator tokenizes, as TRL's vision-language rows), the sample is the
+loader's first batch instead, peeked at under the same restored random state, and the log
+line says so. The peek reads the loader under the accelerate adapter (``base_dataloader``):
+iterating the adapter registers it with accelerate's gradient state until the iteration
+ends, and a peek never ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+import random
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from protrain.integrations.transformers.config import ProTrainConfig
+from protrain.train.heaviest_batch import heaviest_batch, pad_tokens
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100  # the labels' padding, as transformers' collators write it
 
 
-def first_batch(loader: DataLoader, device: torch.device) -> dict[str, Any]:
-    """The first batch ``loader`` yields, on ``device``, leaving every random state as it
-    was (see [Note: peeking at the first batch])."""
+def planning_batch(
+    loader: DataLoader, device: torch.device, config: ProTrainConfig, micro_batch_size: int
+) -> dict[str, Any]:
+    """The planner's sample on ``device`` (see the module's note); one log line says which
+    rows and why."""
     base = getattr(loader, "base_dataloader", loader)
-    with torch.random.fork_rng(devices=rng_devices(device)):
-        batch = next(iter(base))
-    # collators return dicts or transformers' BatchEncoding (a Mapping)
-    if not isinstance(batch, Mapping) or not torch.is_tensor(batch.get("input_ids")):
-        raise ValueError(
-            "ProTrainConfig.gpu_budget plans from the first training batch, which must be a "
-            f"mapping with an input_ids tensor (got {type(batch).__name__}); fix the knobs "
-            "(n_persist, n_buffer, n_checkpoint) without a budget instead"
-        )
+    unsized = why_unsized(base.dataset)
+    with kept_random_state(device):
+        if unsized is None:
+            collate = base.collate_fn
+            # transformers' RemoveColumnsCollator keeps the Trainer's collator as data_collator
+            inner = getattr(collate, "data_collator", collate)
+            chosen = heaviest_batch(
+                base.dataset,
+                collate,
+                micro_batch_size=micro_batch_size,
+                pad_to_multiple_of=getattr(inner, "pad_to_multiple_of", None) or 0,
+            )
+            batch, reason = chosen.batch, chosen.reason
+        else:
+            batch = next(iter(base))
+            reason = f"planning micro-batch: the loader's first batch ({unsized})"
+    _check_batch(batch)
+    batch = dict(batch)
+    width = config.plan_sequence_len
+    if width is not None and width > batch["input_ids"].shape[1]:
+        batch = pad_tokens(batch, width, pad_id=0, media_keys=_floating_keys(batch))
+        reason += f", padded to plan_sequence_len {width}"
+    log.info(reason)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def pad_to(batch: dict[str, Any], width: int) -> dict[str, Any]:
-    """``batch`` padded on the right to ``width`` tokens: the widest shape the collator can
-    yield, for a plan that must hold for every batch. Padding values do not matter to the
-    trace (only shapes do); labels get the ignore index so the loss stays defined."""
-    ids = batch["input_ids"]
-    n_pad = width - ids.shape[1]
-    if n_pad <= 0:
-        return batch
-    out = {}
-    for key, t in batch.items():
-        if not torch.is_tensor(t) or t.shape[:2] != ids.shape:
-            out[key] = t
-        elif key == "position_ids":
-            tail = torch.arange(n_pad, dtype=t.dtype, device=t.device) + t[:, -1:] + 1
-            out[key] = torch.cat([t, tail], dim=1)
-        else:
-            fill = IGNORE_INDEX if key == "labels" else 0
-            out[key] = torch.cat([t, t.new_full((t.shape[0], n_pad), fill)], dim=1)
-    return out
+def why_unsized(dataset: Any) -> str | None:
+    """Why the rows of ``dataset`` cannot be sized by index (None: they can)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+        return f"a {type(dataset).__name__} has no rows to choose from"
+    if len(dataset) == 0:
+        return None  # heaviest_batch names the empty dataset
+    first = dataset[0]
+    if not isinstance(first, Mapping) or "input_ids" not in first:
+        return (
+            "its rows carry no input_ids to size them by, the collator makes them; the plan "
+            "holds for batches no heavier than this one"
+        )
+    return None
 
 
-def planning_batch(loader: DataLoader, device: torch.device, config: ProTrainConfig) -> dict:
-    """The planner's sample: the first batch, padded to ``config.plan_sequence_len``."""
-    batch = first_batch(loader, device)
-    if config.plan_sequence_len is not None:
-        batch = pad_to(batch, config.plan_sequence_len)
-    return batch
+@contextlib.contextmanager
+def kept_random_state(device: torch.device) -> Iterator[None]:
+    """Torch's (and the CUDA device's), Python's and NumPy's random states as they were."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=rng_devices(device)):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
 
 
 def rng_devices(device: torch.device) -> list:
     return [device] if device.type == "cuda" else []
+
+
+def _check_batch(batch: Any) -> None:
+    # collators return dicts or transformers' BatchEncoding (a Mapping)
+    if not isinstance(batch, Mapping) or not torch.is_tensor(batch.get("input_ids")):
+        raise ValueError(
+            "ProTrainConfig.gpu_budget plans from a training micro-batch, which must be a "
+            f"mapping with an input_ids tensor (got {type(batch).__name__}); fix the knobs "
+            "(n_persist, n_buffer, n_checkpoint) without a budget instead"
+        )
+
+
+def _floating_keys(batch: Mapping[str, Any]) -> set[str]:
+    """Media tensors (pixels, audio features) that padding must leave as they are."""
+    return {k for k, v in batch.items() if torch.is_tensor(v) and v.is_floating_point()}

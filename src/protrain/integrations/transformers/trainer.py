@@ -10,8 +10,9 @@ changes, and through which hook:
   optimizer is the engine's ``HybridAdamW`` with the Trainer's parameter groups and AdamW
   hyperparameters (``create_optimizer`` returns it).
 - ``get_train_dataloader``: with ``ProTrainConfig.gpu_budget`` the wrap waits for the
-  Trainer's first training batch, the planner's sample (``planning.py``); the Trainer leaves
-  the model where it is until then (``TrainingArguments.place_model_on_device``).
+  Trainer's training loader, whose dataset and collator give the planner's sample, the
+  heaviest micro-batch (``planning.py``); the Trainer leaves the model where it is until
+  then (``TrainingArguments.place_model_on_device``).
 - Clipping: ``args.max_grad_norm`` is the engine's (``EngineStepCallback`` clips through the
   engine's optimizer in ``on_pre_optimizer_step``); the Trainer gets a copy of the arguments
   with ``max_grad_norm=0``, so that its own ``clip_grad_norm_``, which reads ``param.grad``
@@ -101,6 +102,8 @@ class ProTrainTrainer(Trainer):
             protrain_config = getattr(self, "protrain_config", None)
         config = protrain_config if protrain_config is not None else ProTrainConfig()
         _check_supported(model, args, trainer_kwargs)
+        if config.planned:
+            _check_plannable(args)
         _check_private_hook()
         self.protrain_config = config
         self.max_grad_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
@@ -119,7 +122,7 @@ class ProTrainTrainer(Trainer):
         self.engine_step = EngineStepCallback(None, self.max_grad_norm)
         model.train()
         if config.planned:
-            # Wrapped from the first batch (get_train_dataloader); until then the model stays
+            # Wrapped once the loader exists (get_train_dataloader); until then the model stays
             # where it is: TrainingArguments.place_model_on_device is the Trainer's public
             # switch for integrations that place the model themselves.
             args.__class__ = _unplaced(type(args))
@@ -167,16 +170,21 @@ class ProTrainTrainer(Trainer):
         self.engine_step.optimizer = self.engine_optimizer
         self.plan = protrain.plan_of(model)
         if self.plan is not None:
-            log.info("protrain memory plan from the first training batch %s:\n%s",
+            log.info("protrain memory plan for the planning micro-batch %s:\n%s",
                      _shape(sample_batch), self.plan)  # fmt: skip
 
     def get_train_dataloader(self) -> DataLoader:
         """The Trainer's loader; with ``ProTrainConfig.gpu_budget``, the model is wrapped here
-        under the plan for the loader's first batch (``planning.py``), before the Trainer
-        creates the optimizer."""
+        under the plan for the heaviest micro-batch of the loader's dataset and collator
+        (``planning.py``), before the Trainer creates the optimizer."""
         loader = super().get_train_dataloader()
         if not self.wrapped:
-            batch = planning_batch(loader, torch.device(self.args.device), self.protrain_config)
+            batch = planning_batch(
+                loader,
+                torch.device(self.args.device),
+                self.protrain_config,
+                micro_batch_size=self.args.per_device_train_batch_size,
+            )
             self._wrap(self.model, self.args, sample_batch=batch)
             if self._resume_dir is not None:
                 load_engine_state(self.model, self._trainable_names, self._resume_dir)
@@ -190,7 +198,7 @@ class ProTrainTrainer(Trainer):
         if not self.wrapped:
             raise RuntimeError(
                 "ProTrainTrainer: with ProTrainConfig.gpu_budget the engine's optimizer exists "
-                "once train() has planned from the first batch"
+                "once train() has planned from the training data"
             )
         self.optimizer = self.engine_optimizer
         return self.optimizer
@@ -318,6 +326,18 @@ def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str
         raise ValueError(
             f"ProTrainTrainer uses one GPU; {args.n_gpu} are visible to this process: make "
             "one visible (CUDA_VISIBLE_DEVICES)"
+        )
+
+
+def _check_plannable(args: TrainingArguments) -> None:
+    """The plan is made for micro-batches of ``per_device_train_batch_size`` rows."""
+    strategy = getattr(args, "train_sampling_strategy", "random")
+    if strategy == "batch_rebalance":
+        raise ValueError(
+            "ProTrainTrainer: ProTrainConfig.gpu_budget plans for micro-batches of "
+            "per_device_train_batch_size rows, and train_sampling_strategy='batch_rebalance' "
+            "changes the rows per micro-batch: use 'random', 'sequential' or "
+            "'group_by_length', or fix the knobs (n_persist, n_buffer) without a budget"
         )
 
 
