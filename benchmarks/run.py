@@ -62,6 +62,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chunk-mib", type=float, help="protrain: chunk size (default: the engine's)")
     p.add_argument("--host-threads", type=int, help="protrain: host AdamW intra-op threads")
     p.add_argument(
+        "--n-device-step", type=int,
+        help="protrain: offloaded chunks whose AdamW runs on the GPU (with --auto: replaces "
+             "the plan's choice)",
+    )  # fmt: skip
+    p.add_argument(
         "--auto", action="store_true",
         help="protrain: knobs from the planner (wrap(gpu_budget=, sample_batch=)) instead of "
              "--n-persist/--n-buffer; the engine's activation policies replace HF checkpointing",
@@ -129,6 +134,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         n_buffer=args.n_buffer,
         chunk_size_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
         host_threads=args.host_threads,
+        n_device_step=args.n_device_step,
         auto=args.auto,
         chunked_loss_tokens=args.chunked_loss_tokens,
         distributed_mode=args.distributed_mode,

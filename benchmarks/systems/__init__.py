@@ -33,6 +33,7 @@ class RowSpec:
     n_buffer: int | None = None
     chunk_size_bytes: int | None = None  # protrain only
     host_threads: int | None = None  # protrain only: the host AdamW's intra-op threads
+    n_device_step: int | None = None  # protrain only: offloaded chunks stepped on the GPU
     auto: bool = False  # protrain only: the planner picks the knobs for budget_gib
     chunked_loss_tokens: int | None = None  # protrain only: the app's chunked loss
     distributed_mode: str | None = None  # protrain only, several ranks: sharded | replicated

@@ -31,6 +31,7 @@ def setup(spec: RowSpec) -> Trainer:
             ("n_buffer", spec.n_buffer),
             ("chunk_size_bytes", spec.chunk_size_bytes),
             ("host_threads", spec.host_threads),
+            ("n_device_step", spec.n_device_step),
             ("distributed_mode", spec.distributed_mode),
         )
         if v is not None
@@ -77,7 +78,9 @@ def setup(spec: RowSpec) -> Trainer:
         chosen = protrain.plan_of(model)
         plan = {**chosen.knobs, "chunk_size_bytes": layout.chunk_size_bytes, "auto": True,
                 "distributed_mode": chosen.distributed_mode, "reasons": chosen.reasons,
-                "time_terms": chosen.time_terms}  # fmt: skip
+                "time_terms": chosen.time_terms,
+                "n_device_step": knobs.get("n_device_step", chosen.n_device_step),
+                "planned_n_device_step": chosen.n_device_step}  # fmt: skip
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))

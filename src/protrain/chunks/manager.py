@@ -133,6 +133,8 @@ class ChunkManager:
         # ([Note: reading copy times without a sync] in chunks/copy_times.py)
         self.copy_times = CopyTimes(device, self.stats)
         self._copy_wait_read = 0.0  # wait_copy_s at the last copy_wait_s() call
+        # counters kept elsewhere that settle with the copies' (optim/device_step.py)
+        self.settle_hooks: list = []
         # Seconds of the build's parts (host arena allocated, pinned; parameters copied in):
         # where a large model's wrap time goes.
         self.build_s: dict[str, float] = {}
@@ -546,6 +548,8 @@ class ChunkManager:
         """Count every copy enqueued so far into ``stats`` (synchronizes the device: call
         it between steps; see chunks/copy_times.py)."""
         self.copy_times.settle()
+        for hook in self.settle_hooks:
+            hook()
 
     def copy_wait_s(self) -> float:
         """Seconds the compute stream stalled on gathers since the last call (synchronizes
@@ -666,6 +670,7 @@ class ChunkManager:
         self._registered = []
         self._host_arena = None
         self.copy_times.close()
+        self.settle_hooks = []
         self.param_gather_stream = self.grad_offload_stream = None
 
 

@@ -132,6 +132,8 @@ class DeviceStep:
         self._d2h = torch.cuda.Stream(manager.device) if cuda and n_chunks else None
         for key in COUNTERS:
             manager.stats.setdefault(key, 0 if key.endswith("_bytes") else 0.0)
+        if n_chunks:
+            manager.settle_hooks.append(self.settle)
 
     # ---- which chunks ---------------------------------------------------------------------
 
@@ -280,7 +282,7 @@ class DeviceStep:
             nbytes = 0
             for dst, src in _merged(outs) + cast_out:
                 dst.copy_(src, non_blocking=cuda)
-                nbytes += src.numel() * src.element_size()
+                nbytes += dst.numel() * dst.element_size()
             m.stats["device_step_d2h_bytes"] += nbytes
             if cuda:
                 st.free = self._d2h.record_event()
