@@ -20,6 +20,15 @@ from .helpers import tiny_config
 # every chunk offloaded; a DoRA layer needs its whole subtree (base weight too) resident
 ENGINE = {"n_persist": 0, "n_buffer": 6, "chunk_size": "256KiB"}
 SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "sequence_len": 48}
+
+
+def small_config(tmp_path, **overrides):
+    """The tiny model on 16 rows of the quickstart data (little to prepare)."""
+    cfg = tiny_config(tmp_path, **SMALL, **overrides)
+    cfg["datasets"][0]["max_samples"] = 16
+    return cfg
+
+
 IDS = torch.tensor([[1, 5, 6, 7, 9, 11]])
 
 
@@ -78,13 +87,9 @@ def test_engine_matches_plain_frozen_stays_exported_dirs_reload_and_resume(tmp_p
     old_dir = _frozen_adapter_dir(tmp_path)
     adapter = _adapter(old_dir)
     captured = _capture_exported_model(monkeypatch)
-    plain = train(
-        validate_config(tiny_config(tmp_path / "plain", max_steps=4, adapter=adapter, **SMALL))
-    )
+    plain = train(validate_config(small_config(tmp_path / "plain", max_steps=4, adapter=adapter)))
     cfg = validate_config(
-        tiny_config(
-            tmp_path / "eng", max_steps=4, save_steps=2, adapter=adapter, memory=ENGINE, **SMALL
-        )
+        small_config(tmp_path / "eng", max_steps=4, save_steps=2, adapter=adapter, memory=ENGINE)
     )
     engine = train(cfg)
     assert engine.losses == pytest.approx(plain.losses, rel=0, abs=1e-6)
@@ -154,9 +159,7 @@ def test_main_adapter_frozen_extra_trained_exports_under_their_names(tmp_path):
         "target_modules": ["q_proj"],
         "extra": [{"name": "old", "path": str(old_dir), "trainable": True}],
     }
-    run = train(
-        validate_config(tiny_config(tmp_path / "run", max_steps=2, adapter=adapter, **SMALL))
-    )
+    run = train(validate_config(small_config(tmp_path / "run", max_steps=2, adapter=adapter)))
     assert not (run.final_dir / "adapter_config.json").exists()
     saved = load_file(old_dir / "adapter_model.safetensors")
     trained = load_file(run.final_dir / "old" / "adapter_model.safetensors")
