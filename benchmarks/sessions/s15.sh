@@ -37,6 +37,12 @@ four)
     echo "$out" | grep -q '"status": "oom"' || break
   done
   ;;
+ds)  # ZeRO-3's row printed nothing in PART=four: its whole tail
+  run_on 4; ls /tmp/site | grep -i deepspeed | head -3
+  python3 -c "import deepspeed; print(deepspeed.__version__)" 2>&1 | tail -2
+  timeout 200 $R --workload lora-14b --budget-gib 24 --out $OUT/four.jsonl --system ds_z3_offload \
+    --batch ${B:-4} 2>&1 | grep -v "^\[\|warn" | tail -25 | cut -c1-400
+  ;;
 four2)
   run_on 4
   row 170 --workload lora-14b --budget-gib 24 --out $OUT/four.jsonl --system fsdp2_offload --batch 2
