@@ -214,3 +214,21 @@ def test_trl_sft_plans_its_longest_tokenized_rows(tmp_path):
     assert sum(m.startswith(f"protrain memory plan for the planning micro-batch 2x{width}:")
                for m in records) == 1  # fmt: skip
     trainer.close()
+
+
+def test_an_arrow_dataset_is_sized_from_its_column_in_its_own_order():
+    """A shuffled, selected datasets.Dataset: the token counts read from the Arrow column
+    are those of its rows, in its order (row by row takes seconds per 10k rows)."""
+    from datasets import Dataset
+
+    from protrain.integrations.transformers.planning import ArrowSizedRows, arrow_sized
+    from protrain.train.heaviest_batch import row_sizes
+
+    rows = [{"input_ids": r["input_ids"].tolist(), "labels": r["labels"].tolist()}
+            for r in ragged_rows()]  # fmt: skip
+    data = Dataset.from_list(rows).shuffle(seed=5).select(range(6))
+    sized = arrow_sized(data)
+    assert isinstance(sized, ArrowSizedRows)
+    assert [s.tokens for s in row_sizes(sized)] == [len(r["input_ids"]) for r in data]
+    assert row_sizes(sized) == row_sizes(data)
+    assert arrow_sized(data.with_format("torch")) is not sized  # tensors: read row by row

@@ -56,7 +56,7 @@ def planning_batch(
             # transformers' RemoveColumnsCollator keeps the Trainer's collator as data_collator
             inner = getattr(collate, "data_collator", collate)
             chosen = heaviest_batch(
-                base.dataset,
+                arrow_sized(base.dataset),
                 collate,
                 micro_batch_size=micro_batch_size,
                 pad_to_multiple_of=getattr(inner, "pad_to_multiple_of", None) or 0,
@@ -88,6 +88,43 @@ def why_unsized(dataset: Any) -> str | None:
             "holds for batches no heavier than this one"
         )
     return None
+
+
+class ArrowSizedRows:
+    """A ``datasets.Dataset`` in Python format whose token counts are read from its Arrow
+    ``input_ids`` column (``heaviest_batch``'s ``token_counts``): reading every row as Python
+    lists takes about 2 s per 20k rows of 500 tokens, the column's lengths 0.05 s. Its rows
+    hold no tensors, so no media values (``media_values`` counts tensors) either way."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def token_counts(self) -> list[int]:
+        import pyarrow.compute as pc
+
+        # the arrow format follows the dataset's indices (shuffle, select)
+        return pc.list_value_length(self.dataset.with_format("arrow")["input_ids"]).to_pylist()
+
+
+def arrow_sized(dataset: Any) -> Any:
+    """``dataset`` as ``ArrowSizedRows`` where it is a Python-format ``datasets.Dataset``
+    with a list column ``input_ids``; else as it is."""
+    try:
+        import datasets
+    except ImportError:
+        return dataset
+    if not isinstance(dataset, datasets.Dataset) or dataset.format["type"] is not None:
+        return dataset
+    column = dataset.features.get("input_ids")
+    if not isinstance(column, (datasets.Sequence, datasets.List, datasets.LargeList)):
+        return dataset
+    return ArrowSizedRows(dataset)
 
 
 @contextlib.contextmanager
