@@ -268,8 +268,22 @@ class RuntimeModel:
     def _host_stall(self) -> np.ndarray:
         """Seconds the next forward waits on the host optimizer, for every ``n_persist``."""
         hw, n = self.hw, self.n_chunks
+        sh = self.world.shards
         if hw.device == "cpu":  # nothing overlaps: the host step is the host's time
-            return (self.trainable[n] - self.trainable) * self.host_s_per_param / self.world.shards
+            return (self.trainable[n] - self.trainable) * self.host_s_per_param / sh
+        trn, frozen, last_numel = self._trn, self._frozen, self._last_numel
+        # per chunk, the same for every n_persist
+        self._host_s = trn * self.host_s_per_param / sh
+        self._gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
+        # the copy after the last piece of an update (the pieces before hide under it), and
+        # the chunk's frozen bytes, which the gather copies once the forward asks for it
+        last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
+        self._tail_s = (frozen + 4 * last_piece) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
+        self._grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
+        tc = self._task_chunk
+        self._piece_release = self._grad_tail_s[tc] - self._task_bwd_after
+        self._piece_work = self._host_s[tc] * self._task_share
+        self._gc = np.concatenate([[0.0], np.cumsum(self._gather_s)])
         stall = np.zeros(n + 1)
         for n_p in range(n):
             stall[n_p] = self._stall_at(n_p, np.zeros(0, dtype=np.int64))
@@ -280,35 +294,25 @@ class RuntimeModel:
         chunks ``on_device`` stepped on the device (see [Note: device-stepped chunks])."""
         hw, n = self.hw, self.n_chunks
         sh = self.world.shards
-        trn, frozen, last_numel = self._trn, self._frozen, self._last_numel
-        host_s = trn * self.host_s_per_param / sh
-        gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
-        # the copy after the last piece of an update (the pieces before hide under it), and
-        # the chunk's frozen bytes, which the gather copies once the forward asks for it
-        last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
-        tail_s = (frozen + 4 * last_piece) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
-        grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
+        host_s, gather_s, tail_s, gc = self._host_s, self._gather_s, self._tail_s, self._gc
         dev_opt_s = self.trainable[n_p] / hw.device_adam_params_per_s
-        stepped = trn > 0
+        stepped = self._trn > 0
         dev_done = np.full(n, -np.inf)
         if len(on_device):  # one after another from the end of backward, cast weights in
-            stepped = stepped.copy()
             stepped[on_device] = False
             dev_done[on_device] = np.cumsum(self.device_step_chunk_s(on_device))
-            own = (frozen + self._trainable_bytes)[on_device] / sh / hw.h2d_bytes_per_s
+            own = (self._frozen + self._trainable_bytes)[on_device] / sh / hw.h2d_bytes_per_s
             gather_s, tail_s = gather_s.copy(), tail_s.copy()
             gather_s[on_device] = tail_s[on_device] = own + self.gather_coll_s
-        gc = np.concatenate([[0.0], np.cumsum(gather_s)])
+            gc = np.concatenate([[0.0], np.cumsum(gather_s)])
         # Without clipping each piece is released when its own gradients are on the host,
         # during backward (negative: before its end); with clipping all at once.
         if self.clipping:
-            release = np.full(n, grad_tail_s[n_p])
+            release = np.full(n, self._grad_tail_s[n_p])
             done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))
         else:
             tc = self._task_chunk
-            piece_release = grad_tail_s[tc] - self._task_bwd_after
-            piece_work = host_s[tc] * self._task_share
-            ends = _lowest_first(piece_release, piece_work, stepped[tc] & (tc >= n_p))
+            ends = _lowest_first(self._piece_release, self._piece_work, stepped[tc] & (tc >= n_p))
             done = np.full(n, -np.inf)
             np.maximum.at(done, tc, ends)
         done = np.maximum(done, dev_done)[n_p:]

@@ -23,10 +23,10 @@ never gets better with more compute or more swap bytes. So:
 4. ``n_device_step`` (offloaded chunks stepped on the device, ``optim/device_step.py``) is
    chosen last, for the best row only: it changes that row's step time and adds device
    bytes, and the values worth trying are few: 0, and the counts around the one where the
-   device-stepped chunks' link time meets the host AdamW time of the rest
-   (:func:`_choose_device_step`, at most four evaluations). Not on a CPU device (there the
-   "device" step is the host's own work plus copies) nor with sharded chunks (the engine
-   steps only whole chunks on the device).
+   device-stepped chunks' link time meets the host AdamW time of the rest, or around the
+   most whose device bytes fit, if fewer (:func:`_choose_device_step`, at most four
+   evaluations). Not on a CPU device (there the "device" step is the host's own work plus
+   copies) nor with sharded chunks (the engine steps only whole chunks on the device).
 
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
 intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
@@ -452,11 +452,20 @@ def _choose_device_step(problem: PlanProblem, knobs: list[int]) -> tuple[int, st
     host_left = np.concatenate([np.cumsum(host)[::-1], [0.0]])  # index d
     dev_time = np.concatenate([[0.0], np.cumsum(dev[::-1])])
     balance = int(np.argmax(dev_time >= host_left))
-    values = sorted({0, *(d for d in (balance - 1, balance, balance + 1) if 0 < d <= len(chunks))})
+    # ... and the most whose device bytes fit beside the plan's (the gradients grow with d)
+    base = problem.evaluate(*knobs)
+    room = problem.gpu_budget_bytes - base["peak_bytes"]
+    most = 0  # the device bytes grow with d
+    while most < len(chunks) and (
+        sum(problem.memory.device_step_terms(n_p, most + 1).values()) <= room
+    ):
+        most += 1
+    center = min(balance, most)
+    values = sorted({0, *(d for d in (center - 1, center, center + 1) if 0 < d <= most)})
     tried = []
     best_d, best_s = 0, None
     for d in values:
-        ev = problem.evaluate(*knobs, n_device_step=d)
+        ev = base if d == 0 else problem.evaluate(*knobs, n_device_step=d)
         fits = ev["peak_bytes"] <= problem.gpu_budget_bytes
         tried.append(f"{d}: {ev['step_s']:.4f} s" + ("" if fits else " (does not fit)"))
         if fits and (best_s is None or ev["step_s"] < best_s):
