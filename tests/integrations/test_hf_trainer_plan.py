@@ -78,7 +78,7 @@ def test_planned_run_gives_the_trainers_losses(tmp_path, planned_run):
 
 
 def test_resume_with_a_budget_continues_exactly(tmp_path, planned_run):
-    """The checkpoint is read after the model is wrapped at the first batch."""
+    """The checkpoint is read after the model is wrapped, when training starts."""
     whole, _ = planned_run
     resumed = planned_trainer(tmp_path / "resumed", False, 0.05, CONFIG, **SAVE)
     resumed.train(resume_from_checkpoint=str(Path(whole.args.output_dir) / "checkpoint-2"))
