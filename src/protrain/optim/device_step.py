@@ -214,13 +214,15 @@ class DeviceStep:
             by_adam.setdefault(id(adam), (adam, set()))[1].add(id(s))
         for adam, ids in by_adam.values():
             adam.ensure_state(ids)
+            if cuda:
+                adam.pin_moments()
         counts = {id(s): adam.step_count(s) for s, adam, _ in items}
         pieces = split_pieces(items, self.piece_numel)
         last_piece_of = {}
         for k, piece in enumerate(pieces):
             for seg in piece:
                 last_piece_of[seg.slot.chunk] = k
-        self._ensure_sets(max(seg.off + seg.hi - seg.lo for p in pieces for seg in p))
+        self._ensure_sets()
         for k, piece in enumerate(pieces):
             done = self._step_piece(piece, self._sets[k % _N_SETS], hyper, counts)
             for ci in {seg.slot.chunk for seg in piece}:
@@ -322,12 +324,16 @@ class DeviceStep:
                 maximize=False,
             )
 
-    def _ensure_sets(self, numel: int) -> None:
-        """The staging sets, made at the first step (no larger than the largest piece)."""
-        need = min(self.piece_numel, numel)
-        if self._sets and self._sets[0].fp32["param"].numel() >= need:
+    def _ensure_sets(self) -> None:
+        """The staging sets, made at the first step and kept: pieces of ``piece_numel``,
+        or less when the chosen chunks have fewer parameters in all (as
+        ``plan/memory.py`` counts them)."""
+        if self._sets:
             return
         m = self.manager
+        numel = sum(s.master.numel() for ci in self.chunk_ids()
+                    for s in m.chunks[ci].trainable_slots)  # fmt: skip
+        need = min(self.piece_numel, -(-numel // _LANE_UNIT) * _LANE_UNIT)
         with _on(self._compute):
             self._sets = [_Set(need, m.device, m.is_cuda) for _ in range(_N_SETS)]
 

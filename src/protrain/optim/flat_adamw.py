@@ -204,6 +204,13 @@ class FlatAdamW:
         run, i = self._where[id(s)]
         return run.view("exp_avg", i), run.view("exp_avg_sq", i)
 
+    def pin_moments(self) -> None:
+        """Move the flat moments to page-locked memory (the views handed out are made anew
+        on each read), so that a device step's copies of them are asynchronous."""
+        for run in self.runs:
+            if run.moments and not run.moments["exp_avg"].is_pinned():
+                run.moments = {k: v.pin_memory() for k, v in run.moments.items()}
+
     def step_count(self, s: ParamSlot) -> float:
         return self._step[id(s)]
 

@@ -515,6 +515,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if on_device:  # after the host tasks are queued: on the CPU this step is synchronous
             # the host task's rule: a coefficient of exactly 1 changes no bit
             coef = clip_coef if host_coef is not None and float(host_coef) != 1.0 else None
+            self._wait_reductions()  # several ranks: the gradients are reduced
             self._device_step.step(on_device, hyper, device_inv_scale, coef)
         return loss
 
