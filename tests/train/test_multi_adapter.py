@@ -32,7 +32,7 @@ def small_config(tmp_path, **overrides):
 IDS = torch.tensor([[1, 5, 6, 7, 9, 11]])
 
 
-def _frozen_adapter_dir(tmp_path, seed: int = 7, **model_overrides):
+def _frozen_adapter_dir(tmp_path, seed: int = 7, lora_extra=None, **model_overrides):
     """A trained-looking LoRA adapter (random A and B, so it changes the output) of the tiny
     model, written by peft's save_pretrained."""
     from peft import LoraConfig, get_peft_model
@@ -45,7 +45,9 @@ def _frozen_adapter_dir(tmp_path, seed: int = 7, **model_overrides):
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_config(config)
-    lora = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    lora = LoraConfig(
+        r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **(lora_extra or {})
+    )
     path = tmp_path / "old_adapter"
     get_peft_model(base, lora).save_pretrained(path)
     return path
@@ -204,6 +206,10 @@ def test_bad_adapter_input_is_one_config_error(tmp_path):
     (elsewhere / "adapter_config.json").write_text(json.dumps(config))
     message = error(extra(path=str(elsewhere)))
     assert "adapter.extra[0].path" in message and "fc_in" in message
+
+    with_head = _frozen_adapter_dir(tmp_path / "head", lora_extra={"modules_to_save": ["lm_head"]})
+    message = error(extra(path=str(with_head)))
+    assert "adapter.extra" in message and "modules_to_save" in message
 
     message = error({"type": "lora", "extra": [{"name": "style", "target_modules": ["fc_in"]}]})
     assert "adapter.extra[0] ('style')" in message and "fc_in" in message

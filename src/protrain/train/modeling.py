@@ -486,8 +486,15 @@ def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
                 _load_existing_adapter(model, extra, f"adapter.extra[{i}]")
         # every adapter in the forward (peft's multi-adapter API, which marks them all
         # trainable), then the frozen ones frozen
-        model.base_model.set_adapter(adapter.all_names)
+        try:
+            model.base_model.set_adapter(adapter.all_names)
+        except ValueError as exc:  # e.g. modules_to_save, one active adapter at a time
+            raise ConfigError(
+                f"adapter.extra: peft cannot make {adapter.all_names} active together: "
+                f"{one_line(exc)}; allowed: LoRA/DoRA adapters of the model's layers alone"
+            ) from None
         _freeze_adapters(model, [e.name for e in adapter.extra if not e.is_trainable])
+        _check_trained_are_adapters(model, adapter.trained_names)
         model.train(training)
     _log_adapters(model, adapter)
     return model
@@ -566,6 +573,20 @@ def _freeze_adapters(model: nn.Module, names: list[str]) -> None:
     for name in names:
         for param_name in by_adapter[name]:
             params[param_name].requires_grad_(False)
+
+
+def _check_trained_are_adapters(model: nn.Module, trained: list[str]) -> None:
+    """What trains is the trained adapters' LoRA weights and nothing else: the export
+    writes those alone, so any other trainable weight would be trained and lost."""
+    by_adapter = adapter_parameter_names(model)
+    allowed = {n for name in trained for n in by_adapter[name]}
+    other = [n for n, p in model.named_parameters() if p.requires_grad and n not in allowed]
+    if other:
+        raise ConfigError(
+            f"adapter.extra: {len(other)} trainable weights belong to no trained adapter's "
+            f"LoRA layers (first: {other[0]}), e.g. an adapter with modules_to_save; "
+            "allowed: LoRA/DoRA adapters of the model's layers alone"
+        )
 
 
 def adapter_parameter_names(model: nn.Module) -> dict[str, list[str]]:
