@@ -38,7 +38,9 @@ there; the device-to-host stream then copies the cast parameters back into the h
 (the trainable byte runs only: frozen bytes never change), which later gathers of the same
 step read. The cast is the same rounding the host would do, so the
 bytes are the same; the host spends no time on it, and the write-back uses the otherwise idle
-device-to-host direction during forward.
+device-to-host direction during forward. A device-stepped chunk (``optim/device_step.py``)
+is cast on the device by its step instead, which copies the bf16 bytes into the host copy:
+its next gather reads them (after ``note_host_write``'s event), and writes nothing back.
 
 [Note: discarded gradients]
 The profiler's traced steps (``protrain.profile.trace``) move every byte a training step

@@ -11,7 +11,9 @@ into the fp32 accumulator of the parameter's slot and dropped:
   is taken on the device (for global clipping) and it is cast to fp32 on the device, in
   pieces, and copied straight into the pinned fp32 accumulator. The host does nothing;
 - offloaded chunk, later micro-batches: copied in low precision to a pinned landing place
-  and added into the accumulator by the CPU worker, which then takes the norm on the host.
+  and added into the accumulator by the CPU worker, which then takes the norm on the host;
+- device-stepped offloaded chunk (``optim/device_step.py``): kept on the device as a
+  persistent chunk's is, its 2-norm taken there after each micro-batch.
 
 The first gradient is copied rather than added, so accumulation over micro-batches does the
 same arithmetic as PyTorch's ``param.grad += grad``; the fp32 cast is exact either side.
