@@ -291,6 +291,16 @@ class MemoryConfig(StrictModel):
                 "memory.gpu_budget/cpu_budget are read only by the planner: set memory.auto = "
                 "true, or remove them"
             )
+        if self.auto and self.n_device_step is not None:
+            raise ValueError(
+                "memory.n_device_step is chosen by memory.auto (the planner picks it with the "
+                "other chunk knobs): remove one of them"
+            )
+        if self.n_device_step and not self.engine_enabled:
+            raise ValueError(
+                f"memory.n_device_step = {self.n_device_step} needs the chunked engine: set "
+                "memory.n_persist (the chunks kept on the GPU; the others are offloaded)"
+            )
         if self.auto and self.offload_checkpoint:
             raise ValueError(
                 "memory.offload_checkpoint = true is not planned by memory.auto (the plan "
