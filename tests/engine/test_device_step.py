@@ -89,8 +89,9 @@ def test_device_step_equals_host_step(kind, mode, fp16, resume, monkeypatch):
 
 
 def test_device_step_in_backward_without_clipping(monkeypatch):
-    """Armed by step_in_backward(): the host chunks start in backward, the device-stepped
-    ones step in step(); the same bits as the host path."""
+    """Armed by step_in_backward(): every chunk's update starts in backward as soon as its
+    gradients are complete, the device-stepped ones on the device; the same bits as the host
+    path."""
     monkeypatch.setattr(device_step, "PIECE_NUMEL", 48)
     base = build("llama")
     data = batches("llama", STEPS * ACCUM)
@@ -102,6 +103,8 @@ def test_device_step_in_backward_without_clipping(monkeypatch):
                 if mb == ACCUM - 1:
                     opt.step_in_backward()
                 (model(**data[step * ACCUM + mb]).loss / ACCUM).backward()
+            if n:  # both device-stepped chunks stepped inside the backward
+                assert opt.stats["device_steps"] == 2 * (step + 1)
             opt.step()
             opt.zero_grad()
         out = copy.deepcopy(_states(model, opt))

@@ -50,6 +50,12 @@ def test_device_step_terms():
     # n_device_step=0 is the model without it
     assert t0 == _terms(rt, p, 2, 0)[0] and "device_step" in b0
 
+    # without clipping each starts when its gradients are complete, inside the backward
+    chunks = rt.device_step_chunks(2, 2)
+    early = RuntimeModel(p, hw, clipping=False)._device_done(chunks)
+    assert (early < rt._device_done(chunks)).all()
+    assert rt._device_done(chunks)[-1] == pytest.approx(rt.device_step_chunk_s(chunks).sum())
+
     problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB)
     mem0 = problem.evaluate(2, 3, 0, 0)["memory_terms"]
     mem2 = problem.evaluate(2, 3, 0, 0, n_device_step=2)["memory_terms"]

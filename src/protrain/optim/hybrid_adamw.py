@@ -103,6 +103,7 @@ _HYPER = ("lr", "betas", "eps", "weight_decay")
 # update copies each piece in as soon as it is written. See [Note: gathering an updating
 # chunk] in chunks/manager.py. A larger tensor is a piece of its own.
 _UPDATE_PIECE_NUMEL = 1 << 25
+_DEVICE = -1  # the piece key of a device-stepped chunk's whole update in step_in_backward
 
 
 def check_hyperparameters(defaults: dict, param_groups: list[dict]) -> None:
@@ -156,6 +157,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._armed_hyper: list[dict] | None = None  # set by step_in_backward
         # chunk -> its pieces whose update began in backward (see [Note: step in backward])
         self._armed_started: dict[int, set[int]] = {}
+        # device-stepped chunks whose update ran in the armed backward (optim/device_step.py)
+        self._armed_device: set[int] = set()
         slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._slots: list[ParamSlot] = [slot_of[p] for g in self.param_groups for p in g["params"]]
         self._group_of = {
@@ -355,19 +358,34 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._sink is None:
             raise RuntimeError("protrain: this optimizer was built without a gradient sink")
         self._armed_hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
-        self._armed_started = {}
-        pieces = {  # device-stepped chunks step in step(): their gradients stay on the device
+        self._armed_started, self._armed_device = {}, set()
+        pieces = {
             (ci, pi): piece
             for ci, opts in self._host_opts.items()
             if not self._on_device(ci)
             for pi, piece in enumerate(p.slots for p in opts)
         }
+        # A device-stepped chunk steps once its whole gradient is on the device; with
+        # several ranks in step(), after the reductions (gradients arrive off the stream).
+        if self._device_step is not None and self._sink.reducer is None:
+            for ci in self._device_step.chunk_ids():
+                pieces[(ci, _DEVICE)] = self._manager.chunks[ci].trainable_slots
         self._sink.watch(pieces, self._start_in_backward)
 
     def _start_in_backward(self, key: tuple[int, int]) -> None:
-        """A piece's gradients are all on their way to the host: queue its update now."""
+        """A piece's gradients are all on their way to the host: queue its update now (a
+        device-stepped chunk's gradients are all on the device: step it now)."""
         ci, pi = key
         chunk = self._manager.chunks[ci]
+        if pi == _DEVICE:
+            opts = self._host_opts[ci]
+            items = [(s, opts[s.update_piece], self._group_of[id(s)])
+                     for s in chunk.trainable_slots]  # fmt: skip
+            self._device_step.step(items, self._armed_hyper, None, None)
+            self._armed_device.add(ci)
+            stats = self._manager.stats
+            stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
+            return
         if ci not in self._armed_started:
             self._armed_started[ci] = set()
             self._begin_update(chunk)
@@ -426,7 +444,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._sink is not None:
             self._sink.unwatch()
         self._armed_hyper = None
-        self._armed_started = {}
+        self._armed_started, self._armed_device = {}, set()
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -440,8 +458,12 @@ class HybridAdamW(torch.optim.Optimizer):
         if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
             _refuse_if_discarded(manager, "step()")
         armed, started = self._armed_hyper, self._armed_started
+        device_started = self._armed_device
         if armed is not None:
             if hyper != armed:
+                for ci in device_started:  # stepped: a retried step() must not step them again
+                    for slot in manager.chunks[ci].trainable_slots:
+                        slot.has_grad = False
                 # The updates that began in backward have run: the next gathers must read
                 # them; the pieces not begun stay as they are.
                 manager.release_all()
@@ -455,7 +477,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 raise RuntimeError(
                     "protrain: a hyperparameter changed between step_in_backward() and step(); "
                     f"the updates started in backward used {armed}, param_groups now hold "
-                    f"{hyper}. The {len(started)} offloaded chunks whose update began in "
+                    f"{hyper}. The {len(started) + len(device_started)} offloaded chunks whose "
+                    "update began in "
                     "backward keep the pieces of it that had begun, and nothing else was "
                     "updated. Change hyperparameters after step(), as LR schedulers do"
                 )
@@ -499,6 +522,8 @@ class HybridAdamW(torch.optim.Optimizer):
             if ci not in self._host_opts:
                 continue
             if self._on_device(ci):
+                if ci in device_started:  # stepped in backward: [Note: step in backward]
+                    continue
                 opts = self._host_opts[ci]
                 on_device += [(s, opts[s.update_piece], self._group_of[id(s)])
                               for s in chunk.trainable_slots if s.has_grad]  # fmt: skip
@@ -575,7 +600,7 @@ class HybridAdamW(torch.optim.Optimizer):
         """Raise if a backward armed by ``step_in_backward()`` has started updates that
         ``step()`` has not yet completed: the weights and optimizer state are then half
         stepped, neither the state before the step nor after it."""
-        if self._armed_started:
+        if self._armed_started or self._armed_device:
             raise RuntimeError(
                 f"protrain: {what} after a backward armed by step_in_backward(): updates "
                 "have started; call step() first (if that backward raised, the weights are "

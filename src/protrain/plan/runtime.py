@@ -35,8 +35,9 @@ less device-to-host in backward), and after backward their masters and moments c
 link both ways (12 bytes a parameter in, 12 out, plus the cast weights out); the next
 gather copies the cast weights in (not the fp32 masters) and nothing is written back. The
 stream runs at the measured link rates (the longer of each direction and the duplex total)
-or the device AdamW rate, whichever is slower, chunk after chunk from the end of backward;
-its bytes are counted with the forward's copies, which they share the link with. The host
+or the device AdamW rate, whichever is slower, chunk after chunk from the end of backward
+(without clipping, each from when its gradients are complete, as ``step_in_backward`` starts
+it); its bytes are counted with the forward's copies, which they share the link with. The host
 worker no longer steps these chunks (their host AdamW time leaves the critical path); each
 arrives for the next forward when its device step and its gather are done. Memory: the
 staging sets and the chunks' fp32 gradient accumulators (``plan/memory.py``).
@@ -214,6 +215,7 @@ class RuntimeModel:
                 task_share.append(len(g) / n_in)
         self._task_chunk = np.asarray(task_chunk, dtype=np.int64)
         self._task_bwd_after = np.asarray(task_bwd_after, dtype=np.float64)
+        self._bwd_after = bwd_after
         self._task_share = np.asarray(task_share, dtype=np.float64)
         self._trn, self._frozen = trn, frozen
         self._trainable_bytes = np.asarray(t.trainable_bytes, dtype=np.int64)
@@ -300,7 +302,7 @@ class RuntimeModel:
         dev_done = np.full(n, -np.inf)
         if len(on_device):  # one after another from the end of backward, cast weights in
             stepped[on_device] = False
-            dev_done[on_device] = np.cumsum(self.device_step_chunk_s(on_device))
+            dev_done[on_device] = self._device_done(on_device)
             own = (self._frozen + self._trainable_bytes)[on_device] / sh / hw.h2d_bytes_per_s
             gather_s, tail_s = gather_s.copy(), tail_s.copy()
             gather_s[on_device] = tail_s[on_device] = own + self.gather_coll_s
@@ -322,6 +324,18 @@ class RuntimeModel:
         return max(late, 0.0) if np.isfinite(late) else 0.0
 
     # ---- device-stepped chunks ([Note: device-stepped chunks]) -------------------------
+
+    def _device_done(self, chunks: np.ndarray) -> np.ndarray:
+        """When each device-stepped chunk's step ends (seconds from the end of backward):
+        one after another, from the end of backward with clipping, else each from when
+        its gradients are complete (during backward, last chunk first)."""
+        dur = self.device_step_chunk_s(chunks)
+        release = np.zeros(len(chunks)) if self.clipping else -self._bwd_after[chunks]
+        done, t = np.empty(len(chunks)), -np.inf
+        for j in np.argsort(release, kind="stable"):
+            t = max(t, release[j]) + dur[j]
+            done[j] = t
+        return done
 
     def device_step_chunks(self, n_persist: int, n_device_step: int) -> np.ndarray:
         """The chunks a device step takes: the last ``n_device_step`` offloaded trainable

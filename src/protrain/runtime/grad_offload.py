@@ -107,9 +107,11 @@ class GradSink:
         chunk = self.manager.chunks[slot.chunk]
         on_device = self.device_step is not None and self.device_step.takes(slot.chunk)
         if on_device:  # the gradient never leaves the device (optim/device_step.py)
+            key = self._landing(slot)
             slot.has_grad = True
             with torch.no_grad():
                 self.device_step.accumulate(slot, grad, first)
+            self._landed_in(key, slot)
             return
         if not first and not chunk.persistent and self.manager.discard_offloaded_grads:
             self.manager.ensure_grad_staging()  # raises: see [Note: discarded gradients]
@@ -121,17 +123,7 @@ class GradSink:
                 else:
                     slot.grad_acc.add_(grad)
                 return
-            key = self._key_of.get(id(slot))
-            watched = self._watched is not None and key in self._watched
-            if self._watched is not None:
-                if id(slot) in self._landed:
-                    raise RuntimeError(
-                        f"protrain: parameter {slot.name} of chunk {slot.chunk} got a "
-                        "second gradient in a backward armed by step_in_backward(); arm only "
-                        "the last backward of an accumulation window, and not with reentrant "
-                        "checkpointing of a parameter used in two segments"
-                    )
-                self._landed.add(id(slot))
+            key = self._landing(slot)
             # the last step's update reads grad_acc (not this step's, begun in this backward)
             if chunk.update_future is not None and slot.chunk not in self._begun:
                 self._wait(chunk.update_future)
@@ -140,13 +132,34 @@ class GradSink:
                 self._offload_first(slot, grad)
             else:
                 self._offload_later(slot, grad)
-            if watched:
-                missing = self._watched[key]
-                missing.discard(id(slot))
-                if not missing:
-                    del self._watched[key]
-                    self._begun.add(slot.chunk)
-                    self._on_complete(key)
+            self._landed_in(key, slot)
+
+    def _landing(self, slot: ParamSlot):
+        """The watched group ``slot`` belongs to (None if not watched), refusing a second
+        gradient of it in a watched backward ([Note: chunks complete in backward])."""
+        if self._watched is None:
+            return None
+        if id(slot) in self._landed:
+            raise RuntimeError(
+                f"protrain: parameter {slot.name} of chunk {slot.chunk} got a "
+                "second gradient in a backward armed by step_in_backward(); arm only "
+                "the last backward of an accumulation window, and not with reentrant "
+                "checkpointing of a parameter used in two segments"
+            )
+        self._landed.add(id(slot))
+        key = self._key_of.get(id(slot))
+        return key if key in self._watched else None
+
+    def _landed_in(self, key, slot: ParamSlot) -> None:
+        """``slot``'s gradient is handed off: complete its group if it was the last."""
+        if key is None or self._watched is None or key not in self._watched:
+            return
+        missing = self._watched[key]
+        missing.discard(id(slot))
+        if not missing:
+            del self._watched[key]
+            self._begun.add(slot.chunk)
+            self._on_complete(key)
 
     def _wait(self, future) -> None:
         t0 = time.perf_counter()
