@@ -10,8 +10,9 @@ of Adam is written here; this class only decides when each update runs. The cast
 updated offloaded masters into the low-precision chunk happens on the device at the chunk's
 next gather (see [Note: write-back on the device] in ``chunks/manager.py``). The last
 ``n_device_step`` offloaded chunks are stepped on the device instead, their masters and
-moments streamed in and out (``optim/device_step.py``), in ``step()`` after the host tasks
-are queued (also when ``step_in_backward()`` armed the others).
+moments streamed in and out (``optim/device_step.py``): in ``step()`` after the host tasks
+are queued, or, armed by ``step_in_backward()`` on one rank, from inside the backward once
+the chunk's whole gradient is on the device.
 
 To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
 parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
