@@ -138,8 +138,10 @@ class DeviceStep:
     # ---- which chunks ---------------------------------------------------------------------
 
     def chunk_ids(self) -> frozenset[int]:
-        """The device-stepped chunks, chosen at the first call (after the first forward has
-        recorded the forward order, when a gradient first arrives) and fixed from then on."""
+        """The device-stepped chunks, chosen at the first call and fixed from then on: by
+        the forward order the first forward recorded (the first gradient comes after it),
+        else by the layout's order, which is the parameters' execution order too (a first
+        ``step_in_backward()`` comes before the first forward)."""
         if self._chosen is None:
             m = self.manager
             order = [ci for ci in m.forward_order]
