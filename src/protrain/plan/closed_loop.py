@@ -190,9 +190,10 @@ def _measured_hardware(
     measures]), and ``{field: (profile's rate, measured rate)}`` of those replaced."""
     runtime, hw = problem.runtime, problem.hardware
     rates: dict[str, tuple[float, float]] = {}
-    params = (runtime.trainable[runtime.n_chunks] - runtime.trainable[plan.n_persist]) / (
-        problem.world.shards
-    )
+    # the host steps the offloaded chunks but the device-stepped ones (optim/device_step.py)
+    on_device = runtime.device_step_chunks(plan.n_persist, plan.n_device_step)
+    host = runtime.trainable[runtime.n_chunks] - runtime.trainable[plan.n_persist]
+    params = (host - runtime.trainable_numel(on_device)) / problem.world.shards
     if host_adam_s is not None and host_adam_s > 0 and params > 0:
         rates["cpu_adam_busy_params_per_s"] = (
             float(runtime.host_adam_rate), float(params / host_adam_s)
@@ -256,7 +257,9 @@ def _correct_memory(check, plan, problem, hardware, allocated_bytes) -> bool:
     if missing <= 0:
         return False
     corrected_problem = _like(problem, hardware=hardware, extra_bytes=problem.extra_bytes + missing)
-    fits = corrected_problem.evaluate(*plan.knobs.values())["peak_bytes"]
+    fits = corrected_problem.evaluate(*plan.knobs.values(), n_device_step=plan.n_device_step)[
+        "peak_bytes"
+    ]
     if fits <= problem.gpu_budget_bytes:
         return False
     try:
@@ -292,7 +295,9 @@ def _correct_time(check, plan, problem, hardware, host_adam_s, wait_s, copies) -
         corrected.append(f"compute x{check.compute_scale:.3g}")
     corrected = ", ".join(corrected)
     corrected_problem = _like(problem, hardware=hardware)
-    current_s = corrected_problem.evaluate(*plan.knobs.values())["step_s"]
+    current_s = corrected_problem.evaluate(*plan.knobs.values(), n_device_step=plan.n_device_step)[
+        "step_s"
+    ]
     check.corrected_step_s = current_s
     best = search(corrected_problem).plan  # the current knobs fit: so does some plan
     faster = best.knobs != plan.knobs and best.predicted_step_s <= (1 - SWITCH_MARGIN) * current_s

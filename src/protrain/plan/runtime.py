@@ -343,6 +343,10 @@ class RuntimeModel:
         idx = np.flatnonzero(self._trn[int(n_persist) :] > 0) + int(n_persist)
         return idx[max(len(idx) - int(n_device_step), 0) :] if n_device_step else idx[:0]
 
+    def trainable_numel(self, chunks: np.ndarray) -> int:
+        """Trainable parameters of ``chunks`` (whole, not per rank)."""
+        return int(self._trn[chunks].sum())
+
     def host_step_chunk_s(self, chunks: np.ndarray) -> np.ndarray:
         """Seconds of each chunk's host step (AdamW, and the clip pass with clipping)."""
         return self._trn[chunks] * self.host_s_per_param / self.world.shards
