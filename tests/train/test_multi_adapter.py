@@ -22,6 +22,16 @@ ENGINE = {"n_persist": 0, "n_buffer": 6, "chunk_size": "256KiB"}
 SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "sequence_len": 48}
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Matmuls this small gain nothing from a second thread, and on a busy 2-core machine
+    OpenMP's waits made a 4-step run take 23 s instead of 0.5 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def small_config(tmp_path, **overrides):
     """The tiny model on 16 rows of the quickstart data (little to prepare)."""
     cfg = tiny_config(tmp_path, **SMALL, **overrides)

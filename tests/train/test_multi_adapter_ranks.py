@@ -10,7 +10,7 @@ from protrain.train.config import validate_config
 from protrain.train.loop import train
 
 from .helpers import tiny_config
-from .test_multi_adapter import _frozen_adapter_dir
+from .test_multi_adapter import _frozen_adapter_dir, one_thread  # noqa: F401 (autouse)
 
 WORLD = 2
 

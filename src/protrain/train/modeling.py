@@ -543,13 +543,6 @@ def _load_existing_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str
             f"{key}.path = {extra.path!r} holds a {saved.get('peft_type')!r} adapter; "
             "allowed: LORA adapters (LoRA, DoRA, QLoRA)"
         )
-    base_name = getattr(model.get_base_model().config, "_name_or_path", "")
-    saved_base = saved.get("base_model_name_or_path") or ""
-    if base_name and saved_base and Path(base_name).name != Path(saved_base).name:
-        warn_once(
-            f"{key}.path = {extra.path!r} was trained on {saved_base!r}, this model is "
-            f"{base_name!r}; its shapes fit, so it is loaded",
-        )
     try:
         result = model.load_adapter(
             str(path), adapter_name=extra.name, is_trainable=extra.is_trainable
@@ -564,6 +557,13 @@ def _load_existing_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str
         raise ConfigError(
             f"{key}.path = {extra.path!r} lacks weights for {len(missing)} of its modules "
             f"(first: {missing[0]}): an adapter of another base model?"
+        )
+    base_name = getattr(model.get_base_model().config, "_name_or_path", "")
+    saved_base = saved.get("base_model_name_or_path") or ""
+    if base_name and saved_base and Path(base_name).name != Path(saved_base).name:
+        warn_once(
+            f"{key}.path = {extra.path!r} was trained on {saved_base!r}, this model is "
+            f"{base_name!r}; its shapes fit this one, so it is used",
         )
 
 
