@@ -20,6 +20,7 @@ from .helpers import tiny_config
 # every chunk offloaded; a DoRA layer needs its whole subtree (base weight too) resident
 ENGINE = {"n_persist": 0, "n_buffer": 6, "chunk_size": "256KiB"}
 SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1, "sequence_len": 48}
+IDS = torch.tensor([[1, 5, 6, 7, 9, 11]])
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +40,6 @@ def small_config(tmp_path, **overrides):
     return cfg
 
 
-IDS = torch.tensor([[1, 5, 6, 7, 9, 11]])
-
-
 def _frozen_adapter_dir(tmp_path, seed: int = 7, lora_extra=None, **model_overrides):
     """A trained-looking LoRA adapter (random A and B, so it changes the output) of the tiny
     model, written by peft's save_pretrained."""
@@ -53,13 +51,13 @@ def _frozen_adapter_dir(tmp_path, seed: int = 7, lora_extra=None, **model_overri
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
     spec.update(model_overrides)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_config(config)
     lora = LoraConfig(
         r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **(lora_extra or {})
     )
     path = tmp_path / "old_adapter"
-    get_peft_model(base, lora).save_pretrained(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        get_peft_model(AutoModelForCausalLM.from_config(config), lora).save_pretrained(path)
     return path
 
 
