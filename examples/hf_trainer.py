@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk-size", type=int, default=1 << 19, help="chunk size in bytes")
     parser.add_argument(
         "--gpu-budget",
-        help="plan the knobs from the Trainer's first batch for this budget (e.g. 24GiB; on "
+        help="plan the knobs from the heaviest micro-batch of the dataset for this budget (e.g. 24GiB; on "
         "the CPU the plan counts the engine's tensor bytes), instead of --n-persist",
     )
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """ProTrainPlugin through axolotl 0.19.0's plugin API, hook by hook in axolotl's order
 (axolotl itself cannot be installed next to protrain[hf]: see axolotl_api/README.md).
-The example YAML trains with the engine under the auto plan from the first batch, to the
+The example YAML trains with the engine under the auto plan from the heaviest micro-batch, to the
 same losses as axolotl's trainer without the plugin; the trained adapter is a normal PEFT
 directory; what the engine cannot run is one clear error naming the axolotl key."""
 

@@ -56,7 +56,7 @@ def memory_section(cfg: Mapping[str, Any]) -> MemoryConfig:
 
 def protrain_config(memory: MemoryConfig, compute_dtype: torch.dtype | None) -> ProTrainConfig:
     """The engine's knobs for ``ProTrainTrainer`` from the section (``auto``: planned from
-    the Trainer's first batch for ``gpu_budget``; knobs set next to it are kept)."""
+    the heaviest micro-batch of the Trainer's dataset for ``gpu_budget``; knobs set next to it are kept)."""
     return ProTrainConfig(
         n_persist=memory.n_persist,
         n_buffer=memory.n_buffer,

@@ -16,7 +16,7 @@ Checked against axolotl 0.19.0 (``axolotl/integrations/base.py``, ``core/builder
 - ``get_trainer_cls``: axolotl's own ``AxolotlTrainer`` with ``ProTrainTrainer`` in front
   (``protrain.integrations.transformers``): the engine's model and optimizer, clipping,
   ``step_in_backward``, checkpoints and exact resume, and, with ``auto: true``, the plan from
-  the Trainer's first batch. axolotl 0.19.0 never calls the plugin's ``create_optimizer``
+  the heaviest micro-batch of the Trainer's dataset. axolotl 0.19.0 never calls the plugin's ``create_optimizer``
   (``PluginManager.create_optimizer`` has no caller), so the optimizer comes from the
   trainer class (``ProTrainTrainer.create_optimizer``).
 - ``post_trainer_create``: checks the trainer is that class (another plugin's trainer class
@@ -110,7 +110,9 @@ class ProTrainPlugin(BasePlugin):
             )
         self.trainer = trainer
         if trainer.protrain_config.planned:
-            log.info("ProTrainPlugin: the memory plan is made from the first training batch")
+            log.info(
+                "ProTrainPlugin: the memory plan is made from the heaviest training micro-batch"
+            )
 
     def post_train(self, cfg: Any, model: Any) -> None:
         # axolotl calls this twice (after trainer.train, and at the end of train()).
