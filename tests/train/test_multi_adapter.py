@@ -1,5 +1,6 @@
 """Several LoRA adapters on one model (`adapter.extra`): one trained next to the main one,
-one loaded frozen from a PEFT directory; the chunked engine against plain PyTorch, resume,
+one loaded frozen from a PEFT directory; the chunked engine and the FSDP2 engine (one
+process) against plain PyTorch, resume,
 the export as peft's multi-adapter layout, and the errors of bad adapter input."""
 
 import json
@@ -103,6 +104,11 @@ def test_engine_matches_plain_frozen_stays_exported_dirs_reload_and_resume(tmp_p
     )
     engine = train(cfg)
     assert engine.losses == pytest.approx(plain.losses, rel=0, abs=1e-6)
+    fsdp2 = {"fsdp_version": 2, "fsdp_config": {"auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}}
+    sharded = train(
+        validate_config(small_config(tmp_path / "fsdp2", max_steps=4, adapter=adapter, **fsdp2))
+    )
+    assert sharded.losses == pytest.approx(plain.losses, rel=0, abs=1e-6)
 
     # one PEFT directory per trained adapter, in peft's layout; none for the frozen one
     assert sorted(p.name for p in engine.final_dir.iterdir() if p.is_dir()) == [
@@ -114,6 +120,10 @@ def test_engine_matches_plain_frozen_stays_exported_dirs_reload_and_resume(tmp_p
         assert a.keys() == b.keys() and a
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+        c = _adapter_weights(sharded, name)
+        assert c.keys() == a.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], c[k], rtol=0, atol=1e-6)
         # trained: lora_B starts at zero
         assert all(v.abs().sum() > 0 for k, v in b.items() if "lora_B" in k), name
     assert any("lora_magnitude_vector" in k for k in _adapter_weights(engine, "style"))
@@ -137,7 +147,7 @@ def test_engine_matches_plain_frozen_stays_exported_dirs_reload_and_resume(tmp_p
     assert any(".style." in k for k in state) and any(".default." in k for k in state)
 
     # peft reloads the export (+ the frozen adapter from its own directory): same logits
-    trained = captured[-1].eval()
+    trained = captured[1].eval()  # plain, engine, FSDP2: the engine run's
     base = build_tiny_base(cfg)
     reloaded = PeftModel.from_pretrained(base, engine.final_dir)
     reloaded.load_adapter(str(engine.final_dir / "style"), adapter_name="style")
