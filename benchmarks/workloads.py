@@ -92,6 +92,35 @@ MODEL_SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     ),
+    # Held-out families (issue 21): numbers from the public config.json of each checkpoint.
+    "qwen7b": dict(  # Qwen2.5-7B: q/k/v projections with bias (Qwen2Config's default)
+        family="qwen2",
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+    "mistral7b": dict(  # Mistral-7B-v0.3: the v0.2 body with a 32,768-token vocabulary
+        family="mistral",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32768,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=None,  # v0.2 and later attend over the whole context
+        rope_theta=1000000.0,
+    ),
     "tiny": dict(
         family="llama",
         hidden_size=64,
@@ -170,6 +199,7 @@ def hf_config(model: str):
         "llama": transformers.LlamaConfig,
         "qwen2": transformers.Qwen2Config,
         "qwen3_moe": transformers.Qwen3MoeConfig,
+        "mistral": transformers.MistralConfig,
     }[family]
     config = cls(
         **shape,
@@ -180,4 +210,90 @@ def hf_config(model: str):
         pad_token_id=None,
     )
     config._attn_implementation = "sdpa"
+    return config
+
+
+# Vision-language shapes (issue 21's VLM row): the text model and the vision tower, from
+# the public config.json of Qwen2.5-VL-7B-Instruct (the vision tower's hidden size is 1280;
+# transformers' Qwen2_5_VLVisionConfig defaults it to 3584). `qwen25vl-tiny` is the same
+# architecture small enough for a CPU run.
+VLM_SHAPES: dict[str, dict] = {
+    "qwen25vl7b": dict(
+        text=dict(
+            hidden_size=3584,
+            intermediate_size=18944,
+            num_hidden_layers=28,
+            num_attention_heads=28,
+            num_key_value_heads=4,
+            vocab_size=152064,
+            max_position_embeddings=128000,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            mrope_section=[16, 24, 24],
+        ),
+        vision=dict(
+            depth=32,
+            hidden_size=1280,
+            intermediate_size=3420,
+            num_heads=16,
+            out_hidden_size=3584,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[7, 15, 23, 31],
+            tokens_per_second=2,
+        ),
+    ),
+    "qwen25vl-tiny": dict(
+        text=dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_theta=1000000.0,
+            mrope_section=[2, 3, 3],
+        ),
+        vision=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            window_size=112,
+            fullatt_block_indexes=[1],
+            tokens_per_second=2,
+        ),
+    ),
+}
+
+
+def hf_vlm_config(model: str, token_ids: dict[str, int]):
+    """A transformers Qwen2.5-VL config of the named shape; `token_ids`: the ids of the
+    tokenizer's image, video, vision-start and vision-end tokens (`image_token_id`, ...)
+    and of its `eos_token_id` and `pad_token_id`."""
+    import transformers
+
+    shape = VLM_SHAPES[model]
+    text = dict(shape["text"])
+    rope = {"rope_type": "default", "rope_theta": text.pop("rope_theta"),
+            "mrope_section": text.pop("mrope_section")}  # fmt: skip
+    ids = dict(token_ids)
+    special = {k: ids.pop(k) for k in ("eos_token_id", "pad_token_id") if k in ids}
+    config = transformers.Qwen2_5_VLConfig(
+        text_config=dict(text, rope_parameters=rope, use_cache=False, bos_token_id=None, **special),
+        vision_config=dict(shape["vision"]),
+        tie_word_embeddings=text["tie_word_embeddings"],
+        **ids,
+    )
+    config.use_cache = False
     return config
