@@ -19,6 +19,20 @@ plus ``plan_s``, ``trace_s``, ``search_s``, ``peak_error``, ``step_error`` and
     python benchmarks/plan_accuracy.py --out benchmarks/results/2026-11-22-plan-accuracy.jsonl
     python benchmarks/plan_accuracy.py --only full-3b,extra-8b-lora-24-b2-s4096
     python benchmarks/plan_accuracy.py --tiny     # CPU smoke test of the script, no budget
+
+Groups and calls (issue 21's acceptance matrix): ``--group`` picks configurations
+(``matrix``: the tuned ones a one-GPU host runs; ``holdout``: held-out families and settings;
+``big``: full fine-tuning of 7-8B shapes, which needs a host of >= 200 GiB, i.e. a 2-GPU
+kind with one GPU used; ``all``). ``--part K/N`` runs the K-th of N parts of equal estimated
+time (estimates from earlier rows in ``results/*plan-accuracy*``), ``--time-limit S`` starts
+no configuration that would not end within S seconds of the start and cuts the last one
+short, ``--list`` prints the parts and their estimates without running anything, and
+``--summarize FILE...`` prints the summary of rows already written (per GPU, the held-out
+rows apart, against the acceptance targets):
+
+    python benchmarks/plan_accuracy.py --group matrix,holdout --list --call-s 540
+    python benchmarks/plan_accuracy.py --group matrix,holdout --part 1/5 --time-limit 540 --out $OUT/pa.jsonl
+    python benchmarks/plan_accuracy.py --summarize benchmarks/results/*-pa-*.jsonl
 """
 
 from __future__ import annotations
@@ -70,7 +84,41 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     # call can trace and time (its longest that trains, 393,216, takes ~400 s a step)
     "long-8b-s65536": ("llama8b", "lora", 80, 1, 65536, "long-8b"),
 }
-TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny")}  # fmt: skip
+# Held out (issue 21): families, budgets, batch and sequence the models were never tuned on.
+# Full fine-tuning of a 7B shape needs ~20 bytes a parameter on the host plus the fp32
+# model (~180 GB): in HOLDOUT_BIG, for a host of >= 200 GiB.
+HOLDOUT: dict[str, tuple[str, str, float, int, int, str]] = {
+    "holdout-qwen7b-lora-12-b3-s3072": ("qwen7b", "lora", 12, 3, 3072, "holdout"),
+    "holdout-qwen7b-lora-20-b1-s3072": ("qwen7b", "lora", 20, 1, 3072, "holdout"),
+    "holdout-qwen7b-lora-48-b3-s2048": ("qwen7b", "lora", 48, 3, 2048, "holdout"),
+    "holdout-mistral7b-lora-12-b1-s3072": ("mistral7b", "lora", 12, 1, 3072, "holdout"),
+    "holdout-mistral7b-lora-20-b3-s3072": ("mistral7b", "lora", 20, 3, 3072, "holdout"),
+    "holdout-mistral7b-lora-48-b3-s3072": ("mistral7b", "lora", 48, 3, 3072, "holdout"),
+    "holdout-3b-full-20-b3-s3072": ("llama3b", "full", 20, 3, 3072, "holdout"),
+    "holdout-1b-full-12-b3-s3072": ("llama1b", "full", 12, 3, 3072, "holdout"),
+}
+HOLDOUT_BIG: dict[str, tuple[str, str, float, int, int, str]] = {
+    "holdout-mistral7b-full-48-b3-s3072": ("mistral7b", "full", 48, 3, 3072, "holdout"),
+    "holdout-qwen7b-full-20-b1-s3072": ("qwen7b", "full", 20, 1, 3072, "holdout"),
+}
+# The tuned configurations that need more than a one-GPU host: 8B full fine-tuning (host
+# memory) and long-8b (run on H200 hosts so far).
+BIG_HOST = ("full-8b", "extra-8b-full-40-b1-s2048", "extra-8b-full-80-b8-s1024", "long-8b-s65536")
+GROUPS: dict[str, list[str]] = {
+    "matrix": [n for n in CONFIGS if n not in BIG_HOST],
+    "holdout": list(HOLDOUT),
+    "big": [*BIG_HOST, *HOLDOUT_BIG],
+}
+GROUPS["all"] = GROUPS["matrix"] + GROUPS["holdout"] + GROUPS["big"]
+ALL_CONFIGS = {**CONFIGS, **HOLDOUT, **HOLDOUT_BIG}
+TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny"),
+        "tiny-holdout-qwen2-lora": ("tiny-qwen2", "lora", 1, 3, 48, "holdout"), "tiny-holdout-mistral-full": ("tiny-mistral", "full", 1, 3, 48, "holdout")}  # fmt: skip
+TINY_GROUPS = {"matrix": ["tiny-full", "tiny-lora", "tiny-qlora"],
+               "holdout": ["tiny-holdout-qwen2-lora", "tiny-holdout-mistral-full"], "big": []}  # fmt: skip
+TINY_GROUPS["all"] = TINY_GROUPS["matrix"] + TINY_GROUPS["holdout"]
+
+# Issue 21's acceptance targets: |error| median and worst.
+TARGETS = {"peak": (0.03, 0.07), "step": (0.10, 0.20)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,6 +127,22 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--out", type=Path, help="default: benchmarks/results/<date>-plan-accuracy.jsonl"
     )
     p.add_argument("--only", help="comma-separated configuration names")
+    p.add_argument(
+        "--group", help="comma-separated groups: matrix, holdout, big, all (default: the "
+                        "configurations of CONFIGS, as before groups existed)",
+    )  # fmt: skip
+    p.add_argument("--part", help="K/N: the K-th of N parts of equal estimated time")
+    p.add_argument(
+        "--time-limit", type=float,
+        help="seconds for this whole invocation: a configuration whose estimate does not fit "
+             "what is left is not started, and the one running is stopped at the limit",
+    )  # fmt: skip
+    p.add_argument("--list", action="store_true",
+                   help="print the selection's parts and estimated seconds; run nothing")  # fmt: skip
+    p.add_argument("--call-s", type=float, default=540,
+                   help="with --list: the seconds one call may take (default 540)")  # fmt: skip
+    p.add_argument("--summarize", nargs="+", type=Path, metavar="JSONL",
+                   help="print the summary of these rows files and stop")  # fmt: skip
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--run-id")
@@ -155,7 +219,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         import protrain.chunks.manager
 
         protrain.chunks.manager.host_arena = _plain_host_arena
-    tiny = model_name == "tiny"
+    tiny = model_name.startswith("tiny")
     device = torch.device("cpu") if tiny else torch.device("cuda", 0)
     row = {
         "workload": workload, "config": name, "system": "protrain", "model": model_name,
@@ -288,8 +352,11 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     except Exception as e:  # one row per failure; the traceback goes to stderr
         traceback.print_exc()
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+        from protrain.plan import NoPlanFits
+
         oom = "out of memory" in text.lower()
-        row.update(status="oom" if oom else "error", error=text[:500])
+        status = "oom" if oom else "no_plan" if isinstance(e, NoPlanFits) else "error"
+        row.update(status=status, error=text[:500])
     return row
 
 
@@ -398,6 +465,132 @@ def _empty_cache(device) -> None:
         torch.cuda.empty_cache()
 
 
+# [Note: estimated seconds] A configuration's child process costs its start (interpreter,
+# torch and transformers imports: CHILD_START_S), time_to_first_step_s (model build, plan,
+# wrap; counted from the row's start) and its warm-up and timed steps. A row of an earlier
+# session gives these (or its own wall_s, recorded since the groups exist); a configuration
+# never run borrows the nearest row of the same mode on PROXY's model, its trace and steps
+# scaled by the tokens a step, times UNSEEN_MARGIN (offload at a smaller budget is slower).
+CHILD_START_S = 15.0
+UNSEEN_MARGIN = 1.3
+DEFAULT_ESTIMATE_S = 120.0
+PROXY = {"qwen7b": "llama8b", "mistral7b": "llama8b"}
+
+
+def earlier_rows(results: Path = HERE / "results") -> dict[str, dict]:
+    """The last row that ran, per configuration, of every plan-accuracy file in `results`."""
+    last: dict[str, dict] = {}
+    for path in sorted(results.glob("*plan-accuracy*.jsonl")):
+        for line in path.read_text().splitlines():
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("status") == "ok" and row.get("time_to_first_step_s") and row.get("step_s"):
+                last[row["config"]] = row
+    return last
+
+
+def estimate_s(name: str, cfg: tuple, earlier: dict[str, dict], n_steps: int) -> float:
+    """Seconds the configuration's child should take ([Note: estimated seconds])."""
+    model, mode, budget, batch, seq, _ = cfg
+    row = earlier.get(name)
+    if row is not None:
+        if row.get("wall_s"):
+            done = row.get("steps_run", n_steps)
+            return row["wall_s"] + (n_steps - done) * row["step_s"]
+        return CHILD_START_S + row["time_to_first_step_s"] + n_steps * row["step_s"]
+    proxy = PROXY.get(model, model)
+    same = [r for r in earlier.values() if r.get("model") == proxy and r.get("mode") == mode]
+    if not same:
+        return DEFAULT_ESTIMATE_S
+    tokens = batch * seq
+    near = min(
+        same, key=lambda r: (abs(r["batch"] * r["seq"] - tokens), abs(r["budget_gib"] - budget))
+    )
+    scale = tokens / (near["batch"] * near["seq"])
+    plan_s = near.get("plan_s") or 0.0
+    base = near["time_to_first_step_s"] - plan_s + (plan_s + n_steps * near["step_s"]) * scale
+    return CHILD_START_S + UNSEEN_MARGIN * base
+
+
+def split_parts(names: list[str], seconds: dict[str, float], n: int) -> list[list[str]]:
+    """`names` in `n` parts of about equal estimated time (longest first into the lightest
+    part), each in the order given."""
+    loads = [0.0] * n
+    owner: dict[str, int] = {}
+    for name in sorted(names, key=lambda x: -seconds[x]):
+        k = loads.index(min(loads))
+        owner[name] = k
+        loads[k] += seconds[name]
+    return [[x for x in names if owner[x] == k] for k in range(n)]
+
+
+def parse_part(text: str) -> tuple[int, int]:
+    try:
+        k, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        raise ValueError(f"--part {text!r}: want K/N with 1 <= K <= N, e.g. 2/5")
+    return k, n
+
+
+def select(args: argparse.Namespace, configs: dict) -> list[str]:
+    """The configurations named by --only or --group (default: CONFIGS); ValueError names
+    an unknown one."""
+    if args.only:
+        names = args.only.split(",")
+        unknown = [n for n in names if n not in configs]
+        if unknown:
+            raise ValueError(f"unknown configurations {unknown}; known: {sorted(configs)}")
+        return names
+    groups = TINY_GROUPS if args.tiny else GROUPS
+    if not args.group:
+        return list(TINY if args.tiny else CONFIGS)
+    names: list[str] = []
+    for group in args.group.split(","):
+        if group not in groups:
+            raise ValueError(f"--group {group!r}: known groups are {', '.join(groups)}")
+        names += [n for n in groups[group] if n not in names]
+    return names
+
+
+def _pct(values: list[float]) -> str:
+    return f"median {100 * statistics.median(values):.1f}%, worst {100 * max(values):.1f}%"
+
+
+def acceptance(rows: list[dict]) -> list[str]:
+    """Issue 21's targets over `rows` (the last row per configuration and GPU), per GPU."""
+    last: dict[tuple, dict] = {}
+    for r in rows:
+        last[(r.get("config"), r.get("gpu"))] = r
+    lines = []
+    for gpu in sorted({g for _, g in last}, key=str):
+        these = [r for (_, g), r in last.items() if g == gpu]
+        ok = [r for r in these if r.get("status") == "ok"]
+        held = [r for r in ok if r.get("workload") == "holdout"]
+        line = (f"{gpu or '(rows without a gpu field)'}: {len(ok)} of {len(these)} configurations ran "
+                f"({len(held)} held out)")  # fmt: skip
+        for status in ("oom", "no_plan", "error"):
+            bad = [r["config"] for r in these if r.get("status") == status]
+            if bad:
+                line += f"; {status}: {', '.join(bad)}"
+        if ok:
+            verdict = []
+            for key, (med, worst) in TARGETS.items():
+                errors = [abs(r[f"{key}_error"]) for r in ok]
+                meets = statistics.median(errors) <= med and max(errors) <= worst
+                verdict.append(f"{key} error {_pct(errors)} "
+                               f"({'meets' if meets else 'misses'} {100 * med:.0f}%/{100 * worst:.0f}%)")  # fmt: skip
+            line += "; " + "; ".join(verdict)
+            if held:
+                line += (f"; held out: peak {_pct([abs(r['peak_error']) for r in held])}, "
+                         f"step {_pct([abs(r['step_error']) for r in held])}")  # fmt: skip
+        lines.append(line)
+    return lines
+
+
 def summarize(rows: list[dict]) -> str:
     ok = [r for r in rows if r.get("status") == "ok"]
     lines = [f"{len(ok)} of {len(rows)} configurations ran; "
@@ -412,25 +605,38 @@ def summarize(rows: list[dict]) -> str:
             f"{max(r['search_s'] for r in ok):.3f} s; plan (hardware + trace + search): worst "
             f"{max(r['plan_s'] for r in ok):.1f} s"
         )
-    return "\n".join(lines)
+    no_plan = [r["config"] for r in rows if r.get("status") == "no_plan"]
+    if no_plan:
+        lines.append(f"no plan found (does any plan fit these budgets?): {', '.join(no_plan)}")
+    return "\n".join(lines + acceptance(rows))
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    configs = TINY if args.tiny else CONFIGS
+    configs = TINY if args.tiny else ALL_CONFIGS
     if args.child:
         print(json.dumps(run_one(args.child, configs[args.child], args)))
         return 0
+    if args.summarize:
+        rows = [json.loads(line) for path in args.summarize
+                for line in path.read_text().splitlines() if line.strip()]  # fmt: skip
+        print(summarize(rows))
+        return 0
     try:
         _parse_also(args.also)
+        names = select(args, configs)
+        part = parse_part(args.part) if args.part else None
     except ValueError as e:
         print(e, file=sys.stderr)
         return 2
-    names = args.only.split(",") if args.only else list(configs)
-    unknown = [n for n in names if n not in configs]
-    if unknown:
-        print(f"unknown configurations {unknown}; known: {sorted(configs)}", file=sys.stderr)
-        return 2
+    earlier = earlier_rows()
+    n_steps = args.steps + args.warmup
+    seconds = {n: estimate_s(n, configs[n], earlier, n_steps) for n in names}
+    if args.list:
+        _print_parts(names, seconds, part, args.call_s, earlier)
+        return 0
+    if part:
+        names = split_parts(names, seconds, part[1])[part[0] - 1]
     # As the application does (protrain.runtime.allocator): the children inherit it.
     from protrain.runtime.allocator import prefer_expandable_segments
 
@@ -438,8 +644,18 @@ def main(argv=None) -> int:
     run_id = args.run_id or datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
     out = args.out or HERE / "results" / f"{day}-plan-accuracy{'-tiny' if args.tiny else ''}.jsonl"
-    rows = []
+    rows, skipped = [], []
+    t_call = time.perf_counter()
     for name in names:
+        timeout = args.timeout_s
+        if args.time_limit:
+            left = args.time_limit - (time.perf_counter() - t_call)
+            if seconds[name] > left:  # not started: it would not end in time
+                skipped.append(name)
+                print(f"skipped (time): {name}, estimated {seconds[name]:.0f} s, "
+                      f"{max(left, 0):.0f} s left", file=sys.stderr, flush=True)  # fmt: skip
+                continue
+            timeout = max(1, min(timeout, int(left)))
         cmd = [sys.executable, __file__, "--child", name, "--run-id", run_id,
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--chunked-loss-tokens", str(args.chunked_loss_tokens),
@@ -453,8 +669,9 @@ def main(argv=None) -> int:
             cmd.append("--tiny")
         if args.profiles:
             cmd += ["--profiles", str(args.profiles)]
+        t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
             last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
             row = json.loads(last) if last.startswith("{") else {
                 "config": name, "status": "error", "run_id": run_id,
@@ -465,14 +682,38 @@ def main(argv=None) -> int:
             if proc.returncode != 0 or row.get("status") != "ok":
                 sys.stderr.write(proc.stderr[-4000:])
         except subprocess.TimeoutExpired:
-            row = {"config": name, "status": "error", "run_id": run_id, "error": "timeout"}
+            row = {"config": name, "status": "error", "run_id": run_id,
+                   "error": f"timeout after {timeout} s"}  # fmt: skip
+        # the child's whole life (start, imports, teardown): later estimates read it
+        row.update(wall_s=round(time.perf_counter() - t0, 1), steps_run=n_steps,
+                   estimated_s=round(seconds[name], 1))  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         with out.open("a") as f:
             f.write(json.dumps(row) + "\n")
     print(summarize(rows), file=sys.stderr)
+    if skipped:
+        print(f"not started (time): --only {','.join(skipped)}", file=sys.stderr)
+    print(f"elapsed {time.perf_counter() - t_call:.0f} s", file=sys.stderr)
     return 0
+
+
+def _print_parts(names, seconds, part, call_s, earlier) -> None:
+    """--list: each configuration's estimate and where it comes from, and the parts."""
+    total = sum(seconds.values())
+    n = part[1] if part else max(1, -(-int(total) // int(call_s)))
+    while True:  # the fewest parts whose estimates each fit one call (unless --part names N)
+        parts = split_parts(names, seconds, n)
+        if part or max(sum(seconds[x] for x in p) for p in parts) <= call_s or n >= len(names):
+            break
+        n += 1
+    for name in names:
+        source = "earlier row" if name in earlier else "proxy (never run)"
+        print(f"{name:40s} {seconds[name]:6.0f} s  {source}")
+    print(f"total {total:.0f} s ({total / 60:.1f} min) in {n} parts:")
+    for k, p in enumerate(parts, 1):
+        print(f"  --part {k}/{n}: {sum(seconds[x] for x in p):4.0f} s  {','.join(p)}")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,35 @@ MODEL_SHAPES: dict[str, dict] = {
         tie_word_embeddings=True,
         rope_theta=10000.0,
     ),
+    # the held-out families' code paths (Qwen2 with q/k/v bias, Mistral) at CPU size
+    "tiny-qwen2": dict(
+        family="qwen2",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=1000000.0,
+    ),
+    "tiny-mistral": dict(
+        family="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=256,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        sliding_window=None,
+        rope_theta=1000000.0,
+    ),
 }
 
 
