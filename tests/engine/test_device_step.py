@@ -103,8 +103,9 @@ def test_device_step_in_backward_without_clipping(monkeypatch):
                 if mb == ACCUM - 1:
                     opt.step_in_backward()
                 (model(**data[step * ACCUM + mb]).loss / ACCUM).backward()
-            if n:  # both device-stepped chunks stepped inside the backward
+            if n:  # both device-stepped chunks stepped inside the backward, gradients freed
                 assert opt.stats["device_steps"] == 2 * (step + 1)
+                assert not opt._device_step._grads
             opt.step()
             opt.zero_grad()
         out = copy.deepcopy(_states(model, opt))

@@ -167,7 +167,19 @@ class DeviceStep:
         slot.grad_norm = torch.linalg.vector_norm(acc)
 
     def grad(self, slot: ParamSlot) -> torch.Tensor:
-        return self._grads[id(slot)]
+        g = self._grads.get(id(slot))
+        if g is None:
+            raise RuntimeError(
+                f"protrain: the gradient of {slot.name} was consumed by its chunk's device "
+                "step in the backward armed by step_in_backward(); only its 2-norm is kept"
+            )
+        return g
+
+    def drop_grads_of(self, slots: list[ParamSlot]) -> None:
+        """Free the accumulators of ``slots`` (stepped in an armed backward: nothing reads
+        them again before ``zero_grad``; the streams that still read them hold them)."""
+        for s in slots:
+            self._grads.pop(id(s), None)
 
     def drop_grads(self) -> None:
         self._grads.clear()
@@ -192,7 +204,7 @@ class DeviceStep:
         cuda = m.is_cuda
         t0 = time.perf_counter()
         self.harvest()
-        grads = [self._grads[id(s)] for s, _, _ in items]
+        grads = [self.grad(s) for s, _, _ in items]
         start = None
         if cuda:
             self._compute.wait_stream(torch.cuda.current_stream(m.device))

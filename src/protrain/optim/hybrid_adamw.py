@@ -383,6 +383,8 @@ class HybridAdamW(torch.optim.Optimizer):
             items = [(s, opts[s.update_piece], self._group_of[id(s)])
                      for s in chunk.trainable_slots]  # fmt: skip
             self._device_step.step(items, self._armed_hyper, None, None)
+            # its gradients are spent: their device memory goes back during the backward
+            self._device_step.drop_grads_of(chunk.trainable_slots)
             self._armed_device.add(ci)
             stats = self._manager.stats
             stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
