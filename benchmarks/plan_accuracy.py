@@ -110,12 +110,20 @@ GROUPS: dict[str, list[str]] = {
     "big": [*BIG_HOST, *HOLDOUT_BIG],
 }
 GROUPS["all"] = GROUPS["matrix"] + GROUPS["holdout"] + GROUPS["big"]
+# Issue 21's smallest run: 20 configurations, the 8 held out and the 12 tuned ones of least
+# estimated time (~19 min on one H100 host from the rows up to session 15).
+GROUPS["acceptance"] = [
+    "fits-b1", "fits-b8", "full-3b", "extra-1b-full-16-b2-s1024", "extra-1b-full-24-b4-s4096",
+    "extra-1b-lora-16-b8-s2048", "extra-1b-full-40-b8-s2048", "extra-3b-lora-80-b2-s4096",
+    "extra-3b-lora-24-b1-s512", "extra-3b-full-24-b8-s1024", "extra-3b-full-40-b2-s4096",
+    "extra-8b-lora-40-b4-s2048", *HOLDOUT,
+]  # fmt: skip
 ALL_CONFIGS = {**CONFIGS, **HOLDOUT, **HOLDOUT_BIG}
 TINY = {"tiny-full": ("tiny", "full", 1, 2, 64, "tiny"), "tiny-lora": ("tiny", "lora", 1, 2, 64, "tiny"), "tiny-qlora": ("tiny", "qlora", 1, 2, 64, "tiny"),
         "tiny-holdout-qwen2-lora": ("tiny-qwen2", "lora", 1, 3, 48, "holdout"), "tiny-holdout-mistral-full": ("tiny-mistral", "full", 1, 3, 48, "holdout")}  # fmt: skip
 TINY_GROUPS = {"matrix": ["tiny-full", "tiny-lora", "tiny-qlora"],
                "holdout": ["tiny-holdout-qwen2-lora", "tiny-holdout-mistral-full"], "big": []}  # fmt: skip
-TINY_GROUPS["all"] = TINY_GROUPS["matrix"] + TINY_GROUPS["holdout"]
+TINY_GROUPS["all"] = TINY_GROUPS["acceptance"] = TINY_GROUPS["matrix"] + TINY_GROUPS["holdout"]
 
 # Issue 21's acceptance targets: |error| median and worst.
 TARGETS = {"peak": (0.03, 0.07), "step": (0.10, 0.20)}
@@ -128,8 +136,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--only", help="comma-separated configuration names")
     p.add_argument(
-        "--group", help="comma-separated groups: matrix, holdout, big, all (default: the "
-                        "configurations of CONFIGS, as before groups existed)",
+        "--group", help="comma-separated groups: matrix, holdout, big, all, acceptance "
+                        "(default: the configurations of CONFIGS, as before groups existed)",
     )  # fmt: skip
     p.add_argument("--part", help="K/N: the K-th of N parts of equal estimated time")
     p.add_argument(
