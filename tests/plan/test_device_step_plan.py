@@ -71,7 +71,7 @@ def test_search_takes_device_steps_where_the_host_adamw_is_the_bound(cpu_adam):
     problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs={"n_persist": 2})
     result = search(problem)
     plan = result.plan
-    assert 1 <= result.work["device_step_evaluations"] <= 4
+    assert 1 <= result.work["device_step_evaluations"] <= 4 * len(plan.candidates)
     assert any(r.startswith("n_device_step=") for r in plan.reasons)
     knobs = list(plan.knobs.values())
     without = problem.evaluate(*knobs)["step_s"]

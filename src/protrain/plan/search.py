@@ -21,12 +21,14 @@ never gets better with more compute or more swap bytes. So:
    more buffers.
 
 4. ``n_device_step`` (offloaded chunks stepped on the device, ``optim/device_step.py``) is
-   chosen last, for the best row only: it changes that row's step time and adds device
-   bytes, and the values worth trying are few: 0, and the counts around the one where the
-   device-stepped chunks' link time meets the host AdamW time of the rest, or around the
-   most whose device bytes fit, if fewer (:func:`_choose_device_step`, at most four
-   evaluations). Not on a CPU device (there the "device" step is the host's own work plus
-   copies) nor with sharded chunks (the engine steps only whole chunks on the device).
+   chosen last, over the k candidate rows: it changes a row's step time and adds device
+   bytes, and the values worth trying are few: per row, the counts around the one where
+   the device-stepped chunks' link time meets the host AdamW time of the rest, or around
+   the most whose device bytes fit beside the row's, if fewer (:func:`_choose_device_step`,
+   at most four evaluations a row). The fastest that fits becomes the plan (a row with
+   fewer buffers may have the room the fastest row lacks). Not on a CPU device (there the
+   "device" step is the host's own work plus copies) nor with sharded chunks (the engine
+   steps only whole chunks on the device).
 
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
 intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
@@ -272,8 +274,13 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     plain = _plain_layout(problem, best[0][0][0])
     if plain is not None:
         rows_ = [plain[0]] + [r for r in rows_ if r != plain[0]][: k - 1]
-    n_device_step, why, tried = _choose_device_step(problem, rows_[0])
-    work["device_step_evaluations"] = tried
+    n_device_step, why = 0, ""
+    work["device_step_evaluations"] = 0
+    if plain is None:  # [Note: plain PyTorch's layout first] holds against device steps too
+        ri, n_device_step, why, work["device_step_evaluations"] = _choose_device_step(
+            problem, rows_
+        )
+        rows_ = [rows_[ri]] + rows_[:ri] + rows_[ri + 1 :]
     plan = _make_plan(problem, rows_, n_device_step)
     if plain is not None:
         plan.reasons.append(plain[1])
@@ -433,45 +440,52 @@ def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> No
     )
 
 
-def _choose_device_step(problem: PlanProblem, knobs: list[int]) -> tuple[int, str, int]:
-    """``n_device_step`` for the plan ``knobs``, the reason (``""`` when not searched) and
-    the evaluations it took: 0 and the counts around the balance of link and host time,
-    the fastest that fits."""
+def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[int, int, str, int]:
+    """The candidate row and ``n_device_step`` of the fastest plan that fits, the reason
+    (``""`` when not searched) and the evaluations it took. Per row: the counts around the
+    balance of device and host time, or around the most whose device bytes fit beside the
+    row's own (a row with fewer buffers may leave the room the fastest row does not)."""
     rt, hw = problem.runtime, problem.hardware
-    n_p = knobs[0]
-    chunks = rt.device_step_chunks(n_p, problem.memory.n_chunks)  # every offloaded trainable
-    if (
-        hw.device == "cpu"
-        or (problem.world.distributed and problem.world.mode == "sharded")
-        or not len(chunks)
-    ):
-        return 0, "", 0
-    host = rt.host_step_chunk_s(chunks)
-    dev = rt.device_step_chunk_s(chunks)
-    # d chunks on the device (the last d): host time of the others against device time
-    host_left = np.concatenate([np.cumsum(host)[::-1], [0.0]])  # index d
-    dev_time = np.concatenate([[0.0], np.cumsum(dev[::-1])])
-    balance = int(np.argmax(dev_time >= host_left))
-    # ... and the most whose device bytes fit beside the plan's (the gradients grow with d)
-    base = problem.evaluate(*knobs)
-    room = problem.gpu_budget_bytes - base["peak_bytes"]
-    most = 0  # the device bytes grow with d
-    while most < len(chunks) and (
-        sum(problem.memory.device_step_terms(n_p, most + 1).values()) <= room
-    ):
-        most += 1
-    center = min(balance, most)
-    values = sorted({0, *(d for d in (center - 1, center, center + 1) if 0 < d <= most)})
-    tried = []
-    best_d, best_s = 0, None
-    for d in values:
-        ev = base if d == 0 else problem.evaluate(*knobs, n_device_step=d)
-        fits = ev["peak_bytes"] <= problem.gpu_budget_bytes
-        tried.append(f"{d}: {ev['step_s']:.4f} s" + ("" if fits else " (does not fit)"))
-        if fits and (best_s is None or ev["step_s"] < best_s):
-            best_d, best_s = d, ev["step_s"]
-    why = f"n_device_step={best_d} (offloaded chunks stepped on the device) of those tried: "
-    return best_d, why + "; ".join(tried), len(values)
+    if hw.device == "cpu" or (problem.world.distributed and problem.world.mode == "sharded"):
+        return 0, 0, "", 0
+    best = None  # (step_s, row, d)
+    fastest_s = None
+    evaluations = 0
+    for ri, knobs in enumerate(rows):
+        n_p = knobs[0]
+        chunks = rt.device_step_chunks(n_p, problem.memory.n_chunks)  # every offloaded one
+        base = problem.evaluate(*knobs)
+        evaluations += 1
+        if fastest_s is None:
+            fastest_s = base["step_s"]
+        if best is None or base["step_s"] < best[0]:
+            best = (base["step_s"], ri, 0)
+        if not len(chunks):
+            continue
+        # d chunks on the device (the last d): host time of the others against device time
+        host_left = np.concatenate([np.cumsum(rt.host_step_chunk_s(chunks))[::-1], [0.0]])
+        dev_time = np.concatenate([[0.0], np.cumsum(rt.device_step_chunk_s(chunks)[::-1])])
+        balance = int(np.argmax(dev_time >= host_left))
+        room = problem.gpu_budget_bytes - base["peak_bytes"]
+        most = 0  # the device bytes grow with d
+        while most < len(chunks) and (
+            sum(problem.memory.device_step_terms(n_p, most + 1).values()) <= room
+        ):
+            most += 1
+        center = min(balance, most)
+        for d in sorted({d for d in (center - 1, center, center + 1) if 0 < d <= most}):
+            ev = problem.evaluate(*knobs, n_device_step=d)
+            evaluations += 1
+            if ev["peak_bytes"] <= problem.gpu_budget_bytes and ev["step_s"] < best[0]:
+                best = (ev["step_s"], ri, d)
+    step_s, ri, d = best
+    knobs = dict(zip(KNOBS, rows[ri]))
+    why = (
+        f"n_device_step={d} (offloaded chunks stepped on the device) with {knobs}: predicted "
+        f"{step_s:.4f} s, the fastest plan without it {fastest_s:.4f} s ({evaluations} "
+        "evaluations over the candidates)"
+    )
+    return ri, d, why, evaluations
 
 
 def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int = 0) -> Plan:
