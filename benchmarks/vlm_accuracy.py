@@ -164,6 +164,7 @@ def build_model_dir(work: Path, shape: str, device: str) -> tuple[Path, int]:
     path = work / shape
     if not (path / "config.json").exists():
         tokenizer = byte_tokenizer()
+        processor = build_processor(tokenizer)  # first: without torchvision, fail before the build
         ids = {key: tokenizer.convert_tokens_to_ids(tok) for key, tok in (
             ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
             ("vision_start_token_id", "<|vision_start|>"),
@@ -181,7 +182,7 @@ def build_model_dir(work: Path, shape: str, device: str) -> tuple[Path, int]:
         partial = path.with_name(path.name + ".partial")  # a save cut short is not reused
         shutil.rmtree(partial, ignore_errors=True)
         model.save_pretrained(partial)
-        build_processor(tokenizer).save_pretrained(partial)
+        processor.save_pretrained(partial)
         partial.rename(path)
         del model
     from safetensors import safe_open
