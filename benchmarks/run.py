@@ -63,8 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host-threads", type=int, help="protrain: host AdamW intra-op threads")
     p.add_argument(
         "--n-device-step", type=int,
-        help="protrain: offloaded chunks whose AdamW runs on the GPU (with --auto: replaces "
-             "the plan's choice)",
+        help="protrain: offloaded chunks whose AdamW runs on the GPU (with --auto: fixed for "
+             "the planner, which picks the other knobs for it)",
     )  # fmt: skip
     p.add_argument(
         "--auto", action="store_true",

@@ -1,9 +1,9 @@
 """Session 15 check (issue 22 item 1): device-stepped offloaded chunks on full-3b at 24 GiB.
 
-One `benchmarks/run.py` row per `--n-device-step` value (0, then the given ones) with the
-planner's other knobs (`--auto`, the same plan each time: the value replaces the plan's own
-choice, which each row also records as `planned_n_device_step`), clipping on, random weights
-built on meta as run.py does. Prints one JSON line per row: tokens/s, step seconds, host
+One `benchmarks/run.py` row per `--n-device-step` value (0, then the given ones), each
+planned with that value fixed (`--auto`: the planner picks the other knobs for it, so a
+value whose staging and gradients do not fit beside the fastest plan gets a plan with fewer
+buffers, or no plan), clipping on, random weights built on meta as run.py does. Prints one JSON line per row: tokens/s, step seconds, host
 AdamW seconds a step, the device step's seconds and link bytes each way, the gathers' and
 gradients' link bytes, peak GiB and the plan's predictions; the full rows go to OUT_JSONL.
 

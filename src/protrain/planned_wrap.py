@@ -121,6 +121,7 @@ def wrap(
                 "n_buffer": n_buffer,
                 "n_swap": n_swap,
                 "n_checkpoint": n_checkpoint,
+                "n_device_step": n_device_step,
             },
             tiled_mlp_tokens=tiled_mlp_tokens,
             clipping=clipping or target.compute_dtype == torch.float16,
@@ -130,15 +131,6 @@ def wrap(
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         knobs = plan_knobs(plan)
-        if n_device_step is not None and n_device_step != plan.n_device_step:
-            # not a knob of the search (plan/search.py): the user's count replaces the plan's
-            log.info(
-                "protrain.wrap: n_device_step=%d as given (the plan chose %d; its predictions "
-                "are for its own)",
-                n_device_step,
-                plan.n_device_step,
-            )
-            knobs["n_device_step"] = n_device_step
         device, compute_dtype = target.device, target.compute_dtype
         log.info("protrain.wrap: plan\n%s", plan)
     return engine.wrap(

@@ -10,7 +10,7 @@ import plan_synthetic as syn
 import pytest
 
 from protrain.optim.device_step import staging_bytes
-from protrain.plan import PlanProblem, search
+from protrain.plan import NoPlanFits, PlanProblem, search
 from protrain.plan.memory import policy_matrix
 from protrain.plan.runtime import RuntimeModel
 
@@ -82,6 +82,20 @@ def test_search_takes_device_steps_where_the_host_adamw_is_the_bound(cpu_adam):
         assert plan.n_device_step == 0
         assert plan.predicted_step_s == without
     assert plan.candidates[0]["n_device_step"] == plan.n_device_step
+
+
+def test_a_fixed_device_step_count_is_planned_with():
+    p = syn.profile(8, 10)
+    hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=1e13)  # fast host: 0 best
+    fixed = {"n_persist": 2, "n_device_step": 1}
+    plan = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs=fixed)).plan
+    assert plan.n_device_step == 1 and plan.fixed_knobs["n_device_step"] == 1
+    assert "device_step_grads" in plan.memory_terms
+    with pytest.raises(NoPlanFits, match="n_device_step=9 fits none"):
+        search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB,
+                           fixed_knobs={"n_persist": 2, "n_device_step": 9}))  # fmt: skip
+    with pytest.raises(ValueError, match="n_device_step=-1 is negative"):
+        PlanProblem(p, hw, gpu_budget_bytes=GIB, fixed_knobs={"n_device_step": -1})
 
 
 def test_search_leaves_device_steps_off_on_a_cpu_device():

@@ -77,12 +77,18 @@ class SearchResult:
     work: dict[str, int] = field(default_factory=dict)
 
 
+# Fixable besides KNOBS: chosen after them (see the module note), so not among a row's knobs.
+DEVICE_STEP = "n_device_step"
+
+
 def _known_knobs(fixed_knobs: dict[str, int] | None) -> dict[str, int]:
     """The knobs given a value (None: not fixed); an unknown name is an error."""
     fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
-    unknown = sorted(set(fixed) - set(KNOBS))
+    unknown = sorted(set(fixed) - set(KNOBS) - {DEVICE_STEP})
     if unknown:
-        raise ValueError(f"fixed_knobs {unknown} are not knobs; the knobs are {KNOBS}")
+        raise ValueError(
+            f"fixed_knobs {unknown} are not knobs; the knobs are {KNOBS + (DEVICE_STEP,)}"
+        )
     return fixed
 
 
@@ -135,6 +141,14 @@ class PlanProblem:
             raise ValueError(f"n_swap + n_checkpoint is more than the model's {b} blocks")
         if "n_buffer" in f and f["n_buffer"] < 0:
             raise ValueError(f"n_buffer={f['n_buffer']} is negative")
+        d = f.get(DEVICE_STEP, 0)
+        if d < 0:
+            raise ValueError(f"n_device_step={d} is negative")
+        if d and self.world.distributed and self.world.mode == "sharded":
+            raise ValueError(
+                f"n_device_step={d} is not allowed with distributed_mode='sharded': "
+                "device-stepped chunks are for one rank or distributed_mode='replicated'"
+            )
 
     # ---- knob ranges ------------------------------------------------------------------
 
@@ -200,7 +214,7 @@ class PlanProblem:
             0 <= n_persist <= self.memory.n_chunks
             and least <= min(n_buffer, most)
             and n_swap + n_checkpoint <= self.memory.n_blocks
-            and all(knobs[k] == v for k, v in self.fixed.items())
+            and all(knobs[k] == v for k, v in self.fixed.items() if k in knobs)
         )
 
 
@@ -318,8 +332,8 @@ def _plain_layout(problem: PlanProblem, best_s: float) -> tuple[list[int], str] 
     for it, when it is allowed, fits both budgets and the fastest plan found is not more
     than PLAIN_MARGIN faster; else None."""
     knobs = [problem.memory.n_chunks, 0, 0, 0]
-    if not problem.allowed(*knobs):
-        return None
+    if not problem.allowed(*knobs) or problem.fixed.get(DEVICE_STEP):
+        return None  # (every chunk persistent: none to step on the device)
     ev = problem.evaluate(*knobs)
     if ev["peak_bytes"] > problem.gpu_budget_bytes:
         return None
@@ -446,6 +460,8 @@ def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[in
     balance of device and host time, or around the most whose device bytes fit beside the
     row's own (a row with fewer buffers may leave the room the fastest row does not)."""
     rt, hw = problem.runtime, problem.hardware
+    if DEVICE_STEP in problem.fixed:
+        return _fixed_device_step(problem, rows, problem.fixed[DEVICE_STEP])
     if hw.device == "cpu" or (problem.world.distributed and problem.world.mode == "sharded"):
         return 0, 0, "", 0
     best = None  # (step_s, row, d)
@@ -486,6 +502,31 @@ def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[in
         "evaluations over the candidates)"
     )
     return ri, d, why, evaluations
+
+
+def _fixed_device_step(problem: PlanProblem, rows: list[list[int]], d: int):
+    """:func:`_choose_device_step` with ``n_device_step`` fixed: the fastest candidate row
+    that has ``d`` offloaded trainable chunks and fits with them."""
+    if d == 0:
+        return 0, 0, "", 0
+    best, evaluations = None, 0
+    for ri, knobs in enumerate(rows):
+        if len(problem.runtime.device_step_chunks(knobs[0], d)) < d:
+            continue  # fewer offloaded trainable chunks than that
+        ev = problem.evaluate(*knobs, n_device_step=d)
+        evaluations += 1
+        fits = ev["peak_bytes"] <= problem.gpu_budget_bytes
+        if fits and (best is None or ev["step_s"] < best[0]):
+            best = (ev["step_s"], ri)
+    if best is None:
+        raise NoPlanFits(
+            f"n_device_step={d} fits none of the {len(rows)} fastest plans of the budget of "
+            f"{problem.gpu_budget_bytes / _GIB:.2f} GiB (its staging and gradients take device "
+            "memory, and it needs that many offloaded trainable chunks): use a smaller "
+            "n_device_step, or leave it to the planner",
+            None,
+        )
+    return best[1], d, "", evaluations
 
 
 def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int = 0) -> Plan:

@@ -291,11 +291,6 @@ class MemoryConfig(StrictModel):
                 "memory.gpu_budget/cpu_budget are read only by the planner: set memory.auto = "
                 "true, or remove them"
             )
-        if self.auto and self.n_device_step is not None:
-            raise ValueError(
-                "memory.n_device_step is chosen by memory.auto (the planner picks it with the "
-                "other chunk knobs): remove one of them"
-            )
         if self.n_device_step and not self.engine_enabled:
             raise ValueError(
                 f"memory.n_device_step = {self.n_device_step} needs the chunked engine: set "
@@ -316,6 +311,7 @@ class MemoryConfig(StrictModel):
             "n_buffer": self.n_buffer,
             "n_swap": self.n_swap,
             "n_checkpoint": self.n_checkpoint,
+            "n_device_step": self.n_device_step,
         }
 
     @property
