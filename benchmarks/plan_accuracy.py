@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -111,7 +112,7 @@ GROUPS: dict[str, list[str]] = {
 }
 GROUPS["all"] = GROUPS["matrix"] + GROUPS["holdout"] + GROUPS["big"]
 # Issue 21's smallest run: 20 configurations, the 8 held out and the 12 tuned ones of least
-# estimated time (~19 min on one H100 host from the rows up to session 15).
+# estimated time (~18 min on one H100 host from the rows up to session 15).
 GROUPS["acceptance"] = [
     "fits-b1", "fits-b8", "full-3b", "extra-1b-full-16-b2-s1024", "extra-1b-full-24-b4-s4096",
     "extra-1b-lora-16-b8-s2048", "extra-1b-full-40-b8-s2048", "extra-3b-lora-80-b2-s4096",
@@ -513,9 +514,9 @@ def estimate_s(name: str, cfg: tuple, earlier: dict[str, dict], n_steps: int) ->
     if not same:
         return DEFAULT_ESTIMATE_S
     tokens = batch * seq
-    near = min(
-        same, key=lambda r: (abs(r["batch"] * r["seq"] - tokens), abs(r["budget_gib"] - budget))
-    )
+    # nearest in tokens by ratio (twice as many and half as many are as far), then in budget
+    near = min(same, key=lambda r: (abs(math.log(r["batch"] * r["seq"] / tokens)),
+                                    abs(r["budget_gib"] - budget)))  # fmt: skip
     scale = tokens / (near["batch"] * near["seq"])
     plan_s = near.get("plan_s") or 0.0
     base = near["time_to_first_step_s"] - plan_s + (plan_s + n_steps * near["step_s"]) * scale
