@@ -655,6 +655,7 @@ def main(argv=None) -> int:
     out = args.out or HERE / "results" / f"{day}-plan-accuracy{'-tiny' if args.tiny else ''}.jsonl"
     rows, skipped = [], []
     t_call = time.perf_counter()
+    gpu = None if args.tiny else gpu_name()  # for rows the child never wrote
     for name in names:
         timeout = args.timeout_s
         if args.time_limit:
@@ -693,6 +694,8 @@ def main(argv=None) -> int:
         except subprocess.TimeoutExpired:
             row = {"config": name, "status": "error", "run_id": run_id,
                    "error": f"timeout after {timeout} s"}  # fmt: skip
+        if gpu and "gpu" not in row:
+            row["gpu"] = gpu
         # the child's whole life (start, imports, teardown): later estimates read it
         row.update(wall_s=round(time.perf_counter() - t0, 1), steps_run=n_steps,
                    estimated_s=round(seconds[name], 1))  # fmt: skip
@@ -706,6 +709,20 @@ def main(argv=None) -> int:
         print(f"not started (time): --only {','.join(skipped)}", file=sys.stderr)
     print(f"elapsed {time.perf_counter() - t_call:.0f} s", file=sys.stderr)
     return 0
+
+
+def gpu_name() -> str | None:
+    """The first visible GPU's name from nvidia-smi (the parent starts no CUDA context: its
+    memory would count against the children's budgets); None where there is none."""
+    index = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                             capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return out.stdout.strip() or None
 
 
 def _print_parts(names, seconds, part, call_s, earlier) -> None:
