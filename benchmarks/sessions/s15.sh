@@ -8,6 +8,10 @@
 # PART=four2 (same warm host, same RID): FSDP2 CPU offload at batch 2 (its largest in
 #            session 12) beside them; then issue 19: lora-14b on 2 GPUs through the FSDP2
 #            engine with and without offload_params, beside the chunk engine sharded.
+# PART=dstep (one GPU): issue 22 item 1: device-stepped offloaded chunks (n_device_step), never
+#            run on CUDA before: their GPU test, then full-3b at 24 GiB through run.py, no
+#            clipping, auto with n_device_step fixed at 0, auto free to choose it, FSDP2 CPU
+#            offload in the same run, then n_device_step fixed at 2.
 # PART=diag (one GPU): issue 19: why the FSDP2 engine exited 1 on an H100 in session 14:
 #            `protrain plan` and `protrain train` of sessions/fsdp2_plan_check.py's config
 #            with --debug (the whole traceback), then the check itself.
@@ -53,6 +57,27 @@ four2)  # run: only its first row (FSDP2 b2 on 4 GPUs, limit 190 s), after PART=
   row 150 $K --system protrain_fsdp2_offload
   row 150 $K --system protrain --n-persist 0 --n-buffer 3 --distributed-mode sharded
   row 120 $K --system protrain_fsdp2
+  ;;
+dstep)
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_device_step_gpu.py \
+    tests/engine/test_copy_times.py 2>&1 | grep -v "^  \|warn" | tail -12 | cut -c1-300
+  R="python3 benchmarks/run.py --commit $C --run-id $RID --steps 5 --warmup 2 --max-grad-norm 0"
+  K="--workload full-3b --budget-gib 24 --out $OUT/dstep.jsonl"
+  row 150 $K --system protrain --auto --n-device-step 0
+  row 150 $K --system protrain --auto
+  row 120 $K --system fsdp2_offload
+  row 130 $K --system protrain --auto --n-device-step 2
+  python3 - "$OUT/dstep.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    r = json.loads(line); p = r.get("plan") or {}
+    keys = ("system", "status", "tokens_per_s", "step_s", "predicted_step_s", "peak_alloc_gib",
+            "peak_reserved_gib", "predicted_peak_gib", "host_adam_s", "wait_cpu_optimizer_s",
+            "device_step_s", "device_step_h2d_bytes", "copy_busy_s", "error")
+    print(json.dumps({**{k: r.get(k) for k in keys}, "n_device_step": p.get("n_device_step"),
+                      "n_persist": p.get("n_persist"), "n_buffer": p.get("n_buffer"),
+                      "n_checkpoint": p.get("n_checkpoint")}))
+PY
   ;;
 diag)
   timeout 240 python3 benchmarks/sessions/fsdp2_plan_check.py $W/fsdp2 $W/fsdp2.jsonl 2>&1 | tail -2 | cut -c1-2500
