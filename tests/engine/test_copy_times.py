@@ -34,8 +34,10 @@ def test_counters_count_the_bytes_the_plan_predicts(device):
     batch = {"input_ids": ids, "labels": ids}
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     block = _model("lora").get_base_model().model.layers[0]
-    # about 2.3 blocks a chunk (as in test_gather_traffic): blocks straddle chunks
-    chunk = (int(2.3 * sum(p.numel() * 4 for p in block.parameters())) + 63) // 64 * 64
+    # about 2.3 blocks a chunk (as in test_gather_traffic): blocks straddle chunks; chunks
+    # hold the compute dtype (bf16 on CUDA: at 4 bytes a parameter the model fit 3 chunks)
+    size = torch.finfo(dtype).bits // 8
+    chunk = (int(2.3 * sum(p.numel() * size for p in block.parameters())) + 63) // 64 * 64
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models run faster on one intra-op thread
     try:
