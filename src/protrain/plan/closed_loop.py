@@ -175,6 +175,7 @@ def _like(problem: PlanProblem, **changes) -> PlanProblem:
         extra_bytes=problem.extra_bytes,
         clipping=problem.clipping,
         world=problem.world,
+        device_step_search=problem.device_step_search,
     )
     hardware = changes.pop("hardware", problem.hardware)
     profile = changes.pop("profile", problem.profile)

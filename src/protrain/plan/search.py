@@ -106,6 +106,7 @@ class PlanProblem:
         extra_bytes: int = 0,
         clipping: bool = True,
         world: World = SINGLE,
+        device_step_search: bool = False,
     ):
         fixed = _known_knobs(fixed_knobs)
         self.world = world
@@ -120,6 +121,10 @@ class PlanProblem:
         # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
         self.clipping = bool(clipping)
         self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)
+        # Whether the search may choose n_device_step itself. Off by default: the device step's
+        # CUDA path has run only in tests (session 15); until its speed is measured, device
+        # steps are used only where n_device_step is fixed by the user.
+        self.device_step_search = bool(device_step_search)
         self._check_fixed()
 
     def with_fixed(self, fixed_knobs: dict[str, int]) -> PlanProblem:
@@ -462,7 +467,11 @@ def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[in
     rt, hw = problem.runtime, problem.hardware
     if DEVICE_STEP in problem.fixed:
         return _fixed_device_step(problem, rows, problem.fixed[DEVICE_STEP])
-    if hw.device == "cpu" or (problem.world.distributed and problem.world.mode == "sharded"):
+    if (
+        not problem.device_step_search
+        or hw.device == "cpu"
+        or (problem.world.distributed and problem.world.mode == "sharded")
+    ):
         return 0, 0, "", 0
     best = None  # (step_s, row, d)
     fastest_s = None
