@@ -40,11 +40,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.optim.adamw import adamw
 
 from protrain.chunks.chunk import ParamSlot
 from protrain.chunks.manager import ChunkManager
-from protrain.optim.flat_adamw import FlatAdamW
+from protrain.optim.flat_adamw import FlatAdamW, fused_adamw
 
 _N_SETS = 3  # staging sets: one copying in, one stepping, one copying out
 _LANE_UNIT = 16  # a tensor is cut only at multiples of this ([Note: flat runs])
@@ -321,22 +320,10 @@ class DeviceStep:
             }  # fmt: skip
             grads = [self._grads[id(piece[i].slot)].view(-1)[piece[i].lo : piece[i].hi]
                      for i in idx]  # fmt: skip
-            adamw(
-                view["param"],
-                grads,
-                view["exp_avg"],
-                view["exp_avg_sq"],
-                [],
-                [steps[i] for i in idx],
-                fused=True,
-                amsgrad=False,
-                beta1=h["betas"][0],
-                beta2=h["betas"][1],
-                lr=h["lr"],
-                weight_decay=h["weight_decay"],
-                eps=h["eps"],
-                maximize=False,
-            )
+            fused_adamw(
+                view["param"], grads, view["exp_avg"], view["exp_avg_sq"],
+                [steps[i] for i in idx], h,
+            )  # fmt: skip
 
     def _ensure_sets(self) -> None:
         """The staging sets, made at the first step and kept: pieces of ``piece_numel``,

@@ -35,6 +35,36 @@ from torch.optim.adamw import adamw
 
 from protrain.chunks.chunk import ParamSlot
 
+
+def fused_adamw(
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
+    group: dict,
+) -> None:
+    """torch's functional fused AdamW over these tensors at one param group's
+    hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``), as
+    ``torch.optim.AdamW(fused=True)`` steps a group; ``steps`` are incremented by it."""
+    adamw(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        fused=True,
+        amsgrad=False,
+        beta1=group["betas"][0],
+        beta2=group["betas"][1],
+        lr=group["lr"],
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=False,
+    )
+
+
 _LANE_UNIT = 16  # fp32 elements of the kernel's 64-byte task unit
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -170,21 +200,13 @@ class FlatAdamW:
         for gi, ks in by_group.items():
             h = hyper[gi]
             spans = [batch.spans[k] for k in ks]
-            adamw(
+            fused_adamw(
                 [run.span("param", a, b) for run, a, b in spans],
                 [batch.grads[k] for k in ks],
                 [run.span("exp_avg", a, b) for run, a, b in spans],
                 [run.span("exp_avg_sq", a, b) for run, a, b in spans],
-                [],
                 [steps[k] for k in ks],
-                fused=True,
-                amsgrad=False,
-                beta1=h["betas"][0],
-                beta2=h["betas"][1],
-                lr=h["lr"],
-                weight_decay=h["weight_decay"],
-                eps=h["eps"],
-                maximize=False,
+                h,
             )
         for (run, a, b), t in zip(batch.spans, steps):
             value = float(t)
