@@ -8,6 +8,10 @@ GPU budget can still be filled on the GPU and kept on the host.
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -109,3 +113,18 @@ def _rebuild_rotary_buffers(model: nn.Module, device: torch.device) -> None:
     for name, buf in model.named_buffers():
         if buf.is_meta:
             raise RuntimeError(f"buffer {name} is still on the meta device")
+
+
+def saved_param_count(path: Path) -> int:
+    """Parameters of a model saved by ``save_pretrained`` in ``path`` (one safetensors file
+    or an index of shards), read from the files' headers."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
+        else ["model.safetensors"]  # fmt: skip
+    n_params = 0
+    for name in files:
+        with safe_open(str(path / name), "pt") as f:
+            n_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    return n_params

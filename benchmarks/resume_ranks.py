@@ -191,7 +191,7 @@ def build_shape_dir(work: Path, shape: str, layers: int | None, device: str) -> 
     import torch
 
     sys.path.insert(0, str(REPO / "benchmarks"))
-    from materialize import build_on_meta, materialize
+    from materialize import build_on_meta, materialize, saved_param_count
     from protrain.train.modeling import TINY_TOKENIZER_DIR
     from workloads import hf_config
 
@@ -209,16 +209,7 @@ def build_shape_dir(work: Path, shape: str, layers: int | None, device: str) -> 
             shutil.copy(f, partial / f.name)
         partial.rename(path)
         del model
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]  # fmt: skip
-    from safetensors import safe_open
-
-    n_params = 0
-    for name in files:
-        with safe_open(str(path / name), "pt") as f:
-            n_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
-    return path, n_params
+    return path, saved_param_count(path)
 
 
 def probe_launch(world: int, config: Path, resume: bool, log: Path, probe: Path, device: str):

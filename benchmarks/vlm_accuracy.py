@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import random
 import shutil
@@ -158,7 +157,7 @@ def build_model_dir(work: Path, shape: str, device: str) -> tuple[Path, int]:
     import torch
     import transformers
 
-    from materialize import materialize
+    from materialize import materialize, saved_param_count
     from workloads import hf_vlm_config
 
     path = work / shape
@@ -185,17 +184,7 @@ def build_model_dir(work: Path, shape: str, device: str) -> tuple[Path, int]:
         processor.save_pretrained(partial)
         partial.rename(path)
         del model
-    from safetensors import safe_open
-
-    index = path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]  # fmt: skip
-    n_params = 0
-    for name in files:
-        with safe_open(str(path / name), "pt") as f:
-            for key in f.keys():  # noqa: SIM118
-                n_params += math.prod(f.get_slice(key).get_shape())
-    return path, n_params
+    return path, saved_param_count(path)
 
 
 def write_dataset(work: Path, n_rows: int, seed: int) -> tuple[Path, dict]:
