@@ -26,9 +26,10 @@ never gets better with more compute or more swap bytes. So:
    the device-stepped chunks' link time meets the host AdamW time of the rest, or around
    the most whose device bytes fit beside the row's, if fewer (:func:`_choose_device_step`,
    at most four evaluations a row). The fastest that fits becomes the plan (a row with
-   fewer buffers may have the room the fastest row lacks). Not on a CPU device (there the
-   "device" step is the host's own work plus copies) nor with sharded chunks (the engine
-   steps only whole chunks on the device).
+   fewer buffers may have the room the fastest row lacks). Only where the problem asks for
+   it (``device_step_search=True``; otherwise 0, or the user's fixed count), not on a CPU
+   device (there the "device" step is the host's own work plus copies) nor with sharded
+   chunks (the engine steps only whole chunks on the device).
 
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
 intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
