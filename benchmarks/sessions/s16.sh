@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 16. Run from the working tree (clean at COMMIT), carrying .whl (bitsandbytes too).
+# PART=fsdp2 (2 GPUs, nvidia-h100-x2 / nvidia-h200-x2): issue 19's acceptance rows, through
+#   torchrun --nproc-per-node 2, 24 GiB a GPU, no clipping, chunked loss of 4096 tokens,
+#   every decoder layer recomputed, 3 timed steps after 2 (qlora-70b: 2 after 1). Rows 1-7:
+#     1-3 full-8b: FSDP2 engine with offload_params, chunk engine sharded (n_persist 0,
+#         n_buffer 3), FSDP2 engine without offload (8B fp32 states are 64 GiB a rank: "oom"
+#         is the expected answer);
+#     4-6 lora-14b: the same three;
+#     7   qlora-70b (4-bit NF4 base, LoRA r=16, batch 1): FSDP2 engine with offload_params.
+#   START=k begins at row k; a row whose limit exceeds the call's time left is not started,
+#   and the call prints "next: k" for the following call on the same warm machine.
+source benchmarks/sessions/lib.sh
+nvidia-smi -L; nproc; free -g | head -2
+case "${PART:-fsdp2}" in
+fsdp2)
+  R="torchrun --standalone --nproc-per-node 2 benchmarks/run.py --commit $C --run-id $RID"
+  R="$R --max-grad-norm 0 --budget-gib 24 --chunked-loss-tokens 4096"
+  S="--steps 3 --warmup 2"; SH="--n-persist 0 --n-buffer 3 --distributed-mode sharded"
+  rows=(
+    "170 --workload full-8b $S --system protrain_fsdp2_offload"
+    "170 --workload full-8b $S --system protrain $SH"
+    "110 --workload full-8b $S --system protrain_fsdp2"
+    "150 --workload lora-14b $S --system protrain_fsdp2_offload"
+    "150 --workload lora-14b $S --system protrain $SH"
+    "120 --workload lora-14b $S --system protrain_fsdp2"
+    "300 --workload qlora-70b --steps 2 --warmup 1 --system protrain_fsdp2_offload"
+  )
+  for ((i = ${START:-1}; i <= ${#rows[@]}; i++)); do
+    set -- ${rows[$((i - 1))]}
+    [ "$1" -gt "$(( $(left) - 5 ))" ] && { echo "next: $i"; break; }
+    echo "row $i: ${*:2}"; row "$@" --out "$OUT/fsdp2.jsonl"
+  done
+  ;;
+esac
+free -g | head -2
