@@ -10,6 +10,9 @@
 #     7   qlora-70b (4-bit NF4 base, LoRA r=16, batch 1): FSDP2 engine with offload_params.
 #   START=k begins at row k; a row whose limit exceeds the call's time left is not started,
 #   and the call prints "next: k" for the following call on the same warm machine.
+# PART=gpu (one GPU; carry .whl-lite, WHL=.whl-lite): issue 22's device-step GPU test (against
+#   plain PyTorch on CUDA) and the copy-counter test, never passed on a GPU; whether the image
+#   has torchvision (vlm_accuracy.py needs it). Then the same call runs issue21.sh PART=pa.
 source benchmarks/sessions/lib.sh
 nvidia-smi -L; nproc; free -g | head -2
 case "${PART:-fsdp2}" in
@@ -31,6 +34,11 @@ fsdp2)
     [ "$1" -gt "$(( $(left) - 5 ))" ] && { echo "next: $i"; break; }
     echo "row $i: ${*:2}"; row "$@" --out "$OUT/fsdp2.jsonl"
   done
+  ;;
+gpu)
+  timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_device_step_gpu.py \
+    tests/engine/test_copy_times.py 2>&1 | grep -v "^  \|warn" | tail -14 | cut -c1-400
+  python3 -c "import torchvision; print('torchvision', torchvision.__version__)" 2>&1 | tail -1
   ;;
 esac
 free -g | head -2
