@@ -3,7 +3,10 @@ device cast that the CPU tests cannot run. With every offloaded trainable chunk 
 the device (and the persistent one stepped there anyway), every update runs torch's fused
 CUDA AdamW, so the run is compared with plain PyTorch on the GPU (``AdamW(fused=True)``).
 The host path is not the reference here: its CPU kernel rounds differently, and at this
-learning rate those differences grow to 1e-4 in the loss within three steps."""
+learning rate those differences grow to 1e-4 in the loss within three steps. The engine runs
+in fp32 (``compute_dtype``; its CUDA default is bf16) as the plain model does: in session 16
+the bf16 default made the first loss, before any step, differ by 1e-4 relative, for the host
+path and the device path alike."""
 
 from __future__ import annotations
 
@@ -58,7 +61,13 @@ def _engine(base, data, clip, n_device_step):
     groups = [g for g in _groups(model) if g["params"]]
     names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
     model, opt, _ = protrain.wrap(
-        model, n_persist=1, lr=LR, device="cuda", param_groups=groups, n_device_step=n_device_step
+        model,
+        n_persist=1,
+        lr=LR,
+        device="cuda",
+        compute_dtype=torch.float32,
+        param_groups=groups,
+        n_device_step=n_device_step,
     )
     losses = _loop(model, opt, data, clip, None if clip else opt.step_in_backward)
     state = protrain.state_dict(model)
@@ -77,7 +86,7 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
     data = batches(kind, STEPS * ACCUM)
     plain_losses, plain = _plain(base, data, clip)
     probe = copy.deepcopy(base)
-    _, opt, _ = protrain.wrap(probe, n_persist=1, lr=LR, device="cuda")
+    _, opt, _ = protrain.wrap(probe, n_persist=1, lr=LR, device="cuda", compute_dtype=torch.float32)
     n = sum(1 for c in opt._manager.offloaded if c.trainable_slots)
     protrain.close(probe)
     assert n >= 1
