@@ -99,9 +99,19 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
     def worst(got):
         return max((got[k] - plain[k]).abs().max().item() for k in plain)
 
+    def loss_gap(got):
+        return max(abs(a - b) for a, b in zip(got, plain_losses, strict=True))
+
     print(
-        f"{kind} {mode}: largest |param - plain| device step {worst(dev):.3e}, host {worst(host):.3e}"
+        f"{kind} {mode}: largest |param - plain| device step {worst(dev):.3e}, host {worst(host):.3e};"
+        f" largest |loss - plain| device step {loss_gap(dev_losses):.3e}, host {loss_gap(host_losses):.3e}"
     )
     torch.testing.assert_close(dev_losses, plain_losses, rtol=1e-5, atol=1e-6)
+    # Parameters: 1e-5 absolute. With clipping, fp32 on an H100 (session 16), the device path
+    # was 5.3e-6 from plain PyTorch after 3 steps at lr 1e-2 (the host path, CPU AdamW,
+    # 9.3e-6): the global norm's reduction order differs from clip_grad_norm_'s, and Adam's
+    # m / sqrt(v) magnifies last-bit differences of near-zero gradients. The device path must
+    # also be no farther from plain PyTorch than the host path that every GPU run has used.
     for name in plain:
-        torch.testing.assert_close(dev[name], plain[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dev[name], plain[name], rtol=1e-5, atol=1e-5)
+    assert worst(dev) <= 1.5 * worst(host) + 1e-6
