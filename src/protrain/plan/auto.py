@@ -18,6 +18,7 @@ from protrain.distributed.process_group import NO_GROUP, resolve_context
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.loss_chunk import (
     LossChunks,
+    fixed_chunk_advice,
     logit_bytes,
     loss_chunk_candidates,
     search_loss_chunks,
@@ -70,13 +71,20 @@ def trace_persist(table: ChunkTable, states_budget_bytes: int) -> int | None:
     return None if fits >= table.n_chunks else fits
 
 
-def full_logits_bytes(model: nn.Module, batch_size: int, seq_len: int, compute_dtype) -> int:
-    """Bytes of the full-sequence logits a plain loss makes: the compute-dtype logits and
-    their fp32 upcast (0 when the vocabulary size is unknown)."""
+def vocab_size(model: nn.Module) -> int | None:
+    """The width of the model's logits: its config's vocabulary, else its output embedding's
+    rows (None when neither is known)."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab is None:
         out = getattr(model, "get_output_embeddings", lambda: None)()
         vocab = getattr(getattr(out, "weight", None), "shape", [None])[0]
+    return None if vocab is None else int(vocab)
+
+
+def full_logits_bytes(model: nn.Module, batch_size: int, seq_len: int, compute_dtype) -> int:
+    """Bytes of the full-sequence logits a plain loss makes: the compute-dtype logits and
+    their fp32 upcast (0 when the vocabulary size is unknown)."""
+    vocab = vocab_size(model)
     if vocab is None:
         return 0
     return int(batch_size * seq_len * vocab * (torch.empty((), dtype=compute_dtype).itemsize + 4))
@@ -93,6 +101,7 @@ def profile_model(
     loss_fn: LossFn = hf_loss,
     tiled_mlp_tokens: int | None = None,
     loss_chunks: LossChunks | None = None,
+    fixed_loss_chunk_tokens: int | None = None,
 ) -> ModelProfile:
     """Trace under the engine with as many persistent chunks as fit in half the budget less
     the full-sequence logits of a plain loss (the other half for the trace's activations,
@@ -101,7 +110,9 @@ def profile_model(
 
     ``loss_chunks`` (the planner owns the loss; ``loss_fn`` is then not read): the step is
     traced with the loss in its smallest chunk and the profile carries the chunks to search
-    (``protrain.plan.loss_chunk``)."""
+    (``protrain.plan.loss_chunk``). ``fixed_loss_chunk_tokens``: the chunk of ``loss_fn``
+    where the user fixed it (``memory.chunked_loss_tokens``), named by the error when even
+    the offloaded trace runs out of memory."""
     device = _device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -164,7 +175,10 @@ def profile_model(
                 reason,
             )
     hint = ""
-    if logits and loss_chunks is None:
+    if fixed_loss_chunk_tokens is not None and loss_chunks is None:
+        positions = _loss_positions(sample_batch)
+        hint = fixed_chunk_advice(fixed_loss_chunk_tokens, positions, vocab_size(model))
+    elif logits and loss_chunks is None:
         hint = (
             f" The full-sequence logits of a plain loss take {logits / 2**30:.2f} GiB at this "
             "batch: a chunked loss (memory.chunked_loss_tokens) never holds them."
@@ -205,6 +219,7 @@ def profile_and_plan(
     process_group=None,
     distributed_mode: str | None = None,
     loss_chunks: LossChunks | None = None,
+    fixed_loss_chunk_tokens: int | None = None,
 ) -> tuple[Plan, PlanProblem | None]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
@@ -220,7 +235,9 @@ def profile_and_plan(
 
     ``loss_chunks``: the planner owns the loss and searches its chunk of positions
     (``protrain.plan.loss_chunk``); the plan's ``chunked_loss_tokens`` is the one to train
-    with (None: the whole logits). Without it the loss is ``loss_fn``, as traced."""
+    with (None: the whole logits). Without it the loss is ``loss_fn``, as traced;
+    ``fixed_loss_chunk_tokens`` its chunk where the user fixed one (named by the error of a
+    trace that runs out of memory)."""
     device = _device(device)
     ctx = resolve_context(process_group)
     if distributed_mode is not None and distributed_mode not in MODES:
@@ -245,6 +262,7 @@ def profile_and_plan(
         tiled_mlp_tokens=tiled_mlp_tokens,
         clipping=clipping,
         loss_chunks=loss_chunks,
+        fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
     )
     if not ctx.is_distributed:
         return _plan_here(**kwargs)
@@ -276,6 +294,7 @@ def _plan_here(
     tiled_mlp_tokens: int | None,
     clipping: bool,
     loss_chunks: LossChunks | None = None,
+    fixed_loss_chunk_tokens: int | None = None,
     world: World = SINGLE,
     mode_fixed: bool = True,
 ) -> tuple[Plan, PlanProblem]:
@@ -296,6 +315,7 @@ def _plan_here(
             loss_fn=loss_fn,
             tiled_mlp_tokens=tiled_mlp_tokens,
             loss_chunks=loss_chunks,
+            fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
         )
     host_defaulted = cpu_budget is None
     if host_defaulted:  # after the trace: its arena is given back

@@ -53,6 +53,25 @@ def logit_bytes(compute_itemsize: int) -> int:
     return 8 + (compute_itemsize if compute_itemsize < 4 else 0)
 
 
+def fixed_chunk_advice(chunk_tokens: int, positions: int, vocab_size: int | None) -> str:
+    """One sentence for a trace that ran out of memory with the loss chunk fixed by the user
+    (``memory.chunked_loss_tokens``): what it holds at the loss, and what else is allowed."""
+    held = min(chunk_tokens, positions)
+    cost = ""
+    if vocab_size:
+        gib = held * vocab_size * logit_bytes(4) / 2**30
+        cost = f" holds {held:,} x {vocab_size:,} logits, {gib:.2f} GiB as fp32 with their gradient"
+    floor = LOSS_CHUNK_FLOOR_TOKENS
+    if chunk_tokens > floor:
+        allowed = (
+            f"a smaller value (at least {floor}, the smallest chunk the planner searches) holds "
+            "fewer, or leave it unset so that the planner chooses the chunk"
+        )
+    else:  # the planner would trace no smaller chunk: the logits are not what to cut
+        allowed = f"that is no more than the smallest chunk the planner searches ({floor})"
+    return f" The loss chunk is fixed: memory.chunked_loss_tokens={chunk_tokens}{cost}; {allowed}."
+
+
 @dataclass(frozen=True)
 class LossChunks:
     """A loss the planner owns and may compute in chunks of positions.

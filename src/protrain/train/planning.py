@@ -136,7 +136,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
             return profile_and_plan(
                 model,
                 batch,
-                **_trace_kwargs(model, settings),
+                **trace_kwargs(model, settings),
                 cpu_budget_bytes=settings.cpu_budget_bytes,
                 fixed_knobs=fixed_knobs,
                 clipping=settings.clipping,
@@ -153,13 +153,15 @@ def profile_memory(model: nn.Module, batch: dict, settings: PlanSettings):
     from protrain.plan import profile_model
 
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
-        return profile_model(model, batch, **_trace_kwargs(model, settings))
+        return profile_model(model, batch, **trace_kwargs(model, settings))
 
 
-def _trace_kwargs(model: nn.Module, settings: PlanSettings) -> dict:
-    """What the trace needs from the settings, the same for planning and for profiling."""
+def trace_kwargs(model: nn.Module, settings: PlanSettings) -> dict:
+    """What the trace needs from the settings, the same for planning and for profiling
+    (and for `benchmarks/plan_accuracy.py`, which plans as the application does)."""
     return dict(
         loss_chunks=planner_loss_chunks(model, settings),
+        fixed_loss_chunk_tokens=settings.chunked_loss_tokens,
         gpu_budget_bytes=settings.gpu_budget_bytes,
         device=settings.device,
         compute_dtype=settings.compute_dtype,
