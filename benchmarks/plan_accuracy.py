@@ -6,12 +6,19 @@ fine-tuning and LoRA), in a fresh child process:
 
 1. cap the CUDA caching allocator at the budget (``set_per_process_memory_fraction``);
 2. build the model (random weights, on the host), trace it under the engine
-   (``protrain.plan.auto.profile_model``) and search (``protrain.plan.search``), timed apart;
+   (``protrain.plan.auto.profile_model``) and search (``protrain.plan.loss_chunk``'s
+   ``search_loss_chunks``), timed apart;
 3. wrap it with the plan's knobs (``protrain.wrap`` + ``apply_activation_knobs``), run
    warm-up and timed steps, read the peak allocated and reserved bytes;
 4. run the closed-loop check on what was measured;
 
-and append one JSON line per configuration (the results format of shared/BENCHMARKS.md,
+The loss is the application's, as a user gets it who leaves ``memory.chunked_loss_tokens``
+unset: the planner owns the loss chunk (traced at its smallest, the search chooses it, the
+steps run the plan's); ``--chunked-loss-tokens N`` runs it as a user who fixed N. The row's
+``loss_chunk`` says which (``planned``, ``fixed``; ``model``: the model's own loss) and
+``chunked_loss_tokens`` the chunk the steps ran with (None: the whole logits).
+
+Then it appends one JSON line per configuration (the results format of shared/BENCHMARKS.md,
 plus ``plan_s``, ``trace_s``, ``search_s``, ``peak_error``, ``step_error`` and
 ``closed_loop_corrected``). The summary at the end gives the median and worst peak error
 (against reserved bytes, the memory the budget limits) and the median step-time error.
@@ -126,6 +133,10 @@ TINY_GROUPS = {"matrix": ["tiny-full", "tiny-lora", "tiny-qlora"],
                "holdout": ["tiny-holdout-qwen2-lora", "tiny-holdout-mistral-full"], "big": []}  # fmt: skip
 TINY_GROUPS["all"] = TINY_GROUPS["acceptance"] = TINY_GROUPS["matrix"] + TINY_GROUPS["holdout"]
 
+# The smallest loss chunk the planner searches for the tiny models (the application's,
+# LOSS_CHUNK_FLOOR_TOKENS, is above their 128-144 positions): their search has chunks too.
+TINY_LOSS_CHUNK_FLOOR_TOKENS = 32
+
 # Issue 21's acceptance targets: |error| median and worst.
 TARGETS = {"peak": (0.03, 0.07), "step": (0.10, 0.20)}
 
@@ -158,9 +169,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (smoke test)")
     p.add_argument("--timeout-s", type=int, default=1800, help="per configuration")
     p.add_argument(
-        "--chunked-loss-tokens", type=int, default=4096,
+        "--chunked-loss-tokens", type=int,
         help="the loss of traced and measured steps: the application's chunked loss over this "
-             "many tokens at a time (0: the model's own loss, full-sequence fp32 logits)",
+             "many tokens at a time, as `memory: {chunked_loss_tokens: N}` fixes it (0: the "
+             "model's own loss, full-sequence fp32 logits; default: unset, the planner "
+             "chooses the chunk as the application does)",
     )  # fmt: skip
     p.add_argument(
         "--max-grad-norm", type=float, default=1.0,
@@ -240,17 +253,20 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     t_start = time.perf_counter()
     try:
         from protrain.plan.auto import profile_model
-        from protrain.plan.chunk_size import search_chunk_sizes
         from protrain.plan.closed_loop import check_plan
         from protrain.plan.host_budget import default_cpu_budget
+        from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS, search_loss_chunks
         from protrain.profile.hardware import measure_hardware
         from protrain.profile.trace import hf_loss
-        from protrain.train.planning import planner_loss
+        from protrain.train.planning import (
+            PlanSettings,
+            loss_chunk_of,
+            planner_loss,
+            trace_kwargs,
+        )
 
-        loss_fn = hf_loss
-        if args.chunked_loss_tokens:  # as `memory: {chunked_loss_tokens: N}` in the app
-            loss_fn = planner_loss(device, args.chunked_loss_tokens)
-        row["chunked_loss_tokens"] = args.chunked_loss_tokens or None
+        fixed = args.chunked_loss_tokens
+        row["loss_chunk"] = "planned" if fixed is None else "fixed" if fixed else "model"
         budget = int(budget_gib * _GIB) if not tiny else 1 << 40
         if device.type == "cuda":
             total = torch.cuda.get_device_properties(device).total_memory
@@ -265,6 +281,17 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
 
         clip = args.max_grad_norm or None
         row["max_grad_norm"] = clip
+        # The application's planner settings for what this script varies: the loss (the
+        # planner's LossChunks where the chunk is not fixed, as `memory.auto` builds it).
+        settings = PlanSettings(
+            device=device, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+            gpu_budget_bytes=budget, cpu_budget_bytes=None, chunk_size_bytes=None,
+            tiled_mlp_tokens=None, chunked_loss_tokens=fixed or None, clipping=clip is not None,
+            loss_chunk_floor_tokens=TINY_LOSS_CHUNK_FLOOR_TOKENS if tiny else LOSS_CHUNK_FLOOR_TOKENS,
+        )  # fmt: skip
+        trace_args = trace_kwargs(model, settings)
+        if fixed == 0:
+            trace_args.update(loss_chunks=None, fixed_loss_chunk_tokens=None, loss_fn=hf_loss)
 
         host_budget = [None]
 
@@ -274,18 +301,23 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             hw = measure_hardware(device)
             t1 = time.perf_counter()
-            profile = profile_model(model, sample, gpu_budget_bytes=budget, device=device,
-                                    loss_fn=loss_fn)  # fmt: skip
+            profile = profile_model(model, sample, **trace_args)
             t2 = time.perf_counter()
             # auto mode's host budget when none is given, read after the trace as it does
             host_budget[0] = default_cpu_budget()
-            result, problem = search_chunk_sizes(model, profile, hw, gpu_budget_bytes=budget,
+            result, problem = search_loss_chunks(model, profile, hw, gpu_budget_bytes=budget,
                                                  cpu_budget_bytes=host_budget[0],
                                                  clipping=clip is not None)  # fmt: skip
             return hw, profile, result, problem, (t0, t1, t2, time.perf_counter())
 
         hw, profile, result, problem, (t0, t1, t2, t3) = plan_once()
         plan = result.plan
+        # the steps' loss: the plan's chunk where the planner chose it, else the user's
+        loss_fn = hf_loss if fixed == 0 else planner_loss(device, loss_chunk_of(plan, settings))
+        if row["loss_chunk"] == "planned" and not plan.loss_planned:
+            row["loss_chunk"] = "whole"  # the head cannot be chunked: the whole logits
+        row.update(chunked_loss_tokens=loss_chunk_of(plan, settings) if fixed != 0 else None,
+                   loss_chunk_traced=profile.loss_chunk_tokens)  # fmt: skip
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
             plan_s=round(t3 - t0, 2), search_work=result.work, plan=plan.knobs,
@@ -355,7 +387,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         if alternatives:
             row["alternatives"] = alternatives
         if args.profile_search:  # where the search's time goes on this host: once more, profiled
-            row["search_hot"] = _profiled(lambda: search_chunk_sizes(
+            row["search_hot"] = _profiled(lambda: search_loss_chunks(
                 model, profile, hw, gpu_budget_bytes=budget, cpu_budget_bytes=host_budget[0],
                 clipping=clip is not None))  # fmt: skip
     except Exception as e:  # one row per failure; the traceback goes to stderr
@@ -668,8 +700,9 @@ def main(argv=None) -> int:
             timeout = max(1, min(timeout, int(left)))
         cmd = [sys.executable, __file__, "--child", name, "--run-id", run_id,
                "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--chunked-loss-tokens", str(args.chunked_loss_tokens),
                "--max-grad-norm", str(args.max_grad_norm)]  # fmt: skip
+        if args.chunked_loss_tokens is not None:  # fixed by the user; unset: the planner's
+            cmd += ["--chunked-loss-tokens", str(args.chunked_loss_tokens)]
         if args.also:
             cmd += ["--also", args.also]
         if args.profile_search:
