@@ -397,7 +397,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
 
         oom = "out of memory" in text.lower()
         status = "oom" if oom else "no_plan" if isinstance(e, NoPlanFits) else "error"
-        row.update(status=status, error=text[:500])
+        row.update(status=status, error=text[:1000])
     return row
 
 

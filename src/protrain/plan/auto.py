@@ -183,11 +183,12 @@ def profile_model(
             f" The full-sequence logits of a plain loss take {logits / 2**30:.2f} GiB at this "
             "batch: a chunked loss (memory.chunked_loss_tokens) never holds them."
         )
+    # the advice before the allocator's text, which runs to several hundred characters
     raise NoPlanFits(
         "the traced step ran out of memory with every chunk offloaded and every block "
-        f"checkpointed ({reason}), so no plan fits the GPU budget of "
-        f"{gpu_budget_bytes / 2**30:.2f} GiB; lower the batch or sequence, or give a larger "
-        f"budget.{hint}",
+        f"checkpointed, so no plan fits the GPU budget of {gpu_budget_bytes / 2**30:.2f} GiB; "
+        f"lower the batch or sequence, or give a larger budget.{hint} (The trace's error: "
+        f"{reason})",
         None,
     )
 
