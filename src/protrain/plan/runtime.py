@@ -11,8 +11,9 @@
   write-back of each updated chunk's trainable parameters and the swapped activations
   going out. Backward (with
   the loss head and recomputation): host-to-device, the offloaded chunks again except the
-  ``n_buffer`` still resident when backward begins, and the swapped activations coming
-  back; device-to-host, the fp32 gradients of offloaded trainable parameters. A phase's
+  ``n_buffer`` still resident when backward begins and those before the first trainable
+  parameter (a LoRA model's embedding: backward never runs there), and the swapped
+  activations coming back; device-to-host, the fp32 gradients of offloaded trainable parameters. A phase's
   copy seconds: the larger of each direction at its measured bandwidth and the total at
   the measured both-directions bandwidth. With a spare buffer to prefetch into
   (``n_buffer`` above what one module needs, or every offloaded chunk resident) a phase
@@ -186,6 +187,9 @@ class RuntimeModel:
         self.grads_out = prefix(4 * trn) / sh  # backward, fp32
         self.trainable = prefix(trn)
         self.trainable_chunks = prefix(trn > 0)
+        # Backward gathers no chunk before the first one with a trainable parameter: what
+        # runs there needs no gradient (the engine gathers for a module's backward only).
+        self.first_backward_chunk = int(np.argmax(trn > 0)) if (trn > 0).any() else n
         self._collective_s(t.chunk_size_bytes)
 
         # Per chunk: when the next forward needs it, and how much backward follows its grads.
@@ -248,12 +252,28 @@ class RuntimeModel:
             )
             self.reduce_scatter_s = seconds(bus, hw.reduce_scatter_bytes_per_s)
 
+    def _backward_span(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
+        """The chunks backward gathers, ``lo:hi``: the offloaded ones from the first with a
+        trainable parameter, up to the ``n_buffer`` still resident from forward (the
+        engine's prefetch leaves each offloaded chunk to be gathered once a phase: [Note:
+        prefetch by recorded use] in ``chunks/manager.py``); arrays broadcast."""
+        n_persist = np.asarray(n_persist)
+        n_off = self.n_chunks - n_persist
+        lo = np.maximum(n_persist, self.first_backward_chunk)
+        hi = np.maximum(self.n_chunks - np.minimum(np.asarray(n_buffer), n_off), lo)
+        return lo, hi
+
+    def backward_gathers(self, n_persist, n_buffer) -> np.ndarray:
+        """Gathers of offloaded chunks in backward (see :meth:`_backward_span`)."""
+        lo, hi = self._backward_span(n_persist, n_buffer)
+        return hi - lo
+
     def collective_seconds(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) collective seconds per rank; arrays broadcast."""
         n = self.n_chunks
         n_persist = np.asarray(n_persist)
         n_off = n - n_persist
-        gathers_b = n_off - np.minimum(np.asarray(n_buffer), n_off)
+        gathers_b = self.backward_gathers(n_persist, n_buffer)
         trn_off = self.trainable_chunks[n] - self.trainable_chunks[n_persist]
         trn_persist = self.trainable_chunks[n_persist]
         fwd = n_off * self.gather_coll_s
@@ -408,11 +428,11 @@ class RuntimeModel:
         n_buffer = np.asarray(n_buffer)
         n = self.n_chunks
         n_off = n - n_persist
-        resident_at_turn = np.minimum(n_buffer, n_off)
         hw = self.hw
         h2d_f = self.fwd_in[n] - self.fwd_in[n_persist]
         d2h_f = self.write_back[n] - self.write_back[n_persist] + swap_bytes
-        h2d_b = self.used[n - resident_at_turn] - self.used[n_persist] + swap_bytes
+        lo, hi = self._backward_span(n_persist, n_buffer)
+        h2d_b = self.used[hi] - self.used[lo] + swap_bytes
         d2h_b = self.grads_out[n] - self.grads_out[n_persist]
         dev_h2d = dev_d2h = dev_step_s = 0.0
         host_params = self.trainable[n] - self.trainable[n_persist]
