@@ -313,11 +313,12 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         hw, profile, result, problem, (t0, t1, t2, t3) = plan_once()
         plan = result.plan
         # the steps' loss: the plan's chunk where the planner chose it, else the user's
-        loss_fn = hf_loss if fixed == 0 else planner_loss(device, loss_chunk_of(plan, settings))
+        chunk = None if fixed == 0 else loss_chunk_of(plan, settings)
+        loss_fn = hf_loss if fixed == 0 else planner_loss(device, chunk)
         if row["loss_chunk"] == "planned" and not plan.loss_planned:
             row["loss_chunk"] = "whole"  # the head cannot be chunked: the whole logits
-        row.update(chunked_loss_tokens=loss_chunk_of(plan, settings) if fixed != 0 else None,
-                   loss_chunk_traced=profile.loss_chunk_tokens)  # fmt: skip
+        row.update(chunked_loss_tokens=chunk,
+                   loss_chunk_traced=profile.loss_chunk_tokens if plan.loss_planned else chunk)  # fmt: skip
         row.update(
             hardware_s=round(t1 - t0, 2), trace_s=round(t2 - t1, 2), search_s=round(t3 - t2, 4),
             plan_s=round(t3 - t0, 2), search_work=result.work, plan=plan.knobs,

@@ -32,10 +32,11 @@ def test_the_default_row_plans_the_loss_chunk_and_steps_run_the_plans():
 def test_a_fixed_chunk_row_says_so():
     row = _row("--chunked-loss-tokens", "64")
     assert row["status"] == "ok", row.get("error")
+    # traced and stepped at the user's chunk
     assert (row["loss_chunk"], row["chunked_loss_tokens"], row["loss_chunk_traced"]) == (
         "fixed",
         64,
-        None,
+        64,
     )
 
 
