@@ -72,12 +72,20 @@ _PLANS = {
 @pytest.mark.parametrize(
     ("device", "dtype", "plan"),
     [
-        ("cpu", torch.float32, "llama-lora"),
-        ("cpu", torch.bfloat16, "llama-lora"),
-        ("cpu", torch.bfloat16, "mistral-lora"),
-        ("cpu", torch.bfloat16, "mistral-full"),
-        pytest.param("cuda", torch.bfloat16, "llama-lora", marks=pytest.mark.gpu),
-        pytest.param("cuda", torch.bfloat16, "mistral-lora", marks=pytest.mark.gpu),
+        pytest.param("cpu", torch.float32, "llama-lora", id="cpu-fp32-llama-lora"),
+        pytest.param("cpu", torch.bfloat16, "llama-lora", id="cpu-bf16-llama-lora"),
+        pytest.param("cpu", torch.bfloat16, "mistral-lora", id="cpu-bf16-mistral-lora"),
+        pytest.param("cpu", torch.bfloat16, "mistral-full", id="cpu-bf16-mistral-full"),
+        pytest.param(
+            "cuda", torch.bfloat16, "llama-lora", marks=pytest.mark.gpu, id="cuda-bf16-llama-lora"
+        ),
+        pytest.param(
+            "cuda",
+            torch.bfloat16,
+            "mistral-lora",
+            marks=pytest.mark.gpu,
+            id="cuda-bf16-mistral-lora",
+        ),
     ],
 )
 def test_counters_count_the_bytes_the_plan_predicts(device, dtype, plan):
