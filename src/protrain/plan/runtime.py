@@ -13,8 +13,10 @@
   the loss head and recomputation): host-to-device, the offloaded chunks again except the
   ``n_buffer`` still resident when backward begins and those before the first trainable
   parameter (a LoRA model's embedding: backward never runs there), and the swapped
-  activations coming back; device-to-host, the fp32 gradients of offloaded trainable parameters. A phase's
-  copy seconds: the larger of each direction at its measured bandwidth and the total at
+  activations coming back; device-to-host, the fp32 gradients of offloaded trainable
+  parameters. (A head tied to an offloaded embedding is gathered once more at the end of
+  forward, and once more in backward where the embedding trains: not counted, since the
+  profile does not say which chunks the head shares.) A phase's copy seconds: the larger of each direction at its measured bandwidth and the total at
   the measured both-directions bandwidth. With a spare buffer to prefetch into
   (``n_buffer`` above what one module needs, or every offloaded chunk resident) a phase
   takes the longer of its compute and its copies; without one, they add.
