@@ -16,10 +16,11 @@
   activations coming back; device-to-host, the fp32 gradients of offloaded trainable
   parameters. (A head tied to an offloaded embedding is gathered once more at the end of
   forward, and once more in backward where the embedding trains: not counted, since the
-  profile does not say which chunks the head shares.) A phase's copy seconds: the larger of each direction at its measured bandwidth and the total at
-  the measured both-directions bandwidth. With a spare buffer to prefetch into
-  (``n_buffer`` above what one module needs, or every offloaded chunk resident) a phase
-  takes the longer of its compute and its copies; without one, they add.
+  profile does not say which chunks the head shares.) A phase's copy seconds: the larger
+  of each direction at its measured bandwidth and the total at the measured
+  both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer`` above what
+  one module needs, or every offloaded chunk resident) a phase takes the longer of its
+  compute and its copies; without one, they add.
 - **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
   measured device rate, after backward and before the next forward.
 - **host optimizer stall** (see the note): how long the next forward waits for offloaded
