@@ -449,6 +449,7 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
     import protrain
     from protrain.activations import apply_activation_knobs
     from protrain.profile.measure import measure_steps
+    from systems.protrain_engine import StepCounters
 
     out: dict = {}
     _empty_cache(device)  # a failed run before may have left its blocks cached
@@ -476,19 +477,27 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
             torch.cuda.synchronize(device)
             if t_start is not None:
                 out["time_to_first_step_s"] = round(time.perf_counter() - t_start, 1)
-        m = measure_steps(model, step, steps=args.steps, warmup=args.warmup, device=device)
+        counters = StepCounters(model, optimizer)
+        calls = [0]
+
+        def counted_step():
+            if calls[0] == args.warmup:  # the timed steps begin: count from here
+                counters()
+            calls[0] += 1
+            step()
+
+        m = measure_steps(model, counted_step, steps=args.steps, warmup=args.warmup, device=device)
         b, s = sample["input_ids"].shape
         out.update(
             step_s=round(m.step_s, 4), tokens_per_s=round(b * s / m.step_s, 1),
             peak_alloc_gib=round(m.peak_allocated_bytes / _GIB, 3),
             peak_reserved_gib=round(m.peak_reserved_bytes / _GIB, 3), _measured=m,
         )  # fmt: skip
-        # The engine's counters over warm-up and timed steps (gathers, seconds waited on
-        # copies and on the host optimizer, host AdamW seconds), for diagnosing step errors.
-        n = args.steps + args.warmup
-        out["engine_stats_per_step"] = {
-            k: round(v / n, 4) for k, v in optimizer.stats.items() if isinstance(v, (int, float))
-        }
+        # The engine's counters over the timed steps only, every copy counted (gathers,
+        # seconds waited on copies and on the host optimizer, host AdamW seconds), for
+        # diagnosing step errors. Until session 16 they covered warm-up steps too (the first
+        # has no update before it) and missed the last step's uncounted copies.
+        out["engine_stats_per_step"] = {k: round(v / args.steps, 4) for k, v in counters().items()}
     finally:
         if handle is not None:
             handle.remove()

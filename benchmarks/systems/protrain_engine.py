@@ -2,7 +2,7 @@
 
 The model is filled on the host; the engine decides from the knobs what goes to the GPU.
 Figures the engine reports about its plan and its steps are copied into the result row
-where it exposes them (see `_plan_fields` and `_StepTimes`).
+where it exposes them (see `_plan_fields` and `StepCounters`).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def setup(spec: RowSpec) -> Trainer:
                 "planned_n_device_step": chosen.n_device_step}  # fmt: skip
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
-    return Trainer(step, plan, predicted_peak_gib, predicted_step_s, _StepTimes(model, optimizer))
+    return Trainer(step, plan, predicted_peak_gib, predicted_step_s, StepCounters(model, optimizer))
 
 
 def _hf_loss(model, batch: dict) -> torch.Tensor:
@@ -101,9 +101,9 @@ def _plan_fields(layout, knobs: dict) -> tuple[dict, float | None, float | None]
     return plan, (peak / _GIB if peak is not None else None), step_s
 
 
-class _StepTimes:
+class StepCounters:
     """Per-step figures from the engine's cumulative counters (keys ending in `_s` or
-    `_bytes`): host optimizer and waits, and the copies each way with their seconds, the
+    `_bytes`, and `gathers`): host optimizer and waits, and the copies each way with their seconds, the
     link's busy time and the compute's waits for gathers (`wait_copy_s`), all the engine's
     own (`protrain/chunks/copy_times.py`).
 
@@ -123,7 +123,11 @@ class _StepTimes:
     def _snapshot(self) -> dict[str, float]:
         if not isinstance(self._stats, dict):
             return {}
-        return {k: float(v) for k, v in self._stats.items() if k.endswith(("_s", "_bytes"))}
+        return {
+            k: float(v)
+            for k, v in self._stats.items()
+            if k.endswith(("_s", "_bytes")) or k == "gathers"
+        }
 
     def __call__(self) -> dict[str, float]:
         if self._manager is not None:
