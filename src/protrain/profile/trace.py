@@ -472,6 +472,23 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
     return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w3, 0.0)
 
 
+# The free-running step is the step model's compute: one sample of it was noisy. Session 16,
+# Llama-3.2-1B at batch 1 (a 0.075-0.096 s step) on three H100 hosts: 0.096, 0.136 and
+# 0.124 s, so the same plan was predicted 0.077, 0.113 and 0.112 s. The fastest of up to
+# FREE_RUNS is kept, the runs after the first only while they cost little.
+FREE_RUNS = 3
+FREE_RUNS_BUDGET_S = 2.0
+
+
+def _fastest_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait):
+    """:func:`_free_running_step` up to ``FREE_RUNS`` times, while the runs so far took under
+    ``FREE_RUNS_BUDGET_S``; the run of the least fwd+bwd seconds."""
+    runs = [_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait)]
+    while len(runs) < FREE_RUNS and sum(r[2] for r in runs) < FREE_RUNS_BUDGET_S:
+        runs.append(_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait))
+    return min(runs, key=lambda r: r[2])
+
+
 def _optimizer_step(optimizer) -> None:
     """The traced steps' optimizer step: the persistent chunks' on the device, none on the
     host (see ``HybridAdamW.step_without_host_updates``; ``lr=0`` changes no weight)."""
@@ -659,7 +676,7 @@ def trace_model(
         phase("traced_steps")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
-        free_pre, free_blocks, free_total = _free_running_step(
+        free_pre, free_blocks, free_total = _fastest_free_running_step(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
         phase("free_running_step")
