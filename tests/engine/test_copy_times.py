@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import MistralConfig, MistralForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import protrain
 from protrain.activations import apply_activation_knobs
@@ -27,16 +27,32 @@ def _hardware(device: str) -> HardwareProfile:
     )  # fmt: skip
 
 
-def _mistral(mode: str) -> torch.nn.Module:
+def _tied_llama(mode: str) -> torch.nn.Module:
+    """test_gather_traffic's tiny Llama with its head tied to the input embedding (as small
+    Llama-3.2 and Qwen2.5 models are): the head uses chunk 0 after the last block."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=12,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=True,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    if mode == "lora":
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
+    return model
+
+
+def _mistral(mode: str, tied: bool = False) -> torch.nn.Module:
     """Mistral-7B's shape scaled down (hidden 64: k, v a quarter of q; the MLP 3.5 x q);
-    untied head. With chunks of 2.29 MLP projections (256 MiB at Mistral-7B in bf16) each
+    untied head unless ``tied``. With chunks of 2.29 MLP projections (256 MiB at Mistral-7B in bf16) each
     block lies over two chunks, its attention and gate in one and up, down and its norms,
     which it runs first, in the next: the block uses its chunks out of order."""
     torch.manual_seed(0)
     cfg = MistralConfig(
         vocab_size=500, hidden_size=64, intermediate_size=224, num_hidden_layers=8,
         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )  # fmt: skip
     model = MistralForCausalLM(cfg)
     if mode == "lora":
@@ -66,7 +82,18 @@ _PLANS = {
     "mistral-lora": (lambda: _mistral("lora"), _mistral_chunk, 0, 3, 4),
     # full fine-tuning: the forward after an update gathers fp32 masters
     "mistral-full": (lambda: _mistral("full"), _mistral_chunk, 1, 2, 8),
+    # Tied heads, chunk 0 (the embedding's, which the head shares) offloaded: [Note: a
+    # tied head] in plan/runtime.py. Blocks over two chunks: with 3 buffers the head's chunk
+    # is evicted in forward and gathered again, with 4 it stays.
+    "tied-llama-lora-3": (lambda: _tied_llama("lora"), _llama_chunk, 0, 3, 0),
+    "tied-llama-full-3": (lambda: _tied_llama("full"), _llama_chunk, 0, 3, 12),
+    "tied-llama-lora-4": (lambda: _tied_llama("lora"), _llama_chunk, 0, 4, 0),
+    "tied-llama-full-4": (lambda: _tied_llama("full"), _llama_chunk, 0, 4, 0),
+    # the embedding alone in chunk 0, frozen: backward uses it for the head only
+    "tied-mistral-lora-3": (lambda: _mistral("lora", tied=True), _mistral_chunk, 0, 3, 4),
 }
+
+_TIED = [k for k in _PLANS if k.startswith("tied-")]
 
 
 @pytest.mark.parametrize(
@@ -76,6 +103,7 @@ _PLANS = {
         pytest.param("cpu", torch.bfloat16, "llama-lora", id="cpu-bf16-llama-lora"),
         pytest.param("cpu", torch.bfloat16, "mistral-lora", id="cpu-bf16-mistral-lora"),
         pytest.param("cpu", torch.bfloat16, "mistral-full", id="cpu-bf16-mistral-full"),
+        *(pytest.param("cpu", torch.bfloat16, k, id=f"cpu-bf16-{k}") for k in _TIED),
         pytest.param(
             "cuda", torch.bfloat16, "llama-lora", marks=pytest.mark.gpu, id="cuda-bf16-llama-lora"
         ),
@@ -109,8 +137,12 @@ def test_counters_count_the_bytes_the_plan_predicts(device, dtype, plan):
         runtime = RuntimeModel(profile, _hardware(device))
         n_off = runtime.n_chunks - n_persist
         assert n_off > n_buffer  # backward gathers again what is no longer resident
+        assert profile.head_after_blocks
+        tied = plan in _TIED
+        assert profile.chunks.tied_head_chunk == (0 if tied else None)
         _, terms = runtime.step_s(n_persist, n_buffer, 1.0, 0, breakdown=True)
-        gathers = n_off + int(runtime.backward_gathers(n_persist, n_buffer))
+        gathers = int(runtime.forward_gathers(n_persist, n_buffer))
+        gathers += int(runtime.backward_gathers(n_persist, n_buffer))
 
         model, opt, layout = protrain.wrap(
             build(), n_persist=n_persist, n_buffer=n_buffer, device=device,

@@ -14,9 +14,8 @@
   ``n_buffer`` still resident when backward begins and those before the first trainable
   parameter (a LoRA model's embedding: backward never runs there), and the swapped
   activations coming back; device-to-host, the fp32 gradients of offloaded trainable
-  parameters. (A head tied to an offloaded embedding is gathered once more at the end of
-  forward, and once more in backward where the embedding trains: not counted, since the
-  profile does not say which chunks the head shares.) A phase's copy seconds: the larger
+  parameters. A head tied to an offloaded embedding changes both phases' gathers (see
+  [Note: a tied head]). A phase's copy seconds: the larger
   of each direction at its measured bandwidth and the total at the measured
   both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer`` above what
   one module needs, or every offloaded chunk resident) a phase takes the longer of its
@@ -45,6 +44,28 @@ it); its bytes are counted with the forward's copies, which they share the link 
 worker no longer steps these chunks (their host AdamW time leaves the critical path); each
 arrives for the next forward when its device step and its gather are done. Memory: the
 staging sets and the chunks' fp32 gradient accumulators (``plan/memory.py``).
+
+[Note: a tied head]
+A causal LM's head that shares the input embedding's weight (``ChunkTable.tied_head_chunk``,
+``ModelProfile.head_after_blocks``) uses chunk ``h``, the embedding's, after the last block.
+Where ``h`` is offloaded and not among the last ``n_buffer`` chunks, the engine's prefetch
+(``chunks/manager.py``, [Note: prefetch by recorded use]) never evicts it in forward, since
+the pass uses it again, but a gather of a chunk the prefetch could not bring in evicts the
+least recently used chunk, which is ``h``. So:
+
+- with ``n_buffer >= max(min_buffers, 2) + 2`` (room to prefetch besides ``h`` and a block
+  over two chunks), ``h`` stays resident through forward: no extra forward gather (a model
+  whose blocks never straddle chunks would need one buffer less: not modelled);
+- otherwise ``h`` is evicted and gathered again for the head: one forward gather more, of
+  its compute-dtype bytes (the host copy is current by then, nothing is written back).
+
+Either way ``h`` is resident at the turn with the last ``n_buffer - 1`` chunks, so backward
+gathers one chunk more (``n - n_buffer``). Where backward uses ``h`` at its end (it holds
+a trainable parameter: full fine-tuning, or LoRA on its blocks) and ``h`` stayed resident
+in forward, it also stays through backward (the same rule), one gather fewer. Measured on
+the CPU (``tests/engine/test_copy_times.py``); on CUDA a prefetch also skips a chunk whose
+host update is still running, and the gather that follows evicts ``h``: more gathers than
+counted where updates lag. Memory: the buffer pool holds ``n_buffer`` chunks either way.
 
 [Note: swapped blocks run at the pace of their copies]
 A swapped block cannot spread its copies over the rest of the phase: in forward, at most
@@ -193,6 +214,10 @@ class RuntimeModel:
         # Backward gathers no chunk before the first one with a trainable parameter: what
         # runs there needs no gradient (the engine gathers for a module's backward only).
         self.first_backward_chunk = int(np.argmax(trn > 0)) if (trn > 0).any() else n
+        # [Note: a tied head]: the head's chunk, where the engine gathers it again
+        h = t.tied_head_chunk if profile.head_after_blocks else None
+        self.head_chunk = -1 if h is None else int(h)
+        self.head_chunk_bytes = 0.0 if h is None else float(self.used[h + 1] - self.used[h])
         self._collective_s(t.chunk_size_bytes)
 
         # Per chunk: when the next forward needs it, and how much backward follows its grads.
@@ -255,31 +280,53 @@ class RuntimeModel:
             )
             self.reduce_scatter_s = seconds(bus, hw.reduce_scatter_bytes_per_s)
 
-    def _backward_span(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
-        """The chunks backward gathers, ``lo:hi``: the offloaded ones from the first with a
-        trainable parameter, up to the ``n_buffer`` still resident from forward (the
-        engine's prefetch leaves each offloaded chunk to be gathered once a phase: [Note:
-        prefetch by recorded use] in ``chunks/manager.py``); arrays broadcast."""
+    def _tied_head(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
+        """(the head's chunk is gathered again, the head's chunk stays resident through
+        forward) per plan, boolean arrays; both False without a tied head or where the
+        chunk is persistent or among the last ``n_buffer`` ([Note: a tied head])."""
+        n_buffer = np.asarray(n_buffer)
+        h = self.head_chunk
+        active = (h >= np.asarray(n_persist)) & (h < self.n_chunks - n_buffer) & (h >= 0)
+        # a block over a chunk boundary keeps both chunks (the prefetch protects a chunk the
+        # pass uses again) whatever min_buffers says: full fine-tuning's is 1
+        stays = n_buffer >= max(self.min_buffers, 2) + 2
+        return active, active & stays
+
+    def _backward_span(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The chunks backward gathers, ``lo:hi`` less the head's where ``kept``: the
+        offloaded ones from the first with a trainable parameter, up to those still resident
+        from forward (the engine's prefetch leaves each offloaded chunk to be gathered once a
+        phase: [Note: prefetch by recorded use] in ``chunks/manager.py``); the last
+        ``n_buffer``, or with a tied head its chunk and the last ``n_buffer - 1`` ([Note: a
+        tied head]); arrays broadcast."""
         n_persist = np.asarray(n_persist)
         n_off = self.n_chunks - n_persist
+        active, stays = self._tied_head(n_persist, n_buffer)
         lo = np.maximum(n_persist, self.first_backward_chunk)
-        hi = np.maximum(self.n_chunks - np.minimum(np.asarray(n_buffer), n_off), lo)
-        return lo, hi
+        resident = np.minimum(np.asarray(n_buffer), n_off) - active
+        hi = np.maximum(self.n_chunks - resident, lo)
+        kept = stays & (self.head_chunk >= lo) & (self.head_chunk < hi)
+        return lo, hi, kept
+
+    def forward_gathers(self, n_persist, n_buffer) -> np.ndarray:
+        """Gathers of offloaded chunks in forward: each once, and a tied head's chunk again
+        where it does not stay resident ([Note: a tied head])."""
+        active, stays = self._tied_head(n_persist, n_buffer)
+        return self.n_chunks - np.asarray(n_persist) + (active & ~stays)
 
     def backward_gathers(self, n_persist, n_buffer) -> np.ndarray:
         """Gathers of offloaded chunks in backward (see :meth:`_backward_span`)."""
-        lo, hi = self._backward_span(n_persist, n_buffer)
-        return hi - lo
+        lo, hi, kept = self._backward_span(n_persist, n_buffer)
+        return hi - lo - kept
 
     def collective_seconds(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) collective seconds per rank; arrays broadcast."""
         n = self.n_chunks
         n_persist = np.asarray(n_persist)
-        n_off = n - n_persist
         gathers_b = self.backward_gathers(n_persist, n_buffer)
         trn_off = self.trainable_chunks[n] - self.trainable_chunks[n_persist]
         trn_persist = self.trainable_chunks[n_persist]
-        fwd = n_off * self.gather_coll_s
+        fwd = self.forward_gathers(n_persist, n_buffer) * self.gather_coll_s
         if self.world.mode == "sharded":
             bwd = (
                 gathers_b * self.gather_coll_s
@@ -432,10 +479,11 @@ class RuntimeModel:
         n = self.n_chunks
         n_off = n - n_persist
         hw = self.hw
-        h2d_f = self.fwd_in[n] - self.fwd_in[n_persist]
+        again, stays = self._tied_head(n_persist, n_buffer)  # [Note: a tied head]
+        h2d_f = self.fwd_in[n] - self.fwd_in[n_persist] + (again & ~stays) * self.head_chunk_bytes
         d2h_f = self.write_back[n] - self.write_back[n_persist] + swap_bytes
-        lo, hi = self._backward_span(n_persist, n_buffer)
-        h2d_b = self.used[hi] - self.used[lo] + swap_bytes
+        lo, hi, kept = self._backward_span(n_persist, n_buffer)
+        h2d_b = self.used[hi] - self.used[lo] - kept * self.head_chunk_bytes + swap_bytes
         d2h_b = self.grads_out[n] - self.grads_out[n_persist]
         dev_h2d = dev_d2h = dev_step_s = 0.0
         host_params = self.trainable[n] - self.trainable[n_persist]

@@ -31,6 +31,11 @@ class ChunkTable:
     # Most offloaded chunks one module or one block needs resident at once (all offloaded):
     # chunks.buffers.min_resident_chunks, the same rule protrain.wrap checks.
     min_buffers: int
+    # The chunk holding the output head's weight where the head shares it with another
+    # parameter (a tied head: the input embedding's chunk), else None. The engine gathers
+    # that chunk again for the head ([Note: a tied head] in plan/runtime.py). Saved
+    # profiles without it load as untied.
+    tied_head_chunk: int | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -97,5 +102,24 @@ def chunk_table_and_index(
         trainable_tensors=per_chunk(trainable.astype(np.int64)),
         max_trainable_numel=per_chunk(tr_numel, np.maximum),
         min_buffers=max(need, 1),
+        tied_head_chunk=tied_head_chunk(model, chunk_of),
     )
     return table, chunk_of
+
+
+def tied_head_chunk(model: nn.Module, chunk_of: dict[str, int]) -> int | None:
+    """The chunk of the output head's weight (``get_output_embeddings()``) where that
+    weight is one parameter under several names (tied to the input embedding, as small
+    Llama-3.2 and Qwen2.5 models are); None for an untied head or a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        return None
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    if len(names) < 2:
+        return None
+    return next((chunk_of[n] for n in names if n in chunk_of), None)

@@ -182,6 +182,11 @@ class ModelProfile:
     loss_vocab_size: int | None = None
     loss_tokens: int = 0  # positions the loss scores per micro-batch (labels' numel)
     loss_chunk_candidates: list[int | None] = field(default_factory=list)  # searched values
+    # The output head (``get_output_embeddings()``) ran after the last block's forward, as a
+    # causal LM's does: with a tied head (``chunks.tied_head_chunk``), when the engine
+    # gathers that chunk again ([Note: a tied head] in plan/runtime.py). False in saved
+    # profiles without it: no tied head counted.
+    head_after_blocks: bool = False
 
     @property
     def tokens(self) -> int:
@@ -305,6 +310,35 @@ def _keep_pass(model, blocks, batch, loss_fn, clock: MemoryClock, sync: _Sync):
         for h in handles:
             h.remove()
     return saved, peak_keep, input_bytes, input_in_saved, fwd_s
+
+
+class _HeadAfterBlocks:
+    """Hooks that see whether the output head runs after the last block's forward."""
+
+    def __init__(self, model: nn.Module, blocks) -> None:
+        self.seen = False
+        self._last_done = False
+        self.handles = []
+        get = getattr(model, "get_output_embeddings", None)
+        try:
+            head = get() if get is not None else None
+        except (NotImplementedError, AttributeError):
+            head = None
+        if not isinstance(head, nn.Module) or not blocks:
+            return
+        self.handles.append(blocks[-1].module.register_forward_hook(self._block_done))
+        self.handles.append(head.register_forward_pre_hook(self._head))
+
+    def _block_done(self, *_) -> None:
+        self._last_done = True
+
+    def _head(self, *_) -> None:
+        self.seen = self.seen or self._last_done
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 class _StepTracer:
@@ -619,9 +653,13 @@ def trace_model(
                 handle = apply_activation_knobs(
                     model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
                 )
-            saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
-                model, blocks, batch, loss_fn, clock, sync
-            )
+            head_order = _HeadAfterBlocks(model, blocks)
+            try:
+                saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
+                    model, blocks, batch, loss_fn, clock, sync
+                )
+            finally:
+                head_order.remove()
         phase("keep_pass")
         if handle is not None:
             handle.remove()
@@ -743,6 +781,7 @@ def trace_model(
         model_state_bytes=model_states,
         start_resident_chunks=tracer.start_resident,
         loss_forward_s=loss_forward_s,
+        head_after_blocks=head_order.seen,
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
