@@ -56,9 +56,10 @@ over two chunks, ``n_buffer=3``) that was 220 gathers a step where the runtime m
 128 (1.36 s a step measured, 0.84 s predicted); on a tiny model of the same shape, 52 where
 32 suffice (``tests/engine/test_copy_times.py``). So each offloaded chunk is gathered once
 in forward and once in backward, except those resident at the turn and those backward never
-uses, as the runtime model counts; a head tied to the embedding uses the first chunk again
-at the end of forward, one gather more in forward (and in backward where the embedding
-trains), which it does not count. The first pass of a phase prefetches in the forward's
+uses, as the runtime model counts. A head tied to the embedding uses the first chunk again
+at the end of forward: with too few buffers to keep it, one gather more in forward, and
+the turn's resident set shifts by one; the runtime model counts these too (its [Note: a
+tied head]). The first pass of a phase prefetches in the forward's
 recorded order (reversed in backward) or the chunks' own, protecting the chunk before the
 current one.
 
