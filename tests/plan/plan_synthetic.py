@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from protrain.profile.chunk_table import ChunkTable
@@ -110,3 +112,17 @@ def profile(n_blocks: int, n_chunks: int, *, seed: int = 0, chunk_mib: int = 64)
             for c in range(n_chunks)
         ],  # fmt: skip
     )
+
+
+def frozen_first(n_frozen: int, **table_fields) -> ModelProfile:
+    """:func:`profile` of 8 blocks in 10 chunks whose first ``n_frozen`` chunks hold no
+    trainable parameter (an embedding, as LoRA leaves it); ``table_fields`` replace further
+    fields of its chunk table."""
+    p = profile(n_blocks=8, n_chunks=10)
+    trn = list(p.chunks.trainable_numel)
+    trn[:n_frozen] = [0] * n_frozen
+    table = dataclasses.replace(
+        p.chunks, trainable_numel=trn, trainable_bytes=[2 * n for n in trn],
+        trainable_tensors=[int(n > 0) for n in trn], max_trainable_numel=trn, **table_fields,
+    )  # fmt: skip
+    return dataclasses.replace(p, chunks=table)

@@ -5,8 +5,6 @@ edges a tiny model does not reach cheaply."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import plan_synthetic as syn
 import pytest
@@ -16,14 +14,7 @@ from protrain.plan.runtime import RuntimeModel
 
 def _lora_like(n_frozen: int) -> RuntimeModel:
     """Ten chunks; the first ``n_frozen`` hold no trainable parameter (an embedding)."""
-    p = syn.profile(n_blocks=8, n_chunks=10)
-    trn = list(p.chunks.trainable_numel)
-    trn[:n_frozen] = [0] * n_frozen
-    table = dataclasses.replace(
-        p.chunks, trainable_numel=trn, trainable_bytes=[2 * n for n in trn],
-        trainable_tensors=[int(n > 0) for n in trn], max_trainable_numel=trn,
-    )  # fmt: skip
-    return RuntimeModel(dataclasses.replace(p, chunks=table), syn.hardware())
+    return RuntimeModel(syn.frozen_first(n_frozen), syn.hardware())
 
 
 @pytest.mark.parametrize(

@@ -26,15 +26,8 @@ def _profile(n_frozen: int, *, tied: bool = True, after: bool = True) -> ModelPr
     """Ten chunks, one module's worth of buffers (``min_buffers`` 1, counted as 2: a block
     over two chunks keeps both); the head shares chunk
     0; the first ``n_frozen`` chunks hold no trainable parameter."""
-    p = syn.profile(n_blocks=8, n_chunks=10)
-    trn = list(p.chunks.trainable_numel)
-    trn[:n_frozen] = [0] * n_frozen
-    table = dataclasses.replace(
-        p.chunks, trainable_numel=trn, trainable_bytes=[2 * n for n in trn],
-        trainable_tensors=[int(n > 0) for n in trn], max_trainable_numel=trn,
-        tied_head_chunk=0 if tied else None,
-    )  # fmt: skip
-    return dataclasses.replace(p, chunks=table, head_after_blocks=after)
+    p = syn.frozen_first(n_frozen, tied_head_chunk=0 if tied else None)
+    return dataclasses.replace(p, head_after_blocks=after)
 
 
 @pytest.mark.parametrize(
