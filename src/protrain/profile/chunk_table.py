@@ -107,16 +107,22 @@ def chunk_table_and_index(
     return table, chunk_of
 
 
-def tied_head_chunk(model: nn.Module, chunk_of: dict[str, int]) -> int | None:
-    """The chunk of the output head's weight (``get_output_embeddings()``) where that
-    weight is one parameter under several names (tied to the input embedding, as small
-    Llama-3.2 and Qwen2.5 models are); None for an untied head or a model without one."""
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (``get_output_embeddings()``), None where it has none:
+    transformers' base class raises NotImplementedError for a model without one."""
     get = getattr(model, "get_output_embeddings", None)
     try:
         head = get() if get is not None else None
     except (NotImplementedError, AttributeError):
         return None
-    weight = getattr(head, "weight", None)
+    return head if isinstance(head, nn.Module) else None
+
+
+def tied_head_chunk(model: nn.Module, chunk_of: dict[str, int]) -> int | None:
+    """The chunk of the output head's weight (``get_output_embeddings()``) where that
+    weight is one parameter under several names (tied to the input embedding, as small
+    Llama-3.2 and Qwen2.5 models are); None for an untied head or a model without one."""
+    weight = getattr(output_head(model), "weight", None)
     if not isinstance(weight, nn.Parameter):
         return None
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]

@@ -72,7 +72,7 @@ from torch import nn
 from protrain.activations.swap import is_parameter_like
 from protrain.distributed.process_group import NO_GROUP
 from protrain.model.blocks import discover_blocks
-from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
+from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index, output_head
 from protrain.profile.memory_clock import MemoryClock
 from protrain.profile.param_index import block_param_names, param_index
 
@@ -319,12 +319,8 @@ class _HeadAfterBlocks:
         self.seen = False
         self._last_done = False
         self.handles = []
-        get = getattr(model, "get_output_embeddings", None)
-        try:
-            head = get() if get is not None else None
-        except (NotImplementedError, AttributeError):
-            head = None
-        if not isinstance(head, nn.Module) or not blocks:
+        head = output_head(model)
+        if head is None or not blocks:
             return
         self.handles.append(blocks[-1].module.register_forward_hook(self._block_done))
         self.handles.append(head.register_forward_pre_hook(self._head))
