@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import MistralConfig, MistralForCausalLM
 
 import protrain
 from protrain.activations import apply_activation_knobs
@@ -16,7 +15,7 @@ from protrain.plan.runtime import RuntimeModel
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import trace_model
 
-from .test_gather_traffic import _model
+from .test_gather_traffic import _model, with_lora
 
 
 def _hardware(device: str) -> HardwareProfile:
@@ -25,22 +24,6 @@ def _hardware(device: str) -> HardwareProfile:
         duplex_bytes_per_s=1e10, cpu_adam_params_per_s=1e9, device_adam_params_per_s=1e9,
         collective_bytes_per_s=None, cpu_threads=1,
     )  # fmt: skip
-
-
-def _tied_llama(mode: str) -> torch.nn.Module:
-    """test_gather_traffic's tiny Llama with its head tied to the input embedding (as small
-    Llama-3.2 and Qwen2.5 models are): the head uses chunk 0 after the last block."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=12,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    if mode == "lora":
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
-    return model
 
 
 def _mistral(mode: str, tied: bool = False) -> torch.nn.Module:
@@ -54,11 +37,7 @@ def _mistral(mode: str, tied: bool = False) -> torch.nn.Module:
         num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64,
         tie_word_embeddings=tied,
     )  # fmt: skip
-    model = MistralForCausalLM(cfg)
-    if mode == "lora":
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=2, target_modules=targets))
-    return model
+    return with_lora(MistralForCausalLM(cfg), mode, r=2)
 
 
 def _llama_chunk(dtype: torch.dtype) -> int:
@@ -85,10 +64,10 @@ _PLANS = {
     # Tied heads, chunk 0 (the embedding's, which the head shares) offloaded: [Note: a
     # tied head] in plan/runtime.py. Blocks over two chunks: with 3 buffers the head's chunk
     # is evicted in forward and gathered again, with 4 it stays.
-    "tied-llama-lora-3": (lambda: _tied_llama("lora"), _llama_chunk, 0, 3, 0),
-    "tied-llama-full-3": (lambda: _tied_llama("full"), _llama_chunk, 0, 3, 12),
-    "tied-llama-lora-4": (lambda: _tied_llama("lora"), _llama_chunk, 0, 4, 0),
-    "tied-llama-full-4": (lambda: _tied_llama("full"), _llama_chunk, 0, 4, 0),
+    "tied-llama-lora-3": (lambda: _model("lora", tied=True), _llama_chunk, 0, 3, 0),
+    "tied-llama-full-3": (lambda: _model("full", tied=True), _llama_chunk, 0, 3, 12),
+    "tied-llama-lora-4": (lambda: _model("lora", tied=True), _llama_chunk, 0, 4, 0),
+    "tied-llama-full-4": (lambda: _model("full", tied=True), _llama_chunk, 0, 4, 0),
     # the embedding alone in chunk 0, frozen: backward uses it for the head only
     "tied-mistral-lora-3": (lambda: _mistral("lora", tied=True), _mistral_chunk, 0, 3, 4),
 }

@@ -13,19 +13,26 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import protrain
 from protrain.activations import apply_activation_knobs, chunked_causal_lm_loss_sum
 
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
-def _model(mode: str) -> torch.nn.Module:
+
+def with_lora(model: torch.nn.Module, mode: str, r: int) -> torch.nn.Module:
+    """``model`` itself for "full", LoRA of rank ``r`` on every projection for "lora"."""
+    if mode == "lora":
+        model = get_peft_model(model, LoraConfig(r=r, target_modules=LORA_TARGETS))
+    return model
+
+
+def _model(mode: str, tied: bool = False) -> torch.nn.Module:
+    """A tiny Llama; ``tied``: its head tied to the input embedding (as small Llama-3.2 and
+    Qwen2.5 models are), so the head uses chunk 0 after the last block."""
     torch.manual_seed(0)
     cfg = LlamaConfig(
         vocab_size=128, hidden_size=32, intermediate_size=96, num_hidden_layers=12,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )  # fmt: skip
-    model = LlamaForCausalLM(cfg)
-    if mode == "lora":
-        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets))
-    return model
+    return with_lora(LlamaForCausalLM(cfg), mode, r=4)
 
 
 def _chunked_loss(model, ids):
