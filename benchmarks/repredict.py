@@ -42,21 +42,24 @@ def _model(shape: str, mode: str):
 
 def _problem(row: dict, profiles: Path, models: dict):
     """The row's PlanProblem at its chunk size, or None (no profile, 4-bit)."""
-    from plan_accuracy import CONFIGS
+    from plan_accuracy import ALL_CONFIGS
     from protrain.plan.chunk_size import chunk_size_candidates, rechunk
+    from protrain.plan.loss_chunk import at_loss_chunk
     from protrain.plan.search import PlanProblem
     from protrain.profile.hardware import HardwareProfile
     from protrain.profile.trace import ModelProfile
 
     name = row["config"]
     path = profiles / f"{name}.profile.json.gz"
-    if name not in CONFIGS or not path.exists():
+    if name not in ALL_CONFIGS or not path.exists():
         return None
-    shape, mode = CONFIGS[name][:2]
+    shape, mode = ALL_CONFIGS[name][:2]
     if mode == "qlora":
         return None
     with gzip.open(path, "rt") as f:
         profile = ModelProfile.from_json(f.read())
+    if profile.loss_chunk_candidates:  # the planner's loss: the chunk the row's steps ran
+        profile = at_loss_chunk(profile, row.get("chunked_loss_tokens"))
     hw = HardwareProfile(**json.loads((profiles / f"{name}.hardware.json").read_text()))
     key = (shape, mode)
     if key not in models:

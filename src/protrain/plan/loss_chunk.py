@@ -12,9 +12,9 @@ the other candidates are derived from it (:func:`at_loss_chunk`):
 [Note: the loss's memory and time as functions of the chunk]
 - **memory**: the head's intervals (the last block's forward end to its backward start,
   where the loss runs) hold, at their peak, one chunk's logits as fp32 values and their
-  fp32 gradient, plus the compute-dtype logits where that is narrower than fp32:
-  ``LOGIT_BYTES(itemsize) = 8 (+ itemsize if < 4)`` per logit, ``min(chunk, positions) x
-  vocab`` logits ("off": every position). A candidate's head intervals are the traced ones
+  fp32 gradient, and where the compute dtype is narrower than fp32 a third fp32 tensor in
+  the loss's backward (``logit_bytes``: 12 bytes a logit, 8 for fp32, measured on the GPU
+  in session 17), ``min(chunk, positions) x vocab`` logits ("off": every position). A candidate's head intervals are the traced ones
   plus the difference in those bytes. Measured on the CPU (fp32, vocabulary 4,096, 128
   positions; ``tests/plan/test_loss_chunk.py``): the traced head peak grew 7.9 bytes per
   added logit from 32 to 64 tokens and to the whole logits; the model's 8 is an upper bound
@@ -48,9 +48,14 @@ LOSS_CHUNK_FLOOR_TOKENS = 1024
 
 
 def logit_bytes(compute_itemsize: int) -> int:
-    """Bytes per logit at the loss's peak: fp32 logits and their fp32 gradient, and the
-    compute-dtype logits where those are narrower (an fp32 model's are the fp32 ones)."""
-    return 8 + (compute_itemsize if compute_itemsize < 4 else 0)
+    """Bytes per logit at the loss's peak. Where the compute dtype is narrower than fp32:
+    three fp32 tensors in the loss's backward (the log-softmax kept for it, the gradient
+    into it and the one it makes). Measured on H100 and H200, whole bf16 logits of 1.05 and
+    2.1 G logits: the peak allocated grew 11.1-11.3 bytes a logit beyond the traced chunk's,
+    and the model's earlier 10 (fp32 logits and gradient, bf16 logits) planned 38.9 GiB at a
+    40 GiB budget that ran out of memory (session 17). fp32 models: 8 (the CPU measurement
+    in the note above)."""
+    return 12 if compute_itemsize < 4 else 8
 
 
 def fixed_chunk_advice(chunk_tokens: int, positions: int, vocab_size: int | None) -> str:

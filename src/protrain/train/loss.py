@@ -23,11 +23,11 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
 
     The labels are shifted, not the logits, as transformers' ``ForCausalLMLoss`` does: the
     slice ``logits[..., :-1, :]`` of a micro-batch of several rows is not contiguous, and
-    flattening it copied every logit (2 bytes each in bf16, beside the fp32 upcast: 3.9 GiB
-    at 8 x 2048 positions of a 128,256-token vocabulary), memory the planner's loss model
-    does not count (``plan/loss_chunk.py``; an H100 run planned 38.9 GiB at 40 and ran out of
-    memory there, session 17). The last position of each row predicts nothing: its label is
-    ``IGNORE_INDEX``."""
+    flattening it copied every logit in the forward (2 bytes each in bf16: 3.9 GiB at 8 x
+    2048 positions of a 128,256-token vocabulary). The loss's peak is in its backward
+    (``plan/loss_chunk.py``'s ``logit_bytes``) and stayed where it was (session 17, H100 and
+    H200), but the forward no longer holds the copy. The last position of each row predicts
+    nothing: its label is ``IGNORE_INDEX``."""
     shift_labels = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:].reshape(-1)
     flat = logits.reshape(-1, logits.size(-1)).float()  # a view of contiguous logits
     return F.cross_entropy(
