@@ -334,6 +334,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             trace_wrap_build_s=profile.wrap_build_s,
             trace_notes=profile.notes,
             free_fwd_bwd_s=profile.free_fwd_bwd_s and round(profile.free_fwd_bwd_s, 4),
+            loss_forward_s=round(profile.loss_forward_s, 4),
+            free_loss_forward_s=profile.free_loss_forward_s and round(profile.free_loss_forward_s, 4),
             hardware={k: v for k, v in hw.to_dict().items() if k.endswith("_per_s")},
         )  # fmt: skip
         print(plan, file=sys.stderr)

@@ -3,6 +3,7 @@ the others derived, checked against traces at those chunks and against a real ru
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -101,18 +102,26 @@ def test_trace_runs_the_smallest_chunk_and_budgets_its_logits_only(monkeypatch):
 def test_derived_chunks_against_traces_at_those_chunks(traced):
     """Memory model: head peak(c) = traced peak + 8 bytes x vocab x (positions(c) -
     positions(traced)) in fp32; an upper bound within 5% of a trace at that chunk. Time:
-    "off" is the traced step less the loss's forward."""
+    "off" is the free-running step less its loss forward (not the traced step's, which
+    carries the trace's overheads)."""
     model, batch, prof = traced
     assert prof.loss_chunk_tokens == FLOOR and prof.loss_chunk_candidates == [None, 64, 32]
     assert prof.loss_forward_s > 0
+    assert 0 < prof.free_loss_forward_s < prof.free_fwd_bwd_s - prof.free_blocks_fwd_s
     for chunk in (64, None):
         measured = trace_model(model, batch, device="cpu", loss_fn=planner_loss(CPU, chunk))
         derived = at_loss_chunk(prof, chunk)
         assert derived.loss_chunk_tokens == chunk
         assert _head_peak(measured) <= _head_peak(derived) <= 1.05 * _head_peak(measured)
     off = at_loss_chunk(prof, None)
-    assert off.free_fwd_bwd_s == pytest.approx(prof.free_fwd_bwd_s - prof.loss_forward_s)
+    assert off.free_fwd_bwd_s == pytest.approx(prof.free_fwd_bwd_s - prof.free_loss_forward_s)
+    assert off.head_s == pytest.approx(max(prof.head_s - prof.free_loss_forward_s, 0.0))
     assert at_loss_chunk(prof, 64).free_fwd_bwd_s == prof.free_fwd_bwd_s
+    # a profile without a free-running step (older ones): the traced loss forward
+    old = dataclasses.replace(prof, free_fwd_bwd_s=None, free_loss_forward_s=None)
+    assert at_loss_chunk(old, None).head_s == pytest.approx(
+        max(prof.head_s - prof.loss_forward_s, 0.0)
+    )
 
 
 def test_search_takes_off_when_it_fits_and_a_chunk_when_it_does_not(traced):

@@ -137,8 +137,14 @@ def at_loss_chunk(profile: ModelProfile, chunk_tokens: int | None) -> ModelProfi
             iv = copy.copy(iv)
             iv.peak_bytes += delta
             intervals[i] = iv
-    # "off" computes the loss's forward once; a chunked loss twice
-    recompute = profile.loss_forward_s * ((chunk_tokens is not None) - (traced is not None))
+    # "off" computes the loss's forward once; a chunked loss twice. The free-running step's
+    # loss forward where measured: the traced step's carried its overheads (session 17, a
+    # Llama-3.2-1B at 8 x 2048 in chunks of 1024: 0.28 s traced, so "off" was predicted
+    # 0.25 s for a 0.49 s step whose chunked run took as long).
+    loss_s = profile.free_loss_forward_s
+    if loss_s is None or profile.free_fwd_bwd_s is None:
+        loss_s = profile.loss_forward_s
+    recompute = loss_s * ((chunk_tokens is not None) - (traced is not None))
     free = profile.free_fwd_bwd_s
     return dataclasses.replace(
         profile,

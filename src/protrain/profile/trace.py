@@ -160,6 +160,9 @@ class ModelProfile:
     free_pre_fwd_s: float | None = None  # step start to the first block's forward
     free_blocks_fwd_s: float | None = None  # the blocks' forward, first to last
     free_fwd_bwd_s: float | None = None  # step start to the end of backward (checkpoint-all)
+    # the last block's forward end to the loss: what a chunked loss computes again in
+    # backward, as the step runs (``loss_forward_s`` is the traced step's, with its overheads)
+    free_loss_forward_s: float | None = None
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
     # Seconds of each part of the trace (index_and_wrap, keep_pass, traced_steps,
     # free_running_step, close): where the plan time goes (full-8b: 77 s in session 7).
@@ -474,7 +477,8 @@ class _StepTracer:
 
 
 def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait):
-    """One step timed at three synchronizations only; (pre, blocks' forward, fwd+bwd) s."""
+    """One step timed at four synchronizations only; (pre, blocks' forward, fwd+bwd, loss
+    forward) s. The loss forward is the last block's forward end to the loss."""
     marks: dict[str, tuple[float, float]] = {}
 
     def mark(name):
@@ -488,6 +492,8 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         t0 = sync()
         copy_wait()  # drop the stalls from before the step
         loss = loss_fn(model, batch)
+        t_loss = sync()
+        w_loss = copy_wait()
         loss.backward()
         del loss
         t3 = sync()
@@ -499,7 +505,8 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
     (t1, w1), (t2, w2) = marks["first"], marks["last"]
     pre = max(t1 - t0 - w1, 0.0)
     blocks_fwd = max(t2 - t1 - w2, 0.0)
-    return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w3, 0.0)
+    loss_fwd = max(t_loss - t2 - w_loss, 0.0)
+    return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w_loss - w3, 0.0), loss_fwd
 
 
 # The free-running step is the step model's compute: one sample of it was noisy. Session 16,
@@ -710,7 +717,7 @@ def trace_model(
         phase("traced_steps")
         # Outside the memory clock: on the CPU its dispatch mode sees every op, and that
         # bookkeeping costs more than a small model's compute (see the module docstring).
-        free_pre, free_blocks, free_total = _fastest_free_running_step(
+        free_pre, free_blocks, free_total, free_loss = _fastest_free_running_step(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
         phase("free_running_step")
@@ -771,6 +778,7 @@ def trace_model(
         free_pre_fwd_s=free_pre,
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
+        free_loss_forward_s=free_loss,
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
         trace_phases_s=phases,
         wrap_build_s=dict(manager.build_s),
