@@ -405,7 +405,7 @@ def wrap(
     loss already divided by the tokens of the whole global batch).
     ``n_device_step``: offloaded chunks (the last ones in forward order) whose AdamW runs on
     the device, their masters and moments streamed over the link, instead of on the host
-    (``protrain/optim/device_step.py``); one rank or ``distributed_mode="replicated"``.
+    (``protrain/optim/device_step.py``); in the sharded mode each rank steps its own shards.
     ``plan``: the decision these knobs came from, kept for :func:`plan_of`; the engine does
     not read it.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
@@ -431,11 +431,6 @@ def wrap(
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
         raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
-    if n_device_step and sharded:
-        raise ValueError(
-            f"n_device_step={n_device_step} is not allowed with distributed_mode='sharded': "
-            "device-stepped chunks are for one rank or distributed_mode='replicated'"
-        )
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = params_in_order(model)

@@ -1,58 +1,106 @@
-"""Device-stepped offloaded chunks (``optim/device_step.py``) on 2 gloo ranks in the
-replicated mode (gradients all-reduced chunk by chunk) compute bit for bit what the host
-AdamW computes there; the sharded mode refuses them with one clear error."""
+"""Device-stepped offloaded chunks (``optim/device_step.py``) on gloo ranks compute bit for
+bit what the host AdamW computes there: the replicated mode (gradients all-reduced chunk by
+chunk) and the sharded mode (each rank steps its own shard of the chunk on the device, from a
+shard-sized device accumulator), at 2 ranks and at 3 (uneven shards: some parameters own no
+element on a rank), full fine-tuning and LoRA, accumulation 2, clipping on, one and two
+device-stepped chunks, fp16 loss scaling. Pieces of 48 elements cut the shards inside.
+
+Every rank's gradients, norms and reductions are the same in both runs (the device step
+reads the same reduced shard the host path copies out), so the comparison is exact, not to
+a tolerance."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from tests.engine.models import batches, build
+import torch.distributed as dist
+from tests.engine.models import batches, build, lora
 
 import protrain
+from protrain.optim import device_step
 
 from .ranks import run_ranks
 
 STEPS, ACCUM, MAX_NORM, LR, WD = 2, 2, 0.5, 1e-2, 0.01
 
 
-def _train(rank: int, world: int, n_device_step: int) -> dict:
+def _train(rank: int, world: int, mode: str, adapter: bool, n_device_step: int, fp16: bool):
+    model = build("llama")
     model, opt, _ = protrain.wrap(
-        build("llama"),
+        lora(model, "llama") if adapter else model,
         device="cpu",
         n_persist=1,
         lr=LR,
         weight_decay=WD,
         chunk_size_bytes=16384,
-        distributed_mode="replicated",
+        compute_dtype=torch.float16 if fp16 else None,
+        distributed_mode=mode,
         grad_reduce="sum",
         n_device_step=n_device_step,
     )
     data = batches("llama", STEPS * ACCUM * world)
+    held = []  # device accumulator elements after each step's backwards
     for step in range(STEPS):
         for mb in range(ACCUM):
             i = step * ACCUM * world + mb * world + rank
-            (model(**data[i]).loss / (ACCUM * world)).backward()
+            loss = model(**data[i]).loss / (ACCUM * world)
+            opt.scale_loss(loss).backward()
+        if n_device_step:
+            held.append(sum(g.numel() for g in opt._device_step._grads.values()))
         opt.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
-    stepped = opt.stats.get("device_steps", 0)
-    out = {"model": protrain.state_dict(model), "optim": opt.state_dict(), "steps": stepped}
+    out = {"model": protrain.state_dict(model), "optim": opt.state_dict(), "stats": opt.stats}
+    if n_device_step:
+        m = opt._manager
+        slots = [s for ci in opt._device_step.chunk_ids() for s in m.chunks[ci].trainable_slots]
+        out["own_numel"] = sum(s.master.numel() for s in slots)
+        out["whole_numel"] = sum(s.placement.numel for s in slots)
+        out["held"] = held
     protrain.close(model)
     return out
 
 
-def _ranks(rank: int, world: int) -> None:
-    host, device = _train(rank, world, 0), _train(rank, world, 2)
-    assert device["steps"] == STEPS and host["steps"] == 0
+def _check(rank: int, world: int, mode: str, adapter: bool, n: int, fp16: bool = False):
+    host = _train(rank, world, mode, adapter, 0, fp16)
+    dev = _train(rank, world, mode, adapter, n, fp16)
+    at = (rank, world, mode, adapter, n, fp16)
+    assert dev["stats"]["device_steps"] == STEPS and "device_steps" not in host["stats"], at
+    assert host["model"].keys() == dev["model"].keys(), at
     for name, want in host["model"].items():
-        assert torch.equal(device["model"][name], want), (rank, name)
+        assert torch.equal(dev["model"][name], want), (*at, name)
+    assert host["optim"]["state"].keys() == dev["optim"]["state"].keys(), at
     for i, st in host["optim"]["state"].items():
         for k, v in st.items():
-            assert torch.equal(device["optim"]["state"][i][k], v), (rank, i, k)
-    with pytest.raises(ValueError, match="not allowed with distributed_mode='sharded'"):
-        protrain.wrap(build("llama"), device="cpu", n_persist=1, n_device_step=1,
-                      chunk_size_bytes=16384, distributed_mode="sharded")  # fmt: skip
+            assert torch.equal(dev["optim"]["state"][i][k], v), (*at, i, k)
+    # the accumulators and the stepped masters and moments are this rank's own elements
+    own, whole = dev["own_numel"], dev["whole_numel"]
+    assert dev["held"] == [own] * STEPS, at
+    assert dev["stats"]["device_step_h2d_bytes"] == 12 * own * STEPS, at
+    total = torch.tensor([own])
+    dist.all_reduce(total)  # every rank's part, each element once
+    assert total.item() == (whole * world if mode == "replicated" else whole), at
+    if mode == "sharded":
+        assert own < whole, at
+
+
+def _two_ranks(rank: int, world: int) -> None:
+    device_step.PIECE_NUMEL = 48  # pieces cut the shards inside (this process only)
+    _check(rank, world, "replicated", False, 2)
+    for adapter in (False, True):
+        for n in (1, 2):
+            _check(rank, world, "sharded", adapter, n)
+    _check(rank, world, "sharded", False, 2, fp16=True)
+
+
+def _three_ranks(rank: int, world: int) -> None:
+    device_step.PIECE_NUMEL = 48
+    _check(rank, world, "sharded", False, 1)
+    _check(rank, world, "sharded", True, 2)
 
 
 def test_device_step_on_two_ranks_equals_the_host_step():
-    run_ranks(2, _ranks)
+    run_ranks(2, _two_ranks)
+
+
+def test_sharded_device_step_on_three_ranks_equals_the_host_step():
+    run_ranks(3, _three_ranks)

@@ -31,6 +31,16 @@ copy-out. On the CPU the same code runs synchronously, with no streams.
 
 Unscaling (fp16) and clipping are done on the device gradients before the first piece, with
 the kernels and the order of the host step task, so the result equals the host path's.
+
+Several ranks: gradients arrive from the reducer (``distributed/grad_reducer.py``) after
+backward's reductions, and ``step()`` steps these chunks after them (never from inside the
+backward). In the sharded mode a slot's master, host copy and moments are this rank's own
+elements of the parameter (``chunks/shard.py``), and so is what ``accumulate`` receives:
+the reduce-scattered shard of the gradient. The accumulator is therefore shard-sized (4 / N
+bytes a parameter of device memory at N ranks), the pieces stream only the own elements,
+and the next gather copies the own cast shard in and all-gathers the rest, as after a host
+update. Clipping combines the shards' squared norms over ranks as for host-stepped shards
+(``HybridAdamW._total_norm``).
 """
 
 from __future__ import annotations
