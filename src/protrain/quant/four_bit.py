@@ -25,13 +25,14 @@ layer at a time on the GPU and kept on the host.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 from torch import nn
 
 from protrain.chunks.layout import KEEP_DTYPE_ATTR
+from protrain.quant.bnb_layers import import_bnb, is_bnb
+from protrain.quant.eight_bit import lift_8bit_state
 
 log = logging.getLogger(__name__)
 
@@ -47,30 +48,9 @@ _STATE_TENSORS = (
 )
 
 
-def _bnb():
-    try:
-        import bitsandbytes as bnb
-    except ImportError:
-        raise ImportError(
-            "4-bit base weights need bitsandbytes: pip install 'protrain[qlora]'"
-        ) from None
-    return bnb
-
-
-def _is_bnb(module: nn.Module, class_name: str) -> bool:
-    """An instance of bitsandbytes' ``class_name`` (without importing bitsandbytes)."""
-    return class_name in _bnb_bases(type(module))
-
-
-@functools.cache
-def _bnb_bases(cls: type) -> frozenset[str]:
-    # per class, not per module: the planner lifts every module of a 70B model per search
-    return frozenset(c.__name__ for c in cls.__mro__ if c.__module__.startswith("bitsandbytes"))
-
-
 def is_4bit_linear(module: nn.Module) -> bool:
     """True for a bitsandbytes ``Linear4bit`` (without importing bitsandbytes otherwise)."""
-    return _is_bnb(module, "Linear4bit")
+    return is_bnb(module, "Linear4bit")
 
 
 def _expected_dtype(state, path: tuple[str, ...]) -> torch.dtype:
@@ -78,25 +58,16 @@ def _expected_dtype(state, path: tuple[str, ...]) -> torch.dtype:
     return torch.uint8 if path == ("absmax",) and state.nested else torch.float32
 
 
-def _refuse_8bit(module: nn.Module) -> None:
-    if _is_bnb(module, "Linear8bitLt"):
-        raise ValueError(
-            f"{type(module).__name__}: 8-bit base weights are not supported inside chunks "
-            "(bitsandbytes reads a copy of them that the engine does not move); quantize "
-            "to 4-bit (protrain.quant.quantize_linear_4bit), or train without protrain.wrap"
-        )
-
-
 def lift_quant_state(model: nn.Module) -> int:
     """Make the quantization state of every 4-bit layer of ``model`` frozen parameters of
     the layer (see the module docstring). The layer's ``QuantState`` is the truth: a
     parameter lifted earlier takes its tensor again (after a deep copy, or a merge that
     re-quantized the weight). Idempotent; returns how many layers it changed. Refuses
-    bitsandbytes' 8-bit layers, and scales cast to another dtype (``model.to(dtype)``
-    after lifting)."""
-    changed = 0
+    scales cast to another dtype (``model.to(dtype)`` after lifting). bitsandbytes' 8-bit
+    layers are lifted too (:func:`protrain.quant.eight_bit.lift_8bit_state`): this is the
+    one call that readies a model's quantized layers for chunks."""
+    changed = lift_8bit_state(model)
     for module in model.modules():
-        _refuse_8bit(module)
         if not is_4bit_linear(module):
             continue
         state = getattr(module.weight, "quant_state", None)
@@ -162,7 +133,7 @@ def quantize_linear_4bit(
     weight and its state are moved back to where the weight was. The quantization state is
     lifted into parameters (:func:`lift_quant_state`). Returns ``model``.
     """
-    bnb = _bnb()
+    bnb = import_bnb("4-bit base weights")
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={quant_type!r} is not allowed: use 'nf4' or 'fp4'")
     get_head = getattr(model, "get_output_embeddings", None)
