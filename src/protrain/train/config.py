@@ -162,7 +162,9 @@ class AdapterConfig(StrictModel):
     target_modules: Literal["all-linear"] | list[str] = Field(
         "all-linear", description=LORA_TARGETS_DESCRIPTION
     )
-    bits: Literal[4, 8] = Field(4, description="Base-weight bits for qlora.")
+    bits: Literal[4, 8] = Field(
+        4, description="Base-weight bits for qlora: 4 (NF4, double quantization) or 8 (LLM.int8)."
+    )
     name: str = Field(
         "default", description="The main adapter's name (peft's; `default` exports to final/)."
     )
@@ -509,12 +511,6 @@ class TrainConfig(DataSettings):
             )
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
-        if self.adapter.type == "qlora" and self.adapter.bits == 8 and self.memory.engine_enabled:
-            raise ValueError(
-                "adapter.bits = 8 with the chunked engine (memory.auto or n_persist/n_buffer) is "
-                "not supported: base weights in chunks are 4-bit; use adapter.bits = 4, or "
-                "remove the memory knobs"
-            )
         return self
 
     def _check_fsdp(self) -> None:
@@ -547,7 +543,8 @@ class TrainConfig(DataSettings):
         if self.adapter.type == "qlora" and self.adapter.bits == 8:
             raise ValueError(
                 "adapter.bits = 8 with fsdp_version = 2 is not supported: FSDP2 shards 4-bit "
-                "base weights (stored in the computing dtype); use adapter.bits = 4"
+                "base weights (stored in the computing dtype); use adapter.bits = 4, or the "
+                "chunked engine (memory.auto or n_persist), which holds 8-bit base weights"
             )
         if self.mixed_precision == "fp16":
             raise ValueError(

@@ -203,11 +203,6 @@ def build_tiny_base(cfg: TrainConfig) -> nn.Module:
 def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if cfg.adapter.type == "qlora" and cfg.adapter.bits == 8:
-        raise ConfigError(
-            "adapter.bits = 8 is not allowed with model.name_or_path = 'tiny': 8-bit base "
-            "weights are loaded by transformers from pretrained weights; use adapter.bits = 4"
-        )
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
@@ -428,13 +423,17 @@ def _require_bitsandbytes() -> None:
 
 
 def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    """4-bit NF4 base weights with double quantization (QLoRA's recipe), quantized on the
-    GPU when there is one; the output layer stays in ``dtype``. The layers compute in the
-    run's compute dtype (bf16 on a GPU by default), as the engine and autocast do."""
+    """`adapter.bits` base weights, quantized on the GPU when there is one: 4-bit NF4 with
+    double quantization (QLoRA's recipe), or 8-bit LLM.int8 (bitsandbytes' row-wise int8);
+    the output layer stays in ``dtype``. The layers compute in the run's compute dtype
+    (bf16 on a GPU by default), as the engine and autocast do (8-bit layers compute in
+    their input's dtype)."""
     _require_bitsandbytes()
-    from protrain.quant import quantize_linear_4bit
+    from protrain.quant import quantize_linear_4bit, quantize_linear_8bit
 
     device = resolve_device(cfg.device)
+    if cfg.adapter.bits == 8:
+        return quantize_linear_8bit(model, quant_device="cuda" if device.type == "cuda" else None)
     compute = resolve_autocast_dtype(cfg.mixed_precision, device, cfg.memory.engine_enabled)
     return quantize_linear_4bit(
         model,
