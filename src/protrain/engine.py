@@ -334,8 +334,8 @@ def wrap_target(
         raise RuntimeError(
             "protrain.wrap: this model is already wrapped; call protrain.close(model) first"
         )
-    # 4-bit layers keep their quantization state outside parameters; the chunks must carry
-    # it (protrain.quant.four_bit).
+    # 4-bit and 8-bit layers keep their quantization state outside parameters; the chunks
+    # must carry it (protrain.quant.four_bit, protrain.quant.eight_bit).
     lift_quant_state(model)
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and device.index is None:
