@@ -62,8 +62,9 @@ def test_qlora8_same_losses_and_adapters_as_unwrapped_with_chunks_offloaded():
     ref_state = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
     assert ref_state
 
+    # one block recomputed in backward: the state is bound again at the recomputing call
     model, optimizer, layout = protrain.wrap(
-        copy.deepcopy(base), n_persist=1, lr=LR, weight_decay=WD, device="cpu"
+        copy.deepcopy(base), n_persist=1, n_checkpoint=1, lr=LR, weight_decay=WD, device="cpu"
     )
     assert layout.n_chunks >= 3 and layout.n_persist < layout.n_chunks
     # the int8 weights are stored as int8, the scales in fp32, whatever the compute dtype
@@ -78,7 +79,10 @@ def test_qlora8_same_losses_and_adapters_as_unwrapped_with_chunks_offloaded():
     state = protrain.state_dict(model)
     for name, ref in ref_state.items():
         torch.testing.assert_close(state[name], ref, atol=1e-6, rtol=0, msg=name)
-    # the state reads the chunk's storage: released again, then gathered by the next call
+    # the weight and the state read the chunk's storage (bitsandbytes' forward sets
+    # weight.data = state.CB: a state bound before placement would pull the weight out of
+    # its chunk): released again, then gathered by the next call
+    assert last.weight.untyped_storage().nbytes() == 0
     assert last.quant_scb.untyped_storage().nbytes() == 0
     assert last.state.SCB is last.quant_scb
     assert last.state.CB.untyped_storage().data_ptr() == last.weight.untyped_storage().data_ptr()
@@ -88,6 +92,21 @@ def test_qlora8_same_losses_and_adapters_as_unwrapped_with_chunks_offloaded():
         expected = reference(**batch).loss
     assert again.item() == pytest.approx(expected.item(), abs=1e-6, rel=1e-6)
     protrain.close(model)
+
+
+def test_peft_merge_requantizes_and_the_next_call_takes_the_new_scales():
+    """PEFT's 8-bit merge de- and re-quantizes the weight (new scales in ``weight.SCB``,
+    the state reset): the layer's next call lifts them, as bitsandbytes' forward would."""
+    merged = _qlora8().merge_and_unload()
+    layer = next(m for m in merged.modules() if is_8bit_linear(m))
+    fresh = layer.weight.SCB
+    assert fresh is not None and layer.state.SCB is None
+    x = torch.randn(2, layer.in_features)
+    y = layer(x)  # training mode on the CPU: bitsandbytes dequantizes, then a linear
+    assert layer.weight.SCB is None and layer.state.SCB is layer.quant_scb
+    assert torch.equal(layer.quant_scb, fresh)
+    expected = x @ (layer.weight.float() * (fresh / 127).unsqueeze(1)).t()
+    torch.testing.assert_close(y, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_an_int8_chunk_table_is_about_half_a_bf16_one():
