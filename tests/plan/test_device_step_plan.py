@@ -13,6 +13,7 @@ from protrain.optim.device_step import staging_bytes
 from protrain.plan import NoPlanFits, PlanProblem, search
 from protrain.plan.memory import policy_matrix
 from protrain.plan.runtime import RuntimeModel
+from protrain.plan.world import World
 
 GIB = 1 << 30
 
@@ -98,6 +99,31 @@ def test_a_fixed_device_step_count_is_planned_with():
                            fixed_knobs={"n_persist": 2, "n_device_step": 9}))  # fmt: skip
     with pytest.raises(ValueError, match="n_device_step=-1 is negative"):
         PlanProblem(p, hw, gpu_budget_bytes=GIB, fixed_knobs={"n_device_step": -1})
+
+
+def test_sharded_ranks_plan_their_own_shards():
+    """With sharded chunks each rank steps its shard on the device: the accumulators and
+    the link bytes are a rank's 1/N, and a fixed count is planned with, as on one rank."""
+    p = syn.profile(8, 10)
+    hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=0.3e9,
+                             collective_bytes_per_s=100e9, all_gather_bytes_per_s=80e9,
+                             reduce_scatter_bytes_per_s=50e9, world_size=2,
+                             local_world_size=2)  # fmt: skip
+    trn = float(np.sum(p.chunks.trainable_numel[-2:]))
+    one = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB)
+    two = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, world=World(2, 2, "sharded"))
+    e1 = one.evaluate(2, 3, 0, 0, n_device_step=2)
+    e2 = two.evaluate(2, 3, 0, 0, n_device_step=2)
+    assert e1["memory_terms"]["device_step_grads"] == 4 * trn
+    assert e2["memory_terms"]["device_step_grads"] == 4 * -(-trn // 2)
+    assert e2["time_terms"]["device_step_h2d_bytes"] == pytest.approx(12 * trn / 2)
+    fixed = {"n_persist": 2, "n_device_step": 1}
+    plan = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs=fixed,
+                              world=World(2, 2, "sharded"))).plan  # fmt: skip
+    assert plan.n_device_step == 1
+    found = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs={"n_persist": 2},
+                               world=World(2, 2, "sharded"), device_step_search=True))  # fmt: skip
+    assert found.work["device_step_evaluations"] > 0
 
 
 def test_search_leaves_device_steps_off_on_a_cpu_device():

@@ -224,7 +224,8 @@ class MemoryModel:
         """The device step's bytes (see the module note): {} when it steps nothing."""
         idx = np.flatnonzero(self._trn[n_persist:] > 0) + n_persist
         chunks = idx[max(len(idx) - n_device_step, 0) :] if n_device_step else idx[:0]
-        numel = int(self._trn[chunks].sum())
+        # sharded: a rank accumulates and steps its own shard of each chunk
+        numel = -(-int(self._trn[chunks].sum()) // self.world.shards)
         if not numel:
             return {}
         piece = min(PIECE_NUMEL, -(-numel // 16) * 16)

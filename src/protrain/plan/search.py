@@ -28,8 +28,8 @@ never gets better with more compute or more swap bytes. So:
    at most four evaluations a row). The fastest that fits becomes the plan (a row with
    fewer buffers may have the room the fastest row lacks). Only where the problem asks for
    it (``device_step_search=True``; otherwise 0, or the user's fixed count), not on a CPU
-   device (there the "device" step is the host's own work plus copies) nor with sharded
-   chunks (the engine steps only whole chunks on the device).
+   device (there the "device" step is the host's own work plus copies). With sharded
+   chunks a rank steps its own shard of each on the device.
 
 The work is two matrix passes over ``pairs`` plus ``exact_pairs`` evaluations of
 intervals x ``n_persist`` (and ``rows`` candidate rows, each a vector over ``n_buffer`` at
@@ -150,11 +150,6 @@ class PlanProblem:
         d = f.get(DEVICE_STEP, 0)
         if d < 0:
             raise ValueError(f"n_device_step={d} is negative")
-        if d and self.world.distributed and self.world.mode == "sharded":
-            raise ValueError(
-                f"n_device_step={d} is not allowed with distributed_mode='sharded': "
-                "device-stepped chunks are for one rank or distributed_mode='replicated'"
-            )
 
     # ---- knob ranges ------------------------------------------------------------------
 
@@ -468,11 +463,7 @@ def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[in
     rt, hw = problem.runtime, problem.hardware
     if DEVICE_STEP in problem.fixed:
         return _fixed_device_step(problem, rows, problem.fixed[DEVICE_STEP])
-    if (
-        not problem.device_step_search
-        or hw.device == "cpu"
-        or (problem.world.distributed and problem.world.mode == "sharded")
-    ):
+    if not problem.device_step_search or hw.device == "cpu":
         return 0, 0, "", 0
     best = None  # (step_s, row, d)
     fastest_s = None
