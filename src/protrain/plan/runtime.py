@@ -19,7 +19,8 @@
   of each direction at its measured bandwidth and the total at the measured
   both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer`` above what
   one module needs, or every offloaded chunk resident) a phase takes the longer of its
-  compute and its copies; without one, they add.
+  compute and its copies; without one, they add. [Note: the copy pipeline] is the per-chunk
+  alternative, measured and not adopted.
 - **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
   measured device rate, after backward and before the next forward.
 - **host optimizer stall** (see the note): how long the next forward waits for offloaded
@@ -30,6 +31,38 @@
   chunk's fp32 gradients by the clip coefficient: one more pass, at its own measured rate
   (``cpu_clip_params_per_s``; 0.16-0.42 s a step on full-3b).
 - **device-stepped chunks** (``n_device_step``, see [Note: device-stepped chunks]).
+
+[Note: the copy pipeline]
+Per phase totals hide a gather that arrives after the compute needs it while the phase's
+copies still fit its compute (forward of checkpointed blocks is short; the first chunk
+waits for its whole gather). ``copy_pipeline_s`` follows each gather through the buffer
+pool as the engine runs it (``chunks/manager.py``, [Note: prefetch by recorded use]): the
+gathers of a phase run one after another on one stream, chunk ``j``'s from when its buffer
+is free. The first ``n_buffer`` of the phase's offloaded chunks start at its start (forward:
+``begin_forward`` prefetches them; backward: resident at the turn); a later one takes the
+buffer of the chunk ``n_buffer`` before it, released when the compute first uses the chunk
+``n_buffer - 2`` before it: the release waits for the compute already enqueued (the gather
+stream waits on an event), and a block over a chunk boundary keeps the earlier chunk until
+the use order moves past the later one. So with 2 buffers no gather runs ahead of the
+compute. The compute reaches chunk ``j`` at its first block's start in that phase (forward:
+the blocks before it; backward: the head and the blocks after its last block, a chunk's last
+block taken as the one where the next chunk begins), as shares of the phase's compute
+(recompute and swap waits spread in proportion), plus every wait before; the phase waits
+``max_j(gather_end_j - needed_j)``, at least its copies less its compute. In forward the host
+stall already holds the gathers after late updates, so forward counts the larger of the two.
+The d2h traffic, collectives' own timing, a tied head's extra gather and device-stepped
+chunks' cast weights are left to the phase totals. One loop over chunks, vectorized over
+candidates. On the CPU copies are synchronous: the phase rule stands.
+
+It is not the step's rule (``step_s(..., copy_pipeline=True)`` counts it, and its breakdown's
+``copy_exposed`` is then the pipeline's; the search never pays for it). It predicts the measured copy waits (``wait_copy_s``) of
+session 17's 19 H200 rows within 0.02 s on 17 (the phase rule, 0 s on all, on 11; off:
+mistral7b-lora-20-b3 0.278 s against 0.178, qwen7b-lora-20-b1 0.065 against 0.153). Over
+the 72 measured rows with profiles (sessions 6-9 and 17) it takes the LoRA rows' median
+step error from 4.3% to 3.7% (mistral7b-lora-20-b3 -14.5% to +10.2%), but full
+fine-tuning's from 8.7% to 9.6% and the median from 6.6% to 7.0%: those rows are
+over-predicted by the host stall (full-3b on H200: 0.74 s predicted, 0.62 s waited), which
+the uncounted copy waits had offset.
 
 [Note: device-stepped chunks]
 The last ``n_device_step`` offloaded trainable chunks step on the device
@@ -252,6 +285,24 @@ class RuntimeModel:
         self._trn, self._frozen = trn, frozen
         self._trainable_bytes = np.asarray(t.trainable_bytes, dtype=np.int64)
         self._needed_at = needed_at
+        # [Note: the copy pipeline]: per chunk, where each phase first uses it, as a share of
+        # the phase's compute, and its gather's seconds in each phase
+        self._fwd_at = needed_at / self.fwd_compute_s if self.fwd_compute_s > 0 else 0 * needed_at
+        # the last block using chunk j: the one where chunk j + 1 begins (a chunk boundary
+        # inside a block), the last block for the last chunk; backward reaches it after the
+        # head and the blocks after it
+        last = np.append(first[1:], n_blocks)
+        last = np.where(first >= n_blocks, n_blocks, np.clip(last, first, n_blocks - 1))
+        bwd_total = bwd_before[n_blocks]
+        bwd_at = np.where(
+            last >= n_blocks,
+            0.0,
+            profile.head_s + bwd_total - bwd_before[np.minimum(last + 1, n_blocks)],
+        )
+        bwd_phase = self.base_compute_s - self.fwd_compute_s
+        self._bwd_at = bwd_at / bwd_phase if bwd_phase > 0 else 0 * bwd_at
+        self._fwd_gather_s = np.diff(self.fwd_in) / hardware.h2d_bytes_per_s + self.gather_coll_s
+        self._bwd_gather_s = np.diff(self.used) / hardware.h2d_bytes_per_s + self.gather_coll_s
         self._last_numel = np.asarray(t.max_trainable_numel, dtype=np.int64)
         self.host_stall_s = self._host_stall()
 
@@ -456,6 +507,27 @@ class RuntimeModel:
         swap = np.where(pol == SWAP, self.saved, 0).sum(1)
         return compute, swap
 
+    def copy_pipeline_s(self, n_persist, n_buffer, compute_f, compute_b):
+        """(forward, backward) seconds the compute waits on gathers, per chunk through the
+        buffer pool ([Note: the copy pipeline]); arrays broadcast (one loop over chunks)."""
+        shape = np.broadcast_shapes(
+            *(np.shape(x) for x in (n_persist, n_buffer, compute_f, compute_b))
+        )
+        p, b, cf, cb = (
+            np.broadcast_to(x, shape).ravel() for x in (n_persist, n_buffer, compute_f, compute_b)
+        )
+        n = self.n_chunks
+        q = np.arange(n)[:, None]
+        lo, hi, kept = self._backward_span(p, b)
+        # forward: chunks in order, the offloaded ones from n_persist, buffer slot k - n_persist
+        fwd = _pipeline(self._fwd_gather_s, self._fwd_at[:, None] * cf, q >= p, q - p, b)
+        # backward: chunks in reverse, those lo..hi gathered (the others resident or unused)
+        chunk = n - 1 - q
+        gathered = (chunk >= lo) & (chunk < hi) & ~(kept & (chunk == self.head_chunk))
+        bwd_at = self._bwd_at[::-1, None] * cb
+        bwd = _pipeline(self._bwd_gather_s[::-1], bwd_at, gathered, q + 0 * p, b)
+        return fwd.reshape(shape), bwd.reshape(shape)
+
     def step_s(
         self,
         n_persist,
@@ -466,11 +538,14 @@ class RuntimeModel:
         *,
         breakdown=False,
         n_device_step: int = 0,
+        copy_pipeline: bool = False,
     ):
         """Step seconds; arrays broadcast. ``fwd_wait_s``: the part of ``compute_s`` that
         swapped blocks wait in forward (:meth:`swap_wait_s`), which only forward copies can
         overlap. ``breakdown=True`` returns the terms as well. ``n_device_step`` (with a
-        scalar ``n_persist``): see [Note: device-stepped chunks]."""
+        scalar ``n_persist``): see [Note: device-stepped chunks]. ``copy_pipeline=True``:
+        the copies' exposed time by the per-chunk pipeline, not by each phase's totals (not
+        the planner's rule: [Note: the copy pipeline])."""
         dev = np.zeros(0, dtype=np.int64)
         if n_device_step:
             dev = self.device_step_chunks(int(n_persist), n_device_step)
@@ -510,13 +585,9 @@ class RuntimeModel:
         compute_b = compute_s - compute_f
         concurrent = hw.device != "cpu"
         prefetch = ((n_buffer >= self.min_buffers + 1) | (n_buffer >= n_off)) & concurrent
-        overlapped = np.where(
-            prefetch,
-            np.maximum(compute_f, copy_f) + np.maximum(compute_b, copy_b),
-            compute_s + copy_f + copy_b,
-        )
-        copy_s = copy_f + copy_b
-        h2d, d2h = h2d_f + h2d_b, d2h_f + d2h_b
+        # each phase waits on its copies at least as long as their totals exceed its compute
+        exposed_f = np.maximum(copy_f - compute_f, 0.0)
+        exposed_b = np.maximum(copy_b - compute_b, 0.0)
         dev_opt_s = self.trainable[n_persist] / hw.device_adam_params_per_s
         if not len(dev):
             stall_s = self.host_stall_s[n_persist]
@@ -524,6 +595,19 @@ class RuntimeModel:
             stall_s = self._stall_at(int(n_persist), dev)
         else:  # the CPU: every term adds
             stall_s = host_params * self.host_s_per_param / self.world.shards + dev_step_s
+        exposed = np.where(prefetch, exposed_f + exposed_b, copy_f + copy_b)
+        if concurrent and copy_pipeline:  # [Note: the copy pipeline]
+            pipe_f, pipe_b = self.copy_pipeline_s(n_persist, n_buffer, compute_f, compute_b)
+            # the host stall already holds the gathers after late updates: the larger of the
+            # two, not their sum
+            exposed = np.where(
+                prefetch,
+                np.maximum(exposed_f, pipe_f - stall_s) + np.maximum(exposed_b, pipe_b),
+                exposed,
+            )
+        overlapped = compute_s + exposed
+        copy_s = copy_f + copy_b
+        h2d, d2h = h2d_f + h2d_b, d2h_f + d2h_b
         total = overlapped + dev_opt_s + stall_s
         if not breakdown:
             return total
@@ -541,6 +625,28 @@ class RuntimeModel:
             "device_step_h2d_bytes": float(dev_h2d),
             "device_step_d2h_bytes": float(dev_d2h),
         }
+
+
+def _pipeline(copy_s, at, gathered, slot, n_buffer) -> np.ndarray:
+    """Seconds the compute waits on one phase's gathers ([Note: the copy pipeline]), per
+    row. Per position ``q`` of the phase's order (axis 0): ``copy_s`` its gather's seconds,
+    ``at`` (positions x rows) when the phase's compute first uses it, ``gathered`` whether
+    it is gathered, ``slot`` its place among the offloaded chunks; ``n_buffer`` per row."""
+    n, rows = at.shape
+    idx = np.arange(rows)
+    behind = np.maximum(n_buffer - 2, 0)  # the buffers a gather trails the compute by
+    # when the compute reaches position q (the engine asks for its chunk then), waits included
+    reached = np.empty((n, rows))
+    free = np.zeros(rows)  # when the gather stream is free
+    wait = np.zeros(rows)
+    for q in range(n):
+        reached[q] = at[q] + wait
+        g = gathered[q]
+        if g.any():
+            room = np.where(slot[q] >= n_buffer, reached[np.maximum(q - behind, 0), idx], 0.0)
+            free = np.where(g, np.maximum(free, room) + copy_s[q], free)
+            wait = np.maximum(wait, np.where(g, free - at[q], 0.0))
+    return wait
 
 
 def _lowest_first(release: np.ndarray, work: np.ndarray, active: np.ndarray) -> np.ndarray:
