@@ -54,10 +54,11 @@ The d2h traffic, collectives' own timing, a tied head's extra gather and device-
 chunks' cast weights are left to the phase totals. One loop over chunks, vectorized over
 candidates. On the CPU copies are synchronous: the phase rule stands.
 
-It is not the step's rule (``step_s(..., copy_pipeline=True)`` counts it, and its breakdown's
-``copy_exposed`` is then the pipeline's; the search never pays for it). It predicts the measured copy waits (``wait_copy_s``) of
-session 17's 19 H200 rows within 0.02 s on 17 (the phase rule, 0 s on all, on 11; off:
-mistral7b-lora-20-b3 0.278 s against 0.178, qwen7b-lora-20-b1 0.065 against 0.153). Over
+It is not the step's rule: ``step_s(..., copy_pipeline=True)`` counts it (its breakdown's
+``copy_exposed`` is then the pipeline's), the search never pays for it. It predicts the
+measured copy waits (``wait_copy_s``) of session 17's 19 H200 rows within 0.02 s on 17 (the
+phase rule, 0 s on all, on 11; off: mistral7b-lora-20-b3 0.278 s against 0.178,
+qwen7b-lora-20-b1 0.065 against 0.153). Over
 the 72 measured rows with profiles (sessions 6-9 and 17) it takes the LoRA rows' median
 step error from 4.3% to 3.7% (mistral7b-lora-20-b3 -14.5% to +10.2%), but full
 fine-tuning's from 8.7% to 9.6% and the median from 6.6% to 7.0%: those rows are
