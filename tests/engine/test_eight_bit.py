@@ -25,9 +25,12 @@ from protrain.quant import (  # noqa: E402
 )
 
 
-def _qlora8() -> torch.nn.Module:
+def _qlora8(threshold: float = 0.0, outliers: bool = False) -> torch.nn.Module:
     model = build("llama")
-    quantize_linear_8bit(model)
+    if outliers:  # a few hidden features large after every norm: |x| > 6 reaches the layers
+        for norm in (m for n, m in model.named_modules() if n.endswith("layernorm")):
+            norm.weight.data[:3] *= 40.0
+    quantize_linear_8bit(model, threshold=threshold)
     return lora(model, "llama")
 
 
@@ -54,13 +57,28 @@ def test_int8_layers_hold_their_scales_as_a_frozen_parameter_peft_wraps_them():
     assert getattr(layer.quant_scb, KEEP_DTYPE_ATTR)
 
 
-def test_qlora8_same_losses_and_adapters_as_unwrapped_with_chunks_offloaded():
-    base = _qlora8()
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_qlora8_same_losses_and_adapters_as_unwrapped_with_chunks_offloaded(threshold):
+    """At 0.0 in training mode (bitsandbytes' CPU training path dequantizes the weight); at
+    6.0 in eval mode, whose path is LLM.int8's on the GPU: int8 matmul plus the input's
+    outlier columns in 16 bits against dequantized weight columns, forward and backward."""
+    base = _qlora8(threshold, outliers=threshold > 0)
+    layers = [m for m in base.modules() if is_8bit_linear(m)]
+    assert {m.state.threshold for m in layers} == {threshold}
+    if threshold > 0:
+        base.eval()  # no dropout in the model: the same loss, on the outlier path
     data = batches("llama", STEPS * ACCUM)
     reference = copy.deepcopy(base)
     ref_losses, ref_norms = train_plain(reference, data)
     ref_state = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
     assert ref_state
+    ref_layers = [m for m in reference.modules() if is_8bit_linear(m)]
+    # the last call's outlier columns (bitsandbytes sets state.idx on its outlier path)
+    n_outliers = [0 if m.state.idx is None else m.state.idx.numel() for m in ref_layers]
+    if threshold > 0:
+        assert sum(n > 0 for n in n_outliers) >= 3 * 4  # q, k, v, gate or up of every block
+    else:
+        assert not any(n_outliers)
 
     # one block recomputed in backward: the state is bound again at the recomputing call
     model, optimizer, layout = protrain.wrap(

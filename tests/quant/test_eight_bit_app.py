@@ -11,6 +11,7 @@ from tests.train.helpers import tiny_config, write_config
 from tests.train.test_cli_errors import run_cli
 
 from protrain.train.config import validate_config
+from protrain.train.errors import ConfigError
 from protrain.train.metrics import read_metrics
 
 pytest.importorskip("bitsandbytes")
@@ -42,3 +43,49 @@ def test_protrain_train_runs_a_tiny_8bit_qlora_step_with_chunks_offloaded(tmp_pa
     assert len(steps) == 1 and math.isfinite(steps[0]["loss"])
     adapter = load_file(tmp_path / "run" / "final" / "adapter_model.safetensors")
     assert adapter and all(v.isfinite().all() for v in adapter.values())
+
+
+@pytest.mark.parametrize("threshold", [None, 2.5])
+def test_in_process_and_transformers_8bit_layers_share_the_threshold(tmp_path, threshold):
+    """The engine's path (quantized in process) and a pretrained model loaded by transformers
+    (its BitsAndBytesConfig builds the layers) give the layers one outlier threshold."""
+    from transformers.integrations.bitsandbytes import replace_with_bnb_linear
+
+    from protrain.quant import is_8bit_linear
+    from protrain.train.modeling import bnb_quantization_config, build_model, build_tiny_base
+
+    adapter = dict(ADAPTER) if threshold is None else {**ADAPTER, "int8_threshold": threshold}
+    cfg = validate_config(tiny_config(tmp_path, adapter=adapter, memory={"n_persist": 0}))
+    expected = 6.0 if threshold is None else threshold  # transformers' default when unset
+    assert cfg.adapter.int8_threshold == expected
+    ours = [m for m in build_model(cfg, None).model.modules() if is_8bit_linear(m)]
+    hf_config = bnb_quantization_config(cfg.adapter)
+    theirs = replace_with_bnb_linear(build_tiny_base(cfg), quantization_config=hf_config)
+    theirs = [m for m in theirs.modules() if is_8bit_linear(m)]
+    assert ours and theirs
+    assert {(m.state.threshold, m.state.has_fp16_weights) for m in ours} == {(expected, False)}
+    assert {(m.state.threshold, m.state.has_fp16_weights) for m in theirs} == {(expected, False)}
+
+
+@pytest.mark.parametrize(
+    ("adapter", "message"),
+    [
+        (
+            {**ADAPTER, "int8_threshold": -1.0},
+            r"adapter.int8_threshold = -1.0 is not allowed: use a finite number >= 0",
+        ),
+        ({**ADAPTER, "int8_threshold": float("nan")}, r"int8_threshold = nan is not allowed"),
+        ({**ADAPTER, "int8_threshold": "high"}, r"int8_threshold = 'high' is not allowed"),
+        (
+            {"type": "qlora", "int8_threshold": 6.0},
+            "type = 'qlora' and adapter.bits = 4: it is LLM.int8's",
+        ),
+        (
+            {"type": "lora", "int8_threshold": 0.0},
+            "type = 'lora' and adapter.bits = 4: it is LLM.int8's",
+        ),
+    ],
+)
+def test_int8_threshold_refusals(tmp_path, adapter, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(tiny_config(tmp_path, adapter=adapter))

@@ -17,6 +17,13 @@ storage the engine no longer fills. :func:`lift_8bit_state` therefore
   storage is resized instead of swapped between pool buffers] in ``chunks/chunk.py``), so
   the tensors bound in the forward stay valid when a released chunk is gathered again.
 
+With an outlier threshold > 0 (bitsandbytes 0.50: ``MatMul8bitLt``, the GPU path and the
+CPU's eval path) the forward multiplies the input's outlier columns in 16 bits against
+``CB``'s columns dequantized with ``SCB``; the outlier indices (``state.idx``) are the
+call's own and the backward takes them, and the 16-bit input columns, from the autograd
+context; it reads ``CB``/``SCB`` again for the input's gradient. So the bound pair is all
+the weight state a call reads (``subB`` is a local of the kernel, ``CxB`` deprecated).
+
 A weight quantized afresh (by :func:`quantize_linear_8bit`, or by PEFT's merge, which de-
 and re-quantizes) holds its scales in ``weight.SCB`` until bitsandbytes' forward takes
 them: those are the truth, and lifting (or the hook) moves them into ``quant_scb``.
@@ -30,6 +37,7 @@ one was.
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 from torch import nn
@@ -121,22 +129,25 @@ def lift_8bit_state(model: nn.Module) -> int:
 def quantize_linear_8bit(
     model: nn.Module,
     *,
-    threshold: float = 0.0,
+    threshold: float = 6.0,
     skip: tuple[str, ...] = ("lm_head",),
     quant_device: torch.device | str | None = None,
 ) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` (except its output embeddings and those whose
     name ends with one of ``skip``) by a bitsandbytes ``Linear8bitLt`` holding the int8
-    weight, in place. ``threshold``: LLM.int8's outlier threshold on activations (bitsandbytes'
-    default 0.0 quantizes every column; the CPU training path dequantizes and ignores it).
+    weight, in place. ``threshold``: LLM.int8's outlier threshold on activations, default 6.0
+    as transformers' ``BitsAndBytesConfig.llm_int8_threshold`` (the same model as one loaded
+    in 8 bits); 0.0 quantizes every input column. Input columns holding a value above it are
+    multiplied in 16 bits against their dequantized weight columns; bitsandbytes' CPU
+    training path dequantizes the whole weight and reads no threshold.
 
     Each weight is quantized on ``quant_device`` (default: where it is) and the int8 weight
     and its scales are moved back to where the weight was; the scales are lifted
     (:func:`lift_8bit_state`). The layers compute in their input's dtype. Returns ``model``.
     """
     bnb = import_bnb("8-bit base weights")
-    if not threshold >= 0.0:
-        raise ValueError(f"threshold={threshold!r} is not allowed: use a number >= 0")
+    if not (threshold >= 0.0 and math.isfinite(threshold)):
+        raise ValueError(f"threshold={threshold!r} is not allowed: use a finite number >= 0")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     targets = [

@@ -13,6 +13,7 @@ beyond reading the YAML file.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -165,6 +166,12 @@ class AdapterConfig(StrictModel):
     bits: Literal[4, 8] = Field(
         4, description="Base-weight bits for qlora: 4 (NF4, double quantization) or 8 (LLM.int8)."
     )
+    int8_threshold: float = Field(
+        6.0,
+        description="qlora with bits 8: LLM.int8's outlier threshold on activations (input "
+        "columns holding a larger value multiply in 16 bits); 6.0 as transformers', 0 "
+        "quantizes every column. The same with or without the chunked engine.",
+    )
     name: str = Field(
         "default", description="The main adapter's name (peft's; `default` exports to final/)."
     )
@@ -181,6 +188,17 @@ class AdapterConfig(StrictModel):
         # `adapter: lora` is shorthand for `adapter: {type: lora}`.
         if isinstance(value, str):
             return {"type": value}
+        return value
+
+    @field_validator("int8_threshold", mode="before")
+    @classmethod
+    def _check_int8_threshold(cls, value: Any) -> Any:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (ok and math.isfinite(value) and value >= 0):
+            raise ValueError(
+                "use a finite number >= 0 (6.0 by default, as transformers'; 0 quantizes "
+                "every input column)"
+            )
         return value
 
     @field_validator("extra")
@@ -511,6 +529,14 @@ class TrainConfig(DataSettings):
             )
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
+        adapter = self.adapter
+        is_int8 = (adapter.type, adapter.bits) == ("qlora", 8)
+        if "int8_threshold" in adapter.model_fields_set and not is_int8:
+            raise ValueError(
+                f"adapter.int8_threshold = {adapter.int8_threshold!r} set with adapter.type = "
+                f"{adapter.type!r} and adapter.bits = {adapter.bits}: it is LLM.int8's outlier "
+                "threshold and applies to type qlora with bits 8 only; remove it, or set those"
+            )
         return self
 
     def _check_fsdp(self) -> None:

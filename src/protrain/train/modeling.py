@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,6 +26,9 @@ from protrain.train.config import (
 )
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
+
+if TYPE_CHECKING:
+    from transformers import BitsAndBytesConfig
 
 TINY = "tiny"
 TINY_MODEL_CONFIG = QUICKSTART_DIR / "model.json"
@@ -433,7 +437,11 @@ def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype)
 
     device = resolve_device(cfg.device)
     if cfg.adapter.bits == 8:
-        return quantize_linear_8bit(model, quant_device="cuda" if device.type == "cuda" else None)
+        return quantize_linear_8bit(
+            model,
+            threshold=cfg.adapter.int8_threshold,
+            quant_device="cuda" if device.type == "cuda" else None,
+        )
     compute = resolve_autocast_dtype(cfg.mixed_precision, device, cfg.memory.engine_enabled)
     return quantize_linear_4bit(
         model,
@@ -442,14 +450,20 @@ def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype)
     )
 
 
-def _bnb_config(adapter: AdapterConfig):
+def _bnb_config(adapter: AdapterConfig) -> BitsAndBytesConfig:
     _require_bitsandbytes()
     if not torch.cuda.is_available():
         raise ConfigError("adapter.type = 'qlora' needs a CUDA GPU; none is present")
+    return bnb_quantization_config(adapter)
+
+
+def bnb_quantization_config(adapter: AdapterConfig) -> BitsAndBytesConfig:
+    """transformers' ``BitsAndBytesConfig`` for ``adapter.bits`` (the 8-bit outlier threshold
+    the one ``quantize_linear_8bit`` gets under the engine: the same math either way)."""
     from transformers import BitsAndBytesConfig
 
     if adapter.bits == 8:
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=adapter.int8_threshold)
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type="nf4",
