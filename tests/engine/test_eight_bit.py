@@ -25,11 +25,16 @@ from protrain.quant import (  # noqa: E402
 )
 
 
+def _add_outliers(model: torch.nn.Module) -> None:
+    # a few hidden features large after every norm: |x| > 6 reaches the projections
+    for norm in (m for n, m in model.named_modules() if n.endswith("layernorm")):
+        norm.weight.data[:3] *= 40.0
+
+
 def _qlora8(threshold: float = 0.0, outliers: bool = False) -> torch.nn.Module:
     model = build("llama")
-    if outliers:  # a few hidden features large after every norm: |x| > 6 reaches the layers
-        for norm in (m for n, m in model.named_modules() if n.endswith("layernorm")):
-            norm.weight.data[:3] *= 40.0
+    if outliers:
+        _add_outliers(model)
     quantize_linear_8bit(model, threshold=threshold)
     return lora(model, "llama")
 
@@ -159,12 +164,16 @@ def test_int8_refusals():
 
 
 @pytest.mark.gpu
-def test_qlora8_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
+@pytest.mark.parametrize("threshold", [0.0, 6.0])
+def test_qlora8_on_gpu_matches_unwrapped_with_every_chunk_offloaded(threshold):
     """bf16 compute, int8 weights and scales on the host between uses: bitsandbytes' own
-    CUDA kernels on the same bytes as the unwrapped model on the GPU."""
+    CUDA kernels on the same bytes as the unwrapped model on the GPU (at 6.0 with inputs
+    that hold outliers: their columns in 16 bits)."""
     torch.manual_seed(0)
     base = build("llama")
-    quantize_linear_8bit(base, quant_device="cuda")
+    if threshold > 0:
+        _add_outliers(base)
+    quantize_linear_8bit(base, threshold=threshold, quant_device="cuda")
     base = lora(base, "llama")
     for p in base.parameters():
         if p.is_floating_point() and not getattr(p, KEEP_DTYPE_ATTR, False):
@@ -172,6 +181,9 @@ def test_qlora8_on_gpu_matches_unwrapped_with_every_chunk_offloaded():
     data = [{k: v.cuda() for k, v in b.items()} for b in batches("llama", STEPS * ACCUM)]
     reference = copy.deepcopy(base).cuda()
     ref_losses, _ = train_plain(reference, data)
+    ref_layers = [m for m in reference.modules() if is_8bit_linear(m)]
+    n_outliers = sum(m.state.idx is not None and m.state.idx.numel() > 0 for m in ref_layers)
+    assert n_outliers >= 3 * 4 if threshold > 0 else n_outliers == 0
     model, optimizer, _ = protrain.wrap(
         copy.deepcopy(base), n_persist=0, n_buffer=2, lr=LR, weight_decay=WD, device="cuda"
     )
