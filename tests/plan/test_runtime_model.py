@@ -204,10 +204,49 @@ def test_clipping_adds_the_host_multiplication_at_its_measured_rate():
     assert free.host_s_per_param == pytest.approx(1 / 2.5e9)
     _, terms = clip.step_s(0, 3, clip.base_compute_s, 0, breakdown=True)
     trn = sum(profile.chunks.trainable_numel)
-    assert terms["host_optimizer"] == pytest.approx(trn * (1 / 2.5e9 + 1 / 8e9))
+    assert terms["host_optimizer"] == pytest.approx(trn * clip.host_s_per_param_at[0])
+    # the multiplication at its own rate (where nothing is copied the AdamW's is the same;
+    # elsewhere the longer host step lowers the link's share: [Note: the host AdamW's rate])
+    assert clip.host_s_per_param_at[-1] - free.host_s_per_param_at[-1] == pytest.approx(1 / 8e9)
     # not measured: left out, as before
     unmeasured = RuntimeModel(profile, dataclasses.replace(hw, cpu_clip_params_per_s=None))
     assert unmeasured.host_s_per_param == pytest.approx(1 / 2.5e9)
+
+
+def test_the_host_adamw_runs_at_the_busy_rate_while_the_link_is_busy():
+    """[Note: the host AdamW's rate]: seconds a parameter blend the idle and the busy rate by
+    the share of the step the plan's copies keep the link busy."""
+    profile = llama1b_like()
+    base = dataclasses.replace(h200_like(), cpu_adam_params_per_s=5e9,
+                               cpu_adam_busy_params_per_s=2.5e9)  # fmt: skip
+
+    def link(rate):
+        return RuntimeModel(profile, dataclasses.replace(
+            base, h2d_bytes_per_s=rate, d2h_bytes_per_s=rate, duplex_bytes_per_s=2 * rate
+        ), clipping=False).host_s_per_param_at  # fmt: skip
+
+    n = profile.chunks.n_chunks
+    fast, slow, mid = link(1e18), link(1e3), RuntimeModel(profile, base, clipping=False)
+    assert fast[0] == pytest.approx(1 / 5e9)  # copies take no time: the idle rate
+    assert slow[0] == pytest.approx(1 / 2.5e9)  # copies take the whole step: the busy rate
+    assert fast[n] == slow[n] == pytest.approx(1 / 5e9)  # nothing offloaded, nothing copied
+    spp = mid.host_s_per_param_at
+    assert (spp >= 1 / 5e9).all() and (spp <= 1 / 2.5e9).all() and spp[0] > spp[n]
+    # by hand at n_persist 0: the share is the link's seconds over the longer of compute and
+    # the idle host step
+    t = profile.chunks
+    trn = np.asarray(t.trainable_numel, dtype=np.float64)
+    used = np.asarray(t.used_bytes, dtype=np.float64)
+    frozen = used - np.asarray(t.trainable_bytes, dtype=np.float64)
+    h2d = (frozen + 4 * trn).sum() + used.sum()
+    d2h = np.asarray(t.trainable_bytes, dtype=np.float64).sum() + 4 * trn.sum()
+    link_s = max(h2d / base.h2d_bytes_per_s, d2h / base.d2h_bytes_per_s,
+                 (h2d + d2h) / base.duplex_bytes_per_s)  # fmt: skip
+    share = min(link_s / max(mid.base_compute_s, trn.sum() / 5e9), 1.0)
+    assert spp[0] == pytest.approx(share / 2.5e9 + (1 - share) / 5e9)
+    # one rate measured (an older profile): that rate
+    only = RuntimeModel(profile, dataclasses.replace(base, cpu_adam_busy_params_per_s=None))
+    assert only.host_s_per_param_at == pytest.approx(np.full(n + 1, 1 / 5e9))
 
 
 def test_a_swapped_block_runs_at_the_pace_of_its_copies():

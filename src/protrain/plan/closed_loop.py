@@ -196,9 +196,11 @@ def _measured_hardware(
     host = runtime.trainable[runtime.n_chunks] - runtime.trainable[plan.n_persist]
     params = (host - runtime.trainable_numel(on_device)) / problem.world.shards
     if host_adam_s is not None and host_adam_s > 0 and params > 0:
-        rates["cpu_adam_busy_params_per_s"] = (
-            float(runtime.host_adam_rate), float(params / host_adam_s)
-        )  # fmt: skip
+        # the rate the steps ran at, beside whatever copies they ran: both of the model's
+        # rates ([Note: the host AdamW's rate] in plan/runtime.py)
+        measured = float(params / host_adam_s)
+        rates["cpu_adam_busy_params_per_s"] = (float(runtime.host_adam_rate), measured)
+        rates["cpu_adam_params_per_s"] = (float(hw.cpu_adam_params_per_s), measured)
     if copies is not None:
         for name, nbytes, seconds in (
             ("h2d_bytes_per_s", copies.h2d_bytes, copies.h2d_s),

@@ -19,15 +19,28 @@
   of each direction at its measured bandwidth and the total at the measured
   both-directions bandwidth. With a spare buffer to prefetch into (``n_buffer`` above what
   one module needs, or every offloaded chunk resident) a phase takes the longer of its
-  compute and its copies; without one, they add. [Note: the copy pipeline] is the per-chunk
+  compute and its copies; without one, they add. [Note: the host AdamW's rate]
+The hardware profile measures the host AdamW alone (``cpu_adam_params_per_s``) and while
+pinned copies keep both directions of the link busy (``cpu_adam_busy_params_per_s``): the
+copies share the host's memory bandwidth. In a step the copies run for part of the host
+step only, so a parameter costs ``f / busy + (1 - f) / alone`` seconds, ``f`` the share of
+the step the link is busy: the plan's copies (every offloaded chunk gathered in forward and
+backward, its update written back, its gradients out) at the measured rates, over the longer
+of the compute and the host step at the idle rate, per ``n_persist``. Until session 17 the
+busy rate alone was used; the host AdamW then ran at 3.3-4.1 G parameters a second on an
+H200 host (busy 3.0, alone 5.3) and 4.0-4.4 on an H100 (3.5, 4.8), and full fine-tuning's
+steps were predicted 3-15% too slow there. Re-predicted from the kept profiles, the session
+17 H200 rows' median step error went from 5.4% to 4.6%, full fine-tuning's from 8.7% to
+6.7% over 42 rows of sessions 6-17 (some older rows, slow already, slower still: the worst,
+a session 6 row, from -45% to -49%).
+
+[Note: the copy pipeline] is the per-chunk
   alternative, measured and not adopted.
 - **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
   measured device rate, after backward and before the next forward.
 - **host optimizer stall** (see the note): how long the next forward waits for offloaded
   chunks whose host AdamW step, and the copy of their updated masters, are not done when
-  it needs them. The host AdamW rate is the one measured while copies run both ways
-  (``cpu_adam_busy_params_per_s``): in training it shares the host's memory bandwidth with
-  the gradient and parameter copies. With clipping, the host step first multiplies the
+  it needs them. The host AdamW rate: see [Note: the host AdamW's rate]. With clipping, the host step first multiplies the
   chunk's fp32 gradients by the clip coefficient: one more pass, at its own measured rate
   (``cpu_clip_params_per_s``; 0.16-0.42 s a step on full-3b).
 - **device-stepped chunks** (``n_device_step``, see [Note: device-stepped chunks]).
@@ -253,6 +266,7 @@ class RuntimeModel:
         self.head_chunk = -1 if h is None else int(h)
         self.head_chunk_bytes = 0.0 if h is None else float(self.used[h + 1] - self.used[h])
         self._collective_s(t.chunk_size_bytes)
+        self.host_s_per_param_at = self._host_seconds_per_param(hardware, clip_rate)
 
         # Per chunk: when the next forward needs it, and how much backward follows its grads.
         n_blocks = len(profile.blocks)
@@ -332,6 +346,28 @@ class RuntimeModel:
             )
             self.reduce_scatter_s = seconds(bus, hw.reduce_scatter_bytes_per_s)
 
+    def _host_seconds_per_param(self, hw: HardwareProfile, clip_rate: float | None):
+        """Host step seconds a trainable parameter, for every ``n_persist``
+        ([Note: the host AdamW's rate])."""
+        n, sh = self.n_chunks, self.world.shards
+        plain = hw.cpu_adam_params_per_s
+        busy = hw.cpu_adam_busy_params_per_s or plain
+        clip_s = 1.0 / clip_rate if clip_rate else 0.0
+        if hw.device == "cpu" or busy == plain:
+            return np.full(n + 1, self.host_s_per_param)
+        # every offloaded chunk gathered in forward and in backward, its update written
+        # back and its gradients copied out: the link's busy seconds a step
+        h2d = (self.fwd_in[n] - self.fwd_in) + (self.used[n] - self.used)
+        d2h = (self.write_back[n] - self.write_back) + (self.grads_out[n] - self.grads_out)
+        link = np.maximum(
+            np.maximum(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s),
+            (h2d + d2h) / hw.duplex_bytes_per_s,
+        )
+        host = (self.trainable[n] - self.trainable) / sh * (1.0 / plain + clip_s)
+        span = np.maximum(self.base_compute_s, host)
+        busy_share = np.clip(np.divide(link, span, out=np.zeros_like(link), where=span > 0), 0, 1)
+        return busy_share / busy + (1.0 - busy_share) / plain + clip_s
+
     def _tied_head(self, n_persist, n_buffer) -> tuple[np.ndarray, np.ndarray]:
         """(the head's chunk is gathered again, the head's chunk stays resident through
         forward) per plan, boolean arrays; both False without a tied head or where the
@@ -397,7 +433,7 @@ class RuntimeModel:
             return (self.trainable[n] - self.trainable) * self.host_s_per_param / sh
         trn, frozen, last_numel = self._trn, self._frozen, self._last_numel
         # per chunk, the same for every n_persist
-        self._host_s = trn * self.host_s_per_param / sh
+        self._host_s = trn / sh  # seconds per (seconds a parameter): scaled per n_persist
         self._gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         # the copy after the last piece of an update (the pieces before hide under it), and
         # the chunk's frozen bytes, which the gather copies once the forward asks for it
@@ -418,7 +454,8 @@ class RuntimeModel:
         chunks ``on_device`` stepped on the device (see [Note: device-stepped chunks])."""
         hw, n = self.hw, self.n_chunks
         sh = self.world.shards
-        host_s, gather_s, tail_s, gc = self._host_s, self._gather_s, self._tail_s, self._gc
+        spp = self.host_s_per_param_at[n_p]
+        host_s, gather_s, tail_s, gc = self._host_s * spp, self._gather_s, self._tail_s, self._gc
         dev_opt_s = self.trainable[n_p] / hw.device_adam_params_per_s
         stepped = self._trn > 0
         dev_done = np.full(n, -np.inf)
@@ -436,7 +473,9 @@ class RuntimeModel:
             done = _lowest_first(release, host_s, stepped & (np.arange(n) >= n_p))
         else:
             tc = self._task_chunk
-            ends = _lowest_first(self._piece_release, self._piece_work, stepped[tc] & (tc >= n_p))
+            ends = _lowest_first(
+                self._piece_release, self._piece_work * spp, stepped[tc] & (tc >= n_p)
+            )
             done = np.full(n, -np.inf)
             np.maximum.at(done, tc, ends)
         done = np.maximum(done, dev_done)[n_p:]
@@ -471,7 +510,8 @@ class RuntimeModel:
 
     def host_step_chunk_s(self, chunks: np.ndarray) -> np.ndarray:
         """Seconds of each chunk's host step (AdamW, and the clip pass with clipping)."""
-        return self._trn[chunks] * self.host_s_per_param / self.world.shards
+        spp = self.host_s_per_param_at[int(chunks.min())] if len(chunks) else 0.0
+        return self._trn[chunks] * spp / self.world.shards
 
     def device_step_bytes(self, chunks: np.ndarray) -> tuple[float, float]:
         """(host-to-device, device-to-host) bytes per rank a device step of ``chunks``
@@ -563,6 +603,7 @@ class RuntimeModel:
         d2h_b = self.grads_out[n] - self.grads_out[n_persist]
         dev_h2d = dev_d2h = dev_step_s = 0.0
         host_params = self.trainable[n] - self.trainable[n_persist]
+        spp = self.host_s_per_param_at[n_persist]
         if len(dev):  # see [Note: device-stepped chunks]
             sh = self.world.shards
             trn, tb = self._trn[dev].sum(), self._trainable_bytes[dev].sum()
@@ -595,7 +636,7 @@ class RuntimeModel:
         elif concurrent:
             stall_s = self._stall_at(int(n_persist), dev)
         else:  # the CPU: every term adds
-            stall_s = host_params * self.host_s_per_param / self.world.shards + dev_step_s
+            stall_s = host_params * spp / self.world.shards + dev_step_s
         exposed = np.where(prefetch, exposed_f + exposed_b, copy_f + copy_b)
         if concurrent and copy_pipeline:  # [Note: the copy pipeline]
             pipe_f, pipe_b = self.copy_pipeline_s(n_persist, n_buffer, compute_f, compute_b)
@@ -620,7 +661,7 @@ class RuntimeModel:
             "h2d_bytes": float(h2d),
             "d2h_bytes": float(d2h),
             "device_optimizer": float(dev_opt_s),
-            "host_optimizer": float(host_params * self.host_s_per_param / self.world.shards),
+            "host_optimizer": float(host_params * spp / self.world.shards),
             "host_optimizer_exposed": float(stall_s),
             "device_step": dev_step_s,
             "device_step_h2d_bytes": float(dev_h2d),
