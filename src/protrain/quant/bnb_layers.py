@@ -1,5 +1,6 @@
-"""Recognizing bitsandbytes' layers without importing bitsandbytes, and importing it with
-one clear message where it is needed (the 4-bit and the 8-bit base weights share both)."""
+"""Recognizing bitsandbytes' layers without importing bitsandbytes, importing it with one
+clear message where it is needed, and the linear layers a quantization replaces (the 4-bit
+and the 8-bit base weights share these)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,22 @@ def is_bnb(module: nn.Module, class_name: str) -> bool:
 def _bnb_bases(cls: type) -> frozenset[str]:
     # per class, not per module: the planner lifts every module of a 70B model per search
     return frozenset(c.__name__ for c in cls.__mro__ if c.__module__.startswith("bitsandbytes"))
+
+
+def linear_targets(model: nn.Module, skip: tuple[str, ...], caller: str):
+    """``(name, layer)`` of every plain ``nn.Linear`` of ``model`` but its output embeddings
+    and those whose name ends with one of ``skip``; ValueError where there is none, or where
+    one is on the meta device."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m is not head and not any(name.endswith(s) for s in skip)
+    ]
+    if not targets:
+        raise ValueError(f"{caller}: the model has no nn.Linear outside {skip}")
+    for name, linear in targets:
+        if linear.weight.device.type == "meta":
+            raise ValueError(f"{name}.weight is on the meta device: materialize it first")
+    return targets

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.layout import KEEP_DTYPE_ATTR
-from protrain.quant.bnb_layers import import_bnb, is_bnb
+from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets
 
 log = logging.getLogger(__name__)
 
@@ -148,19 +148,9 @@ def quantize_linear_8bit(
     bnb = import_bnb("8-bit base weights")
     if not (threshold >= 0.0 and math.isfinite(threshold)):
         raise ValueError(f"threshold={threshold!r} is not allowed: use a finite number >= 0")
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear and m is not head and not any(name.endswith(s) for s in skip)
-    ]
-    if not targets:
-        raise ValueError(f"quantize_linear_8bit: the model has no nn.Linear outside {skip}")
+    targets = linear_targets(model, skip, "quantize_linear_8bit")
     for name, linear in targets:
         home = linear.weight.device
-        if home.type == "meta":
-            raise ValueError(f"{name}.weight is on the meta device: materialize it first")
         # as Int8Params quantizes: row-wise absmax of the fp16 weight
         fp16 = linear.weight.detach().to(quant_device or home, torch.float16)
         int8, scales, _ = bnb.functional.int8_vectorwise_quant(fp16)

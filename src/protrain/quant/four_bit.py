@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.layout import KEEP_DTYPE_ATTR
-from protrain.quant.bnb_layers import import_bnb, is_bnb
+from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets
 from protrain.quant.eight_bit import lift_8bit_state
 
 log = logging.getLogger(__name__)
@@ -136,19 +136,9 @@ def quantize_linear_4bit(
     bnb = import_bnb("4-bit base weights")
     if quant_type not in ("nf4", "fp4"):
         raise ValueError(f"quant_type={quant_type!r} is not allowed: use 'nf4' or 'fp4'")
-    get_head = getattr(model, "get_output_embeddings", None)
-    head = get_head() if callable(get_head) else None
-    targets = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear and m is not head and not any(name.endswith(s) for s in skip)
-    ]
-    if not targets:
-        raise ValueError(f"quantize_linear_4bit: the model has no nn.Linear outside {skip}")
+    targets = linear_targets(model, skip, "quantize_linear_4bit")
     for name, linear in targets:
         home = linear.weight.device
-        if home.type == "meta":
-            raise ValueError(f"{name}.weight is on the meta device: materialize it first")
         weight = bnb.nn.Params4bit(
             linear.weight.data,
             requires_grad=False,
