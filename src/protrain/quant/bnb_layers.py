@@ -47,3 +47,11 @@ def linear_targets(model: nn.Module, skip: tuple[str, ...], caller: str):
         if linear.weight.device.type == "meta":
             raise ValueError(f"{name}.weight is on the meta device: materialize it first")
     return targets
+
+
+def put_layer(model: nn.Module, name: str, linear: nn.Linear, layer: nn.Module) -> None:
+    """``layer`` in place of the module ``name`` of ``model`` (``linear``), with its bias."""
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)

@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.layout import KEEP_DTYPE_ATTR
-from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets
+from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets, put_layer
 
 log = logging.getLogger(__name__)
 
@@ -165,10 +165,7 @@ def quantize_linear_8bit(
         layer.weight = bnb.nn.Int8Params(
             int8.to(home), requires_grad=False, has_fp16_weights=False, SCB=scales.to(home)
         )
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        put_layer(model, name, linear, layer)
     lift_8bit_state(model)
     # what transformers sets on a model it loads in 8-bit: PEFT then wraps these layers with
     # its 8-bit LoRA layers

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from protrain.chunks.layout import KEEP_DTYPE_ATTR
-from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets
+from protrain.quant.bnb_layers import import_bnb, is_bnb, linear_targets, put_layer
 from protrain.quant.eight_bit import lift_8bit_state
 
 log = logging.getLogger(__name__)
@@ -159,10 +159,7 @@ def quantize_linear_4bit(
             device="meta",
         )
         layer.weight = weight
-        if linear.bias is not None:
-            layer.bias = nn.Parameter(linear.bias.data, requires_grad=linear.bias.requires_grad)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, layer)
+        put_layer(model, name, linear, layer)
     lift_quant_state(model)
     # what transformers sets on a model it loads in 4-bit: PEFT then wraps these layers with
     # its 4-bit LoRA layers (whose merge de- and re-quantizes the weight)
