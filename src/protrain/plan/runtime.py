@@ -74,9 +74,10 @@ phase rule, 0 s on all, on 11; off: mistral7b-lora-20-b3 0.278 s against 0.178,
 qwen7b-lora-20-b1 0.065 against 0.153). Over
 the 72 measured rows with profiles (sessions 6-9 and 17) it takes the LoRA rows' median
 step error from 4.3% to 3.7% (mistral7b-lora-20-b3 -14.5% to +10.2%), but full
-fine-tuning's from 8.7% to 9.6% and the median from 6.6% to 7.0%: those rows are
+fine-tuning's from 8.7% to 9.6% and the median from 6.6% to 7.0%: those rows were
 over-predicted by the host stall (full-3b on H200: 0.74 s predicted, 0.62 s waited), which
-the uncounted copy waits had offset.
+the uncounted copy waits had offset. With that stall corrected ([Note: the host AdamW's
+rate]) it still takes full fine-tuning's median from 6.2% to 7.2% (all rows 5.3% to 5.2%).
 
 [Note: device-stepped chunks]
 The last ``n_device_step`` offloaded trainable chunks step on the device
