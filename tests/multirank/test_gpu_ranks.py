@@ -39,7 +39,7 @@ def _train(model, device, micro, divide, **knobs):
     return losses, state
 
 
-def _rank(rank, world, mode, out_dir):
+def _rank(rank, world, mode, out_dir, n_device_step=0):
     device = torch.device("cuda", rank)
     data = batches("llama", STEPS * ACCUM * world)
     losses, state = _train(
@@ -50,12 +50,16 @@ def _rank(rank, world, mode, out_dir):
         n_persist=1,
         distributed_mode=mode,
         grad_reduce="sum",
+        n_device_step=n_device_step,
     )
     torch.save({"state": state}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
-@pytest.mark.parametrize("mode", ["sharded", "replicated"])
-def test_two_gpus_match_one(tmp_path, mode):
+@pytest.mark.parametrize("mode, n_device_step", [("sharded", 0), ("replicated", 0), ("sharded", 2)])
+def test_two_gpus_match_one(tmp_path, mode, n_device_step):
+    """Both modes, and the sharded one with device-stepped chunks (each rank steps its own
+    shard of the last two offloaded chunks on its GPU: ``optim/device_step.py``), against
+    one GPU stepping every offloaded chunk on the host."""
     world = 2
     data = batches("llama", STEPS * ACCUM * world)
     _, want = _train(
@@ -65,7 +69,7 @@ def test_two_gpus_match_one(tmp_path, mode):
         ACCUM * world,
         n_persist=1,
     )
-    run_ranks(world, _rank, mode, str(tmp_path), backend="nccl")
+    run_ranks(world, _rank, mode, str(tmp_path), n_device_step, backend="nccl")
     for r in range(world):
         got = torch.load(tmp_path / f"rank{r}.pt")["state"]
         for name, w in want.items():
