@@ -336,6 +336,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             free_fwd_bwd_s=profile.free_fwd_bwd_s and round(profile.free_fwd_bwd_s, 4),
             loss_forward_s=round(profile.loss_forward_s, 4),
             free_loss_forward_s=profile.free_loss_forward_s and round(profile.free_loss_forward_s, 4),
+            free_keep_fwd_bwd_s=profile.free_keep_fwd_bwd_s and round(profile.free_keep_fwd_bwd_s, 4),
             hardware={k: v for k, v in hw.to_dict().items() if k.endswith("_per_s")},
         )  # fmt: skip
         print(plan, file=sys.stderr)
@@ -724,6 +725,7 @@ def main(argv=None) -> int:
             cmd.append("--tiny")
         if args.profiles:
             cmd += ["--profiles", str(args.profiles)]
+        busy, quiet_wait = wait_quiet_host()
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -743,7 +745,8 @@ def main(argv=None) -> int:
             row["gpu"] = gpu
         # the child's whole life (start, imports, teardown): later estimates read it
         row.update(wall_s=round(time.perf_counter() - t0, 1), steps_run=n_steps,
-                   estimated_s=round(seconds[name], 1))  # fmt: skip
+                   estimated_s=round(seconds[name], 1), host_busy_before=busy,
+                   quiet_wait_s=quiet_wait)  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -754,6 +757,46 @@ def main(argv=None) -> int:
         print(f"not started (time): --only {','.join(skipped)}", file=sys.stderr)
     print(f"elapsed {time.perf_counter() - t_call:.0f} s", file=sys.stderr)
     return 0
+
+
+def _cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot, from /proc/stat (None elsewhere)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+# Session 16-18: the 512-token 3B LoRA step's free-running trace took 0.20 s in one child
+# and 0.32-0.35 s in matrix children, whose whole early life was slower (wrap 1.0-1.25 s
+# against 0.81, time to first step 23-29 s against 18.6), while its measured steps later in
+# the same child were not. A child starts once the host's CPUs are quiet again after the
+# last one (its teardown: pinned memory unmapped, the driver's context released), and the
+# row records how busy they were and how long it waited.
+QUIET_BUSY = 0.10
+QUIET_MAX_S = 20.0
+
+
+def wait_quiet_host(
+    busy_below: float = QUIET_BUSY, max_s: float = QUIET_MAX_S, window_s: float = 0.5
+) -> tuple[float | None, float]:
+    """Wait until the CPUs' busy share over ``window_s`` is under ``busy_below`` (at most
+    ``max_s``); (the last busy share read, seconds waited)."""
+    t0 = time.perf_counter()
+    share = None
+    while True:
+        a = _cpu_times()
+        if a is None:
+            return None, 0.0
+        time.sleep(window_s)
+        b = _cpu_times()
+        share = (b[0] - a[0]) / max(b[1] - a[1], 1)
+        waited = time.perf_counter() - t0
+        if share < busy_below or waited >= max_s:
+            return round(share, 3), round(waited, 1)
 
 
 def gpu_name() -> str | None:

@@ -64,6 +64,21 @@ def test_free_running_step_is_the_compute():
     assert synced.base_compute_s == pytest.approx(0.001 + 16 * 0.009 + 0.01)
 
 
+def test_the_measured_plain_step_is_the_base_and_the_difference_the_recompute():
+    """[Note: the plain layout measured]: with the step of nothing recomputed measured, a
+    plan recomputing no block costs that step and one recomputing all of them the
+    checkpointed step; the recompute is shared by the blocks' forward times."""
+    prof = dataclasses.replace(llama1b_like(), free_keep_fwd_bwd_s=0.07)
+    rt = RuntimeModel(prof, h200_like())
+    assert rt.base_compute_s == pytest.approx(0.07)
+    assert rt.recompute_s.sum() == pytest.approx(0.12 - 0.07)
+    assert rt.recompute_s == pytest.approx(np.full(16, 0.05 / 16))
+    assert rt.fwd_compute_s == pytest.approx(0.001 + 0.03)  # the forward: as before
+    # a faster checkpointed step than the plain one (noise): no negative recompute
+    odd = RuntimeModel(dataclasses.replace(prof, free_keep_fwd_bwd_s=0.13), h200_like())
+    assert odd.recompute_s.sum() == 0.0 and odd.base_compute_s == pytest.approx(0.13)
+
+
 def _last_chunk_terms(p, hw) -> dict[str, float]:
     """The host-stall terms of the 1B-like profile's last chunk when it alone is offloaded:
     its largest gradient's copy out, its host AdamW, the copy in of its last update piece,

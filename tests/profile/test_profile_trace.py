@@ -79,6 +79,9 @@ def test_trace_offloaded_measures_the_same_activations(traced):
     assert q.trace_n_persist == 0 and q.trace_n_buffer >= 1
     assert [b.saved_bytes for b in q.blocks] == [b.saved_bytes for b in p.blocks]
     assert sum(iv.gathers for iv in q.intervals) > 0
+    # offloaded chunks in the trace: the plain layout is not measured
+    assert q.free_keep_fwd_bwd_s is None
+    assert "free_running_step_keep" not in q.trace_phases_s
     fwd_p = [iv.peak_bytes for iv in p.intervals if iv.kind == "fwd"]
     fwd_q = [iv.peak_bytes for iv in q.intervals if iv.kind == "fwd"]
     assert fwd_p == fwd_q
@@ -124,6 +127,9 @@ def test_free_running_step_and_chunk_blocks(traced):
     _, _, profile = traced
     assert profile.free_fwd_bwd_s > profile.free_blocks_fwd_s > 0
     assert profile.free_pre_fwd_s >= 0
+    # every chunk persistent: the step with nothing recomputed is measured too, and it
+    # runs no forward again in backward
+    assert 0 < profile.free_keep_fwd_bwd_s < profile.free_fwd_bwd_s
     first = profile.chunk_first_block
     assert len(first) == profile.chunks.n_chunks
     assert first == sorted(first)  # chunks are packed in execution order
@@ -136,7 +142,8 @@ def test_trace_times_its_parts(traced):
     trace, and the record survives a round trip through JSON."""
     _, _, p = traced
     parts = [
-        "index_and_wrap", "keep_pass", "traced_steps", "free_running_step", "close"
+        "index_and_wrap", "keep_pass", "traced_steps", "free_running_step",
+        "free_running_step_keep", "close",
     ]  # fmt: skip
     assert list(p.trace_phases_s) == parts
     assert all(v >= 0 for v in p.trace_phases_s.values())

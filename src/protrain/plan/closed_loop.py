@@ -247,7 +247,7 @@ def scaled_compute(profile: ModelProfile, scale: float) -> ModelProfile:
     ]
     names = ("pre_fwd_s", "head_s", "post_bwd_s", "step_s", "optimizer_step_s",
              "free_pre_fwd_s", "free_blocks_fwd_s", "free_fwd_bwd_s",
-             "free_loss_forward_s")  # fmt: skip
+             "free_loss_forward_s", "free_keep_fwd_bwd_s")  # fmt: skip
     return dataclasses.replace(profile, blocks=blocks, **times(profile, names))
 
 

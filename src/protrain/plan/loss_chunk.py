@@ -145,13 +145,14 @@ def at_loss_chunk(profile: ModelProfile, chunk_tokens: int | None) -> ModelProfi
     if loss_s is None or profile.free_fwd_bwd_s is None:
         loss_s = profile.loss_forward_s
     recompute = loss_s * ((chunk_tokens is not None) - (traced is not None))
-    free = profile.free_fwd_bwd_s
+    free, keep = profile.free_fwd_bwd_s, profile.free_keep_fwd_bwd_s
     return dataclasses.replace(
         profile,
         intervals=intervals,
         loss_chunk_tokens=chunk_tokens,
         head_s=max(profile.head_s + recompute, 0.0),
         free_fwd_bwd_s=None if free is None else max(free + recompute, 0.0),
+        free_keep_fwd_bwd_s=None if keep is None else max(keep + recompute, 0.0),
         notes=[*profile.notes, f"loss chunk derived from the trace's {traced}"],
     )
 

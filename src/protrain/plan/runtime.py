@@ -204,11 +204,18 @@ def _compute_parts(profile: ModelProfile):
 
     blocks_fwd = profile.free_blocks_fwd_s
     pre = profile.free_pre_fwd_s
-    # The free-running step ran every block checkpointed: its backward held each forward again.
-    base = profile.free_fwd_bwd_s - blocks_fwd
     fwd_free = share(fwd, blocks_fwd)
+    keep = profile.free_keep_fwd_bwd_s
+    if keep is None:
+        # The free-running step ran every block checkpointed: its backward held each
+        # forward again.
+        base = profile.free_fwd_bwd_s - blocks_fwd
+        recompute = fwd_free
+    else:  # both ends measured: [Note: the plain layout measured] in profile/trace.py
+        base = keep
+        recompute = share(fwd, max(profile.free_fwd_bwd_s - keep, 0.0))
     bwd_total = max(base - pre - blocks_fwd - profile.head_s, 0.0)
-    return base, fwd_free, share(bwd, bwd_total), fwd_free, pre
+    return base, fwd_free, share(bwd, bwd_total), recompute, pre
 
 
 class RuntimeModel:

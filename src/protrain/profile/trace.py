@@ -47,6 +47,9 @@ event timing of those waits), so a trace with offloaded chunks still measures co
   the CPU the clock is a ``TorchDispatchMode`` that sees every op, and that bookkeeping
   costs more than a small model's compute (a tiny Llama's traced step took several times
   its real one), so on the CPU too the totals are a real step's.
+- **Free-running step without recompute** ([Note: the plain layout measured]): when every
+  chunk is persistent in the trace and the activations of a step with no block recomputed
+  fit the device, the free-running step runs once more with no block checkpointed.
 
 For the picture of the step (:mod:`protrain.profile.timeline`), and read by no plan: the
 offloaded chunks resident in the buffer pool at every cut and when the step began, and the
@@ -163,6 +166,9 @@ class ModelProfile:
     # the last block's forward end to the loss: what a chunked loss computes again in
     # backward, as the step runs (``loss_forward_s`` is the traced step's, with its overheads)
     free_loss_forward_s: float | None = None
+    # step start to the end of backward with no block recomputed, every chunk persistent:
+    # [Note: the plain layout measured]; None when not measured
+    free_keep_fwd_bwd_s: float | None = None
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
     # Seconds of each part of the trace (index_and_wrap, keep_pass, traced_steps,
     # free_running_step, close): where the plan time goes (full-8b: 77 s in session 7).
@@ -526,6 +532,47 @@ def _fastest_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, c
     return min(runs, key=lambda r: r[2])
 
 
+# [Note: the plain layout measured]
+# The free-running step recomputes every block, and the runtime model takes a block's
+# recompute as its forward seconds. Where the host's launch time bounds the step, the
+# checkpointing's own work adds more than that: Llama-3.2-1B at batch 1 on an H100 (session
+# 17) stepped in 0.077 s with no recompute and 0.117 s with every block recomputed, against
+# 0.021 s of blocks' forward. When every chunk is persistent in the trace (the plan's
+# layout has no gathers to add) the step with no block recomputed is measured as well, if
+# its activations fit: the traced peak plus every block's saved bytes (the keep pass) and
+# a quarter more, within the device's cap. The runtime model then takes it as the step with
+# nothing recomputed and the difference of the two runs as the recompute of all blocks
+# (``plan/runtime.py``), so both ends of the activation policies are measured steps.
+_KEEP_ALL_MARGIN = 1.25
+
+
+def _keep_all_fits(device: torch.device, traced_peak: int, saved: list[int]) -> bool:
+    """Whether a step with no block recomputed fits: see [Note: the plain layout measured].
+    ``traced_peak``: the checkpointed step's allocated peak (model states included)."""
+    if device.type != "cuda":
+        return True
+    free, total = torch.cuda.mem_get_info(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
+    limit = min(total * fraction, torch.cuda.memory_reserved(device) + free)
+    return traced_peak + _KEEP_ALL_MARGIN * sum(saved) <= limit
+
+
+def _keep_all_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait):
+    """The fastest free-running step's fwd+bwd seconds with no block recomputed; None if
+    it ran out of memory after all (the engine's buffers stay as they were: every chunk is
+    persistent)."""
+    try:
+        return _fastest_free_running_step(
+            model, blocks, batch, loss_fn, optimizer, sync, copy_wait
+        )[2]
+    except torch.OutOfMemoryError:
+        optimizer.zero_grad()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        log.warning("protrain trace: the step with no block recomputed ran out of memory")
+        return None
+
+
 def _optimizer_step(optimizer) -> None:
     """The traced steps' optimizer step: the persistent chunks' on the device, none on the
     host (see ``HybridAdamW.step_without_host_updates``; ``lr=0`` changes no weight)."""
@@ -721,6 +768,16 @@ def trace_model(
             model, blocks, batch, loss_fn, optimizer, sync, copy_wait
         )
         phase("free_running_step")
+        free_keep = None
+        if not manager.offloaded and _keep_all_fits(device, tracer.max_allocated, saved):
+            handle.remove()
+            handle = apply_activation_knobs(
+                model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
+            )
+            free_keep = _keep_all_free_running_step(
+                model, blocks, batch, loss_fn, optimizer, sync, copy_wait
+            )
+            phase("free_running_step_keep")
     finally:
         if handle is not None:
             handle.remove()
@@ -779,6 +836,7 @@ def trace_model(
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
         free_loss_forward_s=free_loss,
+        free_keep_fwd_bwd_s=free_keep,
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
         trace_phases_s=phases,
         wrap_build_s=dict(manager.build_s),
