@@ -1,8 +1,9 @@
 """Device-stepped offloaded chunks (``optim/device_step.py``) compute bit for bit what the host
 AdamW computes: full fine-tuning (gpt2's odd sizes) and LoRA, decay and no-decay groups,
 clipping, accumulation over micro-batches, fp16 loss scaling, a resume from the state dicts,
-and the step started in backward. On the CPU the "device" is the CPU: the same pieces,
-staging sets and copies run, synchronously. Pieces of 48 elements cut tensors inside."""
+and the step started in backward; their gradients are the host path's, in the slots' host
+accumulators. On the CPU the "device" is the CPU: the same pieces, staging sets and copies
+run, synchronously. Pieces of 48 elements cut tensors inside."""
 
 from __future__ import annotations
 
@@ -75,7 +76,8 @@ def test_device_step_equals_host_step(kind, mode, fp16, resume, monkeypatch):
     _assert_bitwise(host, _states(model, opt))
     stats = opt.stats
     assert stats["device_steps"] == STEPS
-    assert stats["device_step_h2d_bytes"] == 12 * _stepped_numel(opt) * STEPS
+    # gradients, masters and both moments in (fp32)
+    assert stats["device_step_h2d_bytes"] == 16 * _stepped_numel(opt) * STEPS
     assert stats["device_step_s"] > 0
     saved = copy.deepcopy(_states(model, opt))
     protrain.close(model)
@@ -103,9 +105,8 @@ def test_device_step_in_backward_without_clipping(monkeypatch):
                 if mb == ACCUM - 1:
                     opt.step_in_backward()
                 (model(**data[step * ACCUM + mb]).loss / ACCUM).backward()
-            if n:  # both device-stepped chunks stepped inside the backward, gradients freed
+            if n:  # both device-stepped chunks stepped inside the backward
                 assert opt.stats["device_steps"] == 2 * (step + 1)
-                assert not opt._device_step._grads
             opt.step()
             opt.zero_grad()
         out = copy.deepcopy(_states(model, opt))
@@ -113,6 +114,64 @@ def test_device_step_in_backward_without_clipping(monkeypatch):
         return out
 
     _assert_bitwise(run(0), run(2))
+
+
+def _tensors_outside_sets(ds) -> list[str]:
+    """Attributes of ``ds`` (a DeviceStep) that hold a tensor, its staging sets and its
+    manager left out."""
+
+    def holds(x) -> bool:
+        if isinstance(x, torch.Tensor):
+            return True
+        if isinstance(x, dict):
+            return any(holds(v) for v in x.values())
+        if isinstance(x, list | tuple | set | frozenset):
+            return any(holds(v) for v in x)
+        return False
+
+    return [k for k, v in vars(ds).items() if k not in ("manager", "_sets") and holds(v)]
+
+
+def test_device_step_keeps_no_gradient_on_the_device(monkeypatch):
+    """The device-stepped chunks' gradients are accumulated in the slots' pinned host
+    accumulators (``grad_acc``, made at wrap), bit for bit those of the host path, and the
+    DeviceStep holds no tensor but its staging sets, before and after the step: no device
+    memory a parameter. On the CPU a set is its four fp32 buffers (gradients, masters, two
+    moments) of one piece; CUDA adds the cast weights' (``staging_bytes``)."""
+    monkeypatch.setattr(device_step, "PIECE_NUMEL", 48)
+    base = build("llama")
+    data = batches("llama", ACCUM)
+
+    def backward(n):
+        model, opt, _ = _wrap(base, n)
+        made = {s.name: s.grad_acc for c in opt._manager.offloaded for s in c.trainable_slots}
+        for mb in range(ACCUM):  # the second micro-batch accumulates on the host worker
+            (model(**data[mb]).loss / ACCUM).backward()
+        opt.synchronize()
+        return model, opt, made
+
+    model, opt, _ = backward(0)
+    want = {s.name: s.grad_acc.clone() for c in opt._manager.offloaded for s in c.trainable_slots}
+    protrain.close(model)
+
+    model, opt, made = backward(2)
+    ds, m = opt._device_step, opt._manager
+    slots = [s for ci in sorted(ds.chunk_ids()) for s in m.chunks[ci].trainable_slots]
+    arena = m._host_arena
+    assert len(ds.chunk_ids()) == 2 and slots
+    for s in slots:
+        assert s.has_grad and s.grad_acc is made[s.name]
+        assert arena.data_ptr() <= s.grad_acc.data_ptr() < arena.data_ptr() + arena.numel()
+        assert torch.equal(s.grad_acc, want[s.name]), s.name
+    assert _tensors_outside_sets(ds) == [] and ds._sets == []
+    opt.step()
+    assert opt.stats["device_steps"] == 1
+    assert _tensors_outside_sets(ds) == []
+    assert len(ds._sets) == device_step._N_SETS
+    staged = sum(t.numel() * t.element_size() for st in ds._sets for t in st.fp32.values())
+    assert staged == device_step._N_SETS * 48 * 4 * 4
+    assert staged == device_step.staging_bytes(48) - device_step._N_SETS * 48 * 4
+    protrain.close(model)
 
 
 def test_device_step_knob_is_checked():

@@ -4,7 +4,9 @@ chunk) and the sharded mode (each rank steps its own shard of the chunk on the d
 shard-sized device accumulator), accumulation 2, clipping on, one and two device-stepped
 chunks: at 2 ranks full fine-tuning and LoRA (and fp16 loss scaling), at 3 ranks full
 fine-tuning (uneven shards: some parameters own no element on a rank). Pieces of 48 elements
-cut the shards inside.
+cut the shards inside. The device-stepped chunks' reduced gradients (the shards, in the
+sharded mode) land in the slots' host accumulators as a host-stepped chunk's do, and the
+DeviceStep holds none of them.
 
 Every rank's gradients, norms and reductions are the same in both runs (the device step
 reads the same reduced shard the host path copies out), so the comparison is exact, not to
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tests.engine.models import batches, build, lora
+from tests.engine.test_device_step import _tensors_outside_sets
 
 import protrain
 from protrain.optim import device_step
@@ -39,14 +42,17 @@ def _train(rank: int, world: int, mode: str, adapter: bool, n_device_step: int, 
         n_device_step=n_device_step,
     )
     data = batches("llama", STEPS * ACCUM * world)
-    held = []  # device accumulator elements after each step's backwards
+    held = []  # after each step's backwards: host accumulator elements, DeviceStep tensors
     for step in range(STEPS):
         for mb in range(ACCUM):
             i = step * ACCUM * world + mb * world + rank
             loss = model(**data[i]).loss / (ACCUM * world)
             opt.scale_loss(loss).backward()
         if n_device_step:
-            held.append(sum(g.numel() for g in opt._device_step._grads.values()))
+            ds, m = opt._device_step, opt._manager
+            accs = [s.grad_acc for ci in ds.chunk_ids() for s in m.chunks[ci].trainable_slots]
+            assert all(a.device.type == "cpu" for a in accs)
+            held.append((sum(a.numel() for a in accs), _tensors_outside_sets(ds)))
         opt.clip_grad_norm_(MAX_NORM)
         opt.step()
         opt.zero_grad()
@@ -79,10 +85,11 @@ def _check(rank: int, world: int, mode: str, adapter: bool, n: int, fp16: bool =
     for i, st in host["optim"]["state"].items():
         for k, v in st.items():
             assert torch.equal(dev["optim"]["state"][i][k], v), (*at, i, k)
-    # the accumulators and the stepped masters and moments are this rank's own elements
+    # the accumulators and the stepped gradients, masters and moments are this rank's own
+    # elements
     own, whole = dev["own_numel"], dev["whole_numel"]
-    assert dev["held"] == [own] * STEPS, at
-    assert dev["stats"]["device_step_h2d_bytes"] == 12 * own * STEPS, at
+    assert dev["held"] == [(own, [])] * STEPS, at
+    assert dev["stats"]["device_step_h2d_bytes"] == 16 * own * STEPS, at
     total = torch.tensor([own])
     dist.all_reduce(total)  # every rank's part, each element once
     assert total.item() == (whole * world if mode == "replicated" else whole), at

@@ -4,10 +4,14 @@ An offloaded chunk keeps its fp32 masters and Adam moments in pinned host memory
 update normally runs on the host worker (``optim/hybrid_adamw.py``). On full fine-tuning
 that host AdamW bounds the step while the host-device link sits partly idle. For the last
 ``n_chunks`` offloaded chunks in forward order, :class:`DeviceStep` moves the update to the
-device instead: their gradients stay on the device (fp32 accumulators, as a persistent
-chunk's), and at ``step()`` their masters and moments cross the link in pieces, are stepped
-by torch's fused AdamW on the device, and go back. The moments stay the host tensors the
-chunk's ``FlatAdamW`` owns, so ``state_dict`` and checkpoints do not change.
+device instead: their gradients take the host path of every offloaded chunk
+(``runtime/grad_offload.py``: copied out to the slot's pinned fp32 accumulator
+``grad_acc``, accumulated over micro-batches and normed there), and at ``step()`` their
+gradients, masters and moments cross the link in pieces, are stepped by torch's fused AdamW
+on the device, and the masters and moments go back. The moments stay the host tensors the
+chunk's ``FlatAdamW`` owns, so ``state_dict`` and checkpoints do not change. Nothing of a
+chunk stays on the device between steps: the staging sets are the device step's only
+device memory.
 
 Why the *last* chunks: the host worker steps offloaded chunks in forward order and the next
 forward waits for them in that order, so the chunks the next forward needs first are best
@@ -19,27 +23,36 @@ complete in backward.)
 A step cuts the stepped tensors into pieces of at most ``piece_numel`` elements (a tensor
 split only at multiples of 16 elements, so that on the CPU each part keeps the fused
 kernel's arithmetic: see [Note: flat runs] in ``optim/flat_adamw.py``) and runs every piece
-through one of ``_N_SETS`` reused sets of device staging buffers, on three streams:
-``h2d`` copies piece k's masters and moments in, ``compute`` steps it (torch's functional
-fused AdamW, one tensor per part, so the bits are those of the per-tensor AdamW) and casts the
-new masters to the parameters' dtype, ``d2h`` copies masters, moments and the cast weights
-back. Piece k+1's copy-in overlaps piece k's step and piece k-1's copy-out; a set is
-refilled only after its last copy-out (``_Set.free``). The chunk's next gather copies the
-cast weights in (2 bytes a bf16 parameter, not the 4 of its master) after the chunk's last
-copy-out (``ChunkManager.note_host_write``). The next step's copy-in waits for this step's
-copy-out. On the CPU the same code runs synchronously, with no streams.
+through one of ``_N_SETS`` reused sets of device staging buffers (fp32 gradient, master and
+two moments, and the cast weights: 20 bytes an element), on three streams: ``h2d`` copies
+piece k's gradients, masters and moments in from pinned host memory, ``compute`` unscales
+and clips its gradients, steps it (torch's functional fused AdamW, one tensor per part, so
+the bits are those of the per-tensor AdamW) and casts the new masters to the parameters'
+dtype, ``d2h`` copies masters, moments and the cast weights back. Piece k+1's copy-in
+overlaps piece k's step and piece k-1's copy-out; a set is refilled only after its last
+copy-out (``_Set.free``). The chunk's next gather copies the cast weights in (2 bytes a bf16
+parameter, not the 4 of its master) after the chunk's last copy-out
+(``ChunkManager.note_host_write``). The next step's copy-in waits for this step's copy-out.
+On the CPU the same code runs synchronously, with no streams.
 
-Unscaling (fp16) and clipping are done on the device gradients before the first piece, with
-the kernels and the order of the host step task, so the result equals the host path's.
+The copy-in of a gradient waits for its host accumulator to be complete: the host
+accumulations of later micro-batches (``slot.accumulate_future``, on the host before the
+copy is enqueued) and the device-to-host copy of the first one (``slot.grad_event``, on the
+``h2d`` stream). The next backward's first copy into the accumulator waits for this step's
+copy-in of it (:meth:`DeviceStep.grads_read`, on ``grad_offload_stream``).
+
+Unscaling (fp16) and clipping are done on each staged piece of gradients, on the device,
+with the kernels and the order of the host step task (unscale, then the clip coefficient,
+each one fp32 multiplication an element), so the result equals the host path's. The host
+accumulator is not changed.
 
 Several ranks: gradients arrive from the reducer (``distributed/grad_reducer.py``) after
-backward's reductions, and ``step()`` steps these chunks after them (never from inside the
-backward). In the sharded mode a slot's master, host copy and moments are this rank's own
-elements of the parameter (``chunks/shard.py``), and so is what ``accumulate`` receives:
-the reduce-scattered shard of the gradient. The accumulator is therefore shard-sized (4 / N
-bytes a parameter of device memory at N ranks), the pieces stream only the own elements,
-and the next gather copies the own cast shard in and all-gathers the rest, as after a host
-update. Clipping combines the shards' squared norms over ranks as for host-stepped shards
+backward's reductions and take the host path as a host-stepped chunk's do, and ``step()``
+steps these chunks after them (never from inside the backward). In the sharded mode a
+slot's master, host copy, accumulator and moments are this rank's own elements of the
+parameter (``chunks/shard.py``): the pieces stream only the own elements, and the next
+gather copies the own cast shard in and all-gathers the rest, as after a host update.
+Clipping combines the shards' squared norms over ranks as for host-stepped shards
 (``HybridAdamW._total_norm``).
 """
 
@@ -61,10 +74,14 @@ PIECE_NUMEL = 1 << 23  # fp32 elements of a piece: 32 MiB per staging buffer
 COUNTERS = ("device_step_h2d_bytes", "device_step_d2h_bytes", "device_step_s")
 
 
+_STAGED = ("grad", "param", "exp_avg", "exp_avg_sq")  # fp32 buffers of a staging set
+_MOVED = _STAGED[1:]  # what goes back to the host (the gradient does not)
+
+
 def staging_bytes(piece_numel: int = PIECE_NUMEL) -> int:
-    """Device bytes of the staging sets (masters, two moments and the cast weights, fp32
-    sized), for the memory model."""
-    return _N_SETS * piece_numel * 16
+    """Device bytes of the staging sets (gradients, masters, two moments and the cast
+    weights, fp32 sized), for the memory model: the device step's only device memory."""
+    return _N_SETS * piece_numel * 4 * (len(_STAGED) + 1)
 
 
 @dataclass
@@ -81,10 +98,7 @@ class _Segment:
 
 class _Set:
     def __init__(self, numel: int, device: torch.device, cuda: bool) -> None:
-        self.fp32 = {
-            k: torch.empty(numel, dtype=torch.float32, device=device)
-            for k in ("param", "exp_avg", "exp_avg_sq")
-        }
+        self.fp32 = {k: torch.empty(numel, dtype=torch.float32, device=device) for k in _STAGED}
         # the updated masters cast to the parameters' dtype (CUDA: copied out as such)
         self.cast = torch.empty(numel * 4, dtype=torch.uint8, device=device) if cuda else None
         self.free = None  # CUDA event: the last copy-out from this set is done
@@ -131,8 +145,9 @@ class DeviceStep:
         self.n_chunks = n_chunks
         self.piece_numel = piece_numel
         self._chosen: frozenset[int] | None = None
-        self._grads: dict[int, torch.Tensor] = {}  # id(slot) -> fp32 device accumulator
         self._sets: list[_Set] = []
+        # chunk -> CUDA event: the last step's copy-in of its gradients is done
+        self._grads_read: dict[int, torch.cuda.Event] = {}
         self._last_done = None  # CUDA event: the last step's final copy-out
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         cuda = manager.is_cuda
@@ -163,35 +178,13 @@ class DeviceStep:
     def takes(self, chunk: int) -> bool:
         return self.n_chunks > 0 and chunk in self.chunk_ids()
 
-    # ---- gradients --------------------------------------------------------------------------
+    # ---- gradients ------------------------------------------------------------------------
 
-    def accumulate(self, slot: ParamSlot, grad: torch.Tensor, first: bool) -> None:
-        """Fold ``grad`` into the slot's device accumulator (on the compute stream, as a
-        persistent chunk's) and take its norm for clipping."""
-        if first:
-            acc = self._grads[id(slot)] = grad.to(torch.float32, copy=True)
-        else:
-            acc = self._grads[id(slot)]
-            acc.add_(grad)
-        slot.grad_norm = torch.linalg.vector_norm(acc)
-
-    def grad(self, slot: ParamSlot) -> torch.Tensor:
-        g = self._grads.get(id(slot))
-        if g is None:
-            raise RuntimeError(
-                f"protrain: the gradient of {slot.name} was consumed by its chunk's device "
-                "step in the backward armed by step_in_backward(); only its 2-norm is kept"
-            )
-        return g
-
-    def drop_grads_of(self, slots: list[ParamSlot]) -> None:
-        """Free the accumulators of ``slots`` (stepped in an armed backward: nothing reads
-        them again before ``zero_grad``; the streams that still read them hold them)."""
-        for s in slots:
-            self._grads.pop(id(s), None)
-
-    def drop_grads(self) -> None:
-        self._grads.clear()
+    def grads_read(self, chunk: int):
+        """The CUDA event after which the last step no longer reads ``chunk``'s host
+        gradient accumulators (None: no such step, or on the CPU): the next copy into them
+        waits for it."""
+        return self._grads_read.get(chunk)
 
     # ---- the step ---------------------------------------------------------------------------
 
@@ -205,7 +198,8 @@ class DeviceStep:
     ) -> None:
         """One AdamW step of ``items`` (slot with a gradient, its FlatAdamW, its group) at
         the groups' hyperparameters ``hyper``; ``inv_scale``: fp16's inverse loss scale,
-        ``clip_coef``: the clip coefficient to apply (None: none), both on the device."""
+        ``clip_coef``: the clip coefficient to apply (None: none), both on the device. The
+        gradients are read from the slots' host accumulators (``grad_acc``)."""
         if not items:
             return
         m = self.manager
@@ -213,25 +207,24 @@ class DeviceStep:
         cuda = m.is_cuda
         t0 = time.perf_counter()
         self.harvest()
-        grads = [self.grad(s) for s, _, _ in items]
+        for s, _, _ in items:  # the host accumulations of later micro-batches
+            if s.accumulate_future is not None:
+                t_wait = time.perf_counter()
+                s.accumulate_future.result()
+                m.stats["wait_cpu_optimizer_s"] += time.perf_counter() - t_wait
         start = None
         if cuda:
             self._compute.wait_stream(torch.cuda.current_stream(m.device))
             if self._last_done is not None:  # the last step's copy-out into the same masters
                 self._h2d.wait_event(self._last_done)
+            for s, _, _ in items:  # the first gradient's copy into grad_acc
+                if s.grad_event is not None:
+                    self._h2d.wait_event(s.grad_event)
             start = self._h2d.record_event(torch.cuda.Event(enable_timing=True))
-        with _on(self._compute):
-            if cuda:
-                for g in grads:  # zero_grad may drop them while this stream reads them
-                    g.record_stream(self._compute)
             for t in (inv_scale, clip_coef):
-                if cuda and t is not None:
+                if t is not None:
                     t.record_stream(self._compute)
-            if inv_scale is not None:  # step() has already found every gradient finite
-                found_inf = torch.zeros(1, device=m.device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-            if clip_coef is not None:
-                torch._foreach_mul_(grads, clip_coef)
+        scale = (inv_scale, clip_coef)
         by_adam: dict[int, tuple[FlatAdamW, set[int]]] = {}
         for s, adam, _ in items:
             by_adam.setdefault(id(adam), (adam, set()))[1].add(id(s))
@@ -247,9 +240,10 @@ class DeviceStep:
                 last_piece_of[seg.slot.chunk] = k
         self._ensure_sets()
         for k, piece in enumerate(pieces):
-            done = self._step_piece(piece, self._sets[k % _N_SETS], hyper, counts)
+            read, done = self._step_piece(piece, self._sets[k % _N_SETS], hyper, counts, scale)
             for ci in {seg.slot.chunk for seg in piece}:
                 if last_piece_of[ci] == k and done is not None:
+                    self._grads_read[ci] = read
                     m.note_host_write(ci, done)
         for s, adam, _ in items:  # torch's fused step adds 1 to each step count
             adam.set_step_count(s, counts[id(s)] + 1.0)
@@ -260,7 +254,9 @@ class DeviceStep:
         else:
             m.stats["device_step_s"] += time.perf_counter() - t0
 
-    def _step_piece(self, piece: list[_Segment], st: _Set, hyper, counts) -> object:
+    def _step_piece(self, piece: list[_Segment], st: _Set, hyper, counts, scale):
+        """Copy in, step and copy out one piece through ``st``; (the copy-in's CUDA event,
+        the copy-out's), None on the CPU. ``scale``: (inverse loss scale, clip coefficient)."""
         m = self.manager
         cuda = m.is_cuda
         ins, outs, casts = [], [], []
@@ -268,14 +264,17 @@ class DeviceStep:
             n = seg.hi - seg.lo
             exp_avg, exp_avg_sq = seg.adam.moments(seg.slot)
             host = {
+                "grad": seg.slot.grad_acc.view(-1),
                 "param": seg.slot.master.view(-1),
                 "exp_avg": exp_avg.view(-1),
                 "exp_avg_sq": exp_avg_sq.view(-1),
             }
             for k, src in host.items():
                 ins.append((st.fp32[k][seg.off : seg.off + n], src[seg.lo : seg.hi]))
-                outs.append((src[seg.lo : seg.hi], st.fp32[k][seg.off : seg.off + n]))
+                if k in _MOVED:
+                    outs.append((src[seg.lo : seg.hi], st.fp32[k][seg.off : seg.off + n]))
             casts.append((seg, st.fp32["param"][seg.off : seg.off + n]))
+        used = piece[-1].off + piece[-1].hi - piece[-1].lo  # segments lie back to back
         with _on(self._h2d):
             if cuda and st.free is not None:
                 self._h2d.wait_event(st.free)
@@ -288,6 +287,7 @@ class DeviceStep:
         with _on(self._compute):
             if cuda:
                 self._compute.wait_event(loaded)
+            _unscale_and_clip(st.fp32["grad"][:used], *scale)
             self._adamw(piece, st, hyper, counts)
             cast_out = []
             for seg, master in casts:
@@ -311,7 +311,7 @@ class DeviceStep:
             m.stats["device_step_d2h_bytes"] += nbytes
             if cuda:
                 st.free = self._d2h.record_event()
-        return st.free
+        return loaded, st.free
 
     def _adamw(self, piece: list[_Segment], st: _Set, hyper, counts) -> None:
         """torch's functional fused AdamW, one tensor per segment, one call per group."""
@@ -328,10 +328,8 @@ class DeviceStep:
                     for i in idx]
                 for k in st.fp32
             }  # fmt: skip
-            grads = [self._grads[id(piece[i].slot)].view(-1)[piece[i].lo : piece[i].hi]
-                     for i in idx]  # fmt: skip
             fused_adamw(
-                view["param"], grads, view["exp_avg"], view["exp_avg_sq"],
+                view["param"], view["grad"], view["exp_avg"], view["exp_avg_sq"],
                 [steps[i] for i in idx], h,
             )  # fmt: skip
 
@@ -365,8 +363,19 @@ class DeviceStep:
     def close(self) -> None:
         if self.manager.is_cuda and self._last_done is not None:
             self._last_done.synchronize()
-        self._sets, self._grads, self._timings = [], {}, []
+        self._sets, self._grads_read, self._timings = [], {}, []
         self._h2d = self._compute = self._d2h = self._last_done = None
+
+
+def _unscale_and_clip(grad: torch.Tensor, inv_scale, clip_coef) -> None:
+    """The host step task's order: fp16's inverse loss scale, then the clip coefficient, in
+    place on ``grad`` (staged gradients; elementwise, so the bits do not depend on how the
+    gradients are cut into pieces)."""
+    if inv_scale is not None:  # step() has already found every gradient finite
+        found_inf = torch.zeros(1, device=grad.device)
+        torch._amp_foreach_non_finite_check_and_unscale_([grad], found_inf, inv_scale)
+    if clip_coef is not None:
+        torch._foreach_mul_([grad], clip_coef)
 
 
 def _on(stream):

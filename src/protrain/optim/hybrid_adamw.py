@@ -9,10 +9,11 @@ masters that lie back to back, not one per parameter; see [Note: flat runs] ther
 of Adam is written here; this class only decides when each update runs. The cast of
 updated offloaded masters into the low-precision chunk happens on the device at the chunk's
 next gather (see [Note: write-back on the device] in ``chunks/manager.py``). The last
-``n_device_step`` offloaded chunks are stepped on the device instead, their masters and
-moments streamed in and out (``optim/device_step.py``): in ``step()`` after the host tasks
-are queued, or, armed by ``step_in_backward()`` on one rank, from inside the backward once
-the chunk's whole gradient is on the device.
+``n_device_step`` offloaded chunks are stepped on the device instead, their gradients
+(accumulated on the host as every offloaded chunk's), masters and moments streamed in and
+out (``optim/device_step.py``): in ``step()`` after the host tasks are queued, or, armed by
+``step_in_backward()`` on one rank, from inside the backward once the chunk's whole
+gradient is on its way to the host.
 
 To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
 parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
@@ -307,11 +308,6 @@ class HybridAdamW(torch.optim.Optimizer):
                 norm = s.grad_norm.to(device)
                 norms.append(norm if inv_scale is None else norm * inv_scale)
             else:
-                if self._on_device(s.chunk):  # the gradient is on the device
-                    acc = self._device_step.grad(s)
-                    grad = acc if inv_scale is None else acc * inv_scale
-                    norms.append(torch.linalg.vector_norm(grad, norm_type))
-                    continue
                 _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
@@ -366,8 +362,9 @@ class HybridAdamW(torch.optim.Optimizer):
             if not self._on_device(ci)
             for pi, piece in enumerate(p.slots for p in opts)
         }
-        # A device-stepped chunk steps once its whole gradient is on the device; with
-        # several ranks in step(), after the reductions (gradients arrive off the stream).
+        # A device-stepped chunk steps once its whole gradient is on its way to the host (its
+        # copy-in waits for the copies); with several ranks in step(), after the reductions
+        # (the reducer hands gradients over on its own stream).
         if self._device_step is not None and self._sink.reducer is None:
             for ci in self._device_step.chunk_ids():
                 pieces[(ci, _DEVICE)] = self._manager.chunks[ci].trainable_slots
@@ -375,7 +372,7 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _start_in_backward(self, key: tuple[int, int]) -> None:
         """A piece's gradients are all on their way to the host: queue its update now (a
-        device-stepped chunk's gradients are all on the device: step it now)."""
+        device-stepped chunk's: step it now; its copy-in waits for them)."""
         ci, pi = key
         chunk = self._manager.chunks[ci]
         if pi == _DEVICE:
@@ -383,8 +380,6 @@ class HybridAdamW(torch.optim.Optimizer):
             items = [(s, opts[s.update_piece], self._group_of[id(s)])
                      for s in chunk.trainable_slots]  # fmt: skip
             self._device_step.step(items, self._armed_hyper, None, None)
-            # its gradients are spent: their device memory goes back during the backward
-            self._device_step.drop_grads_of(chunk.trainable_slots)
             self._armed_device.add(ci)
             stats = self._manager.stats
             stats["updates_started_in_backward"] = stats.get("updates_started_in_backward", 0) + 1
@@ -594,8 +589,6 @@ class HybridAdamW(torch.optim.Optimizer):
             s.param.grad = None
         for s in self._persistent_slots:  # device accumulators are made by the next backward
             s.grad_acc = s.master.grad = None
-        if self._device_step is not None:
-            self._device_step.drop_grads()
 
     # ---- state --------------------------------------------------------------------------
 

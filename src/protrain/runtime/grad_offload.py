@@ -11,9 +11,11 @@ into the fp32 accumulator of the parameter's slot and dropped:
   is taken on the device (for global clipping) and it is cast to fp32 on the device, in
   pieces, and copied straight into the pinned fp32 accumulator. The host does nothing;
 - offloaded chunk, later micro-batches: copied in low precision to a pinned landing place
-  and added into the accumulator by the CPU worker, which then takes the norm on the host;
-- device-stepped offloaded chunk (``optim/device_step.py``): kept on the device as a
-  persistent chunk's is, its 2-norm taken there after each micro-batch.
+  and added into the accumulator by the CPU worker, which then takes the norm on the host.
+
+A device-stepped offloaded chunk's gradients (``optim/device_step.py``) take the same path:
+its step streams the host accumulator back to the device with the masters and moments, so
+no gradient of it stays on the device.
 
 The first gradient is copied rather than added, so accumulation over micro-batches does the
 same arithmetic as PyTorch's ``param.grad += grad``; the fp32 cast is exact either side.
@@ -25,7 +27,9 @@ it, so the hook waits on ``slot.accumulate_future`` first. Host work on ``grad_a
 for the device-to-host copy of the first gradient (``slot.grad_event``). Gradient tensors
 are kept alive for the side stream with ``record_stream``. The accumulator itself is read
 by the chunk's step task, which every gather of the chunk in the next forward waits for, so
-the next step's first copy into it comes after that read.
+the next step's first copy into it comes after that read; a device-stepped chunk's
+accumulator is read by its step's copy-in, which that copy waits for on the stream
+(``DeviceStep.grads_read``).
 
 [Note: chunks complete in backward]
 For ``HybridAdamW.step_in_backward`` the sink can *watch* groups of slots (the pieces of the
@@ -64,8 +68,8 @@ class GradSink:
         # With several ranks: the protrain.distributed.GradReducer that reduces gradients
         # chunk by chunk and hands them to ``deliver`` (see [Note: gradient buckets]).
         self.reducer = None
-        # protrain.optim.device_step.DeviceStep: the offloaded chunks whose gradients stay
-        # on the device for a device-side AdamW (None: none)
+        # protrain.optim.device_step.DeviceStep: the offloaded chunks stepped on the device,
+        # whose step reads the host accumulators (None: none)
         self.device_step = None
         self._slot_of = {s.param: s for s in manager.slots() if s.master is not None}
         self._watched: dict[object, set[int]] | None = None  # key -> id(slot) still missing
@@ -105,14 +109,6 @@ class GradSink:
         this rank owns, reduced over ranks) into the slot's accumulator."""
         first = not slot.has_grad
         chunk = self.manager.chunks[slot.chunk]
-        on_device = self.device_step is not None and self.device_step.takes(slot.chunk)
-        if on_device:  # the gradient never leaves the device (optim/device_step.py)
-            key = self._landing(slot)
-            slot.has_grad = True
-            with torch.no_grad():
-                self.device_step.accumulate(slot, grad, first)
-            self._landed_in(key, slot)
-            return
         if not first and not chunk.persistent and self.manager.discard_offloaded_grads:
             self.manager.ensure_grad_staging()  # raises: see [Note: discarded gradients]
         slot.has_grad = True
@@ -179,6 +175,9 @@ class GradSink:
             return
         stream = self.manager.grad_offload_stream
         stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
+        read = self.device_step.grads_read(slot.chunk) if self.device_step is not None else None
+        if read is not None:  # the last device step's copy-in of grad_acc
+            stream.wait_event(read)
         with torch.cuda.stream(stream):
             slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
             src, dst = grad.reshape(-1), slot.grad_acc.view(-1)
