@@ -9,7 +9,7 @@ import numpy as np
 import plan_synthetic as syn
 import pytest
 
-from protrain.optim.device_step import staging_bytes
+from protrain.optim.device_step import PIECE_NUMEL, staging_bytes
 from protrain.plan import NoPlanFits, PlanProblem, search
 from protrain.plan.memory import policy_matrix
 from protrain.plan.runtime import RuntimeModel
@@ -60,9 +60,16 @@ def test_device_step_terms():
     problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB)
     mem0 = problem.evaluate(2, 3, 0, 0)["memory_terms"]
     mem2 = problem.evaluate(2, 3, 0, 0, n_device_step=2)["memory_terms"]
-    assert "device_step_grads" not in mem0
-    assert mem2["device_step_grads"] == 4 * trn.sum()
-    assert mem2["device_step_staging"] == staging_bytes()
+    # the staging sets alone: fp32 gradients, masters, two moments and the cast weights of
+    # one piece a set; the gradients are accumulated on the host, no bytes a parameter
+    assert not any(k.startswith("device_step") for k in mem0)
+    assert mem2.keys() - mem0.keys() == {"device_step_staging"}
+    assert mem2["device_step_staging"] == staging_bytes() == 3 * 20 * PIECE_NUMEL
+    assert sum(mem2.values()) - sum(mem0.values()) == staging_bytes()
+    # fewer parameters than a piece: the sets shrink to them
+    small = dataclasses.replace(p.chunks, trainable_numel=[1000] * p.chunks.n_chunks)
+    tiny = PlanProblem(dataclasses.replace(p, chunks=small), hw, gpu_budget_bytes=100 * GIB)
+    assert tiny.memory.device_step_terms(2, 2) == {"device_step_staging": staging_bytes(2000)}
 
 
 @pytest.mark.parametrize("cpu_adam", [0.3e9, 1e13])
@@ -93,7 +100,7 @@ def test_a_fixed_device_step_count_is_planned_with():
     fixed = {"n_persist": 2, "n_device_step": 1}
     plan = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs=fixed)).plan
     assert plan.n_device_step == 1 and plan.fixed_knobs["n_device_step"] == 1
-    assert "device_step_grads" in plan.memory_terms
+    assert "device_step_staging" in plan.memory_terms
     with pytest.raises(NoPlanFits, match="n_device_step=9 fits none"):
         search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB,
                            fixed_knobs={"n_persist": 2, "n_device_step": 9}))  # fmt: skip
@@ -101,9 +108,27 @@ def test_a_fixed_device_step_count_is_planned_with():
         PlanProblem(p, hw, gpu_budget_bytes=GIB, fixed_knobs={"n_device_step": -1})
 
 
+def test_a_device_step_fits_beside_a_plan_with_room_for_its_staging_alone():
+    """A tight budget: the plan's own peak plus the staging sets. The device-stepped
+    chunks' gradients take no device memory (4 bytes a parameter of them would not fit)."""
+    p = syn.profile(8, 10)
+    hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=1e13)
+    knobs = {"n_persist": 2, "n_buffer": 3, "n_swap": 0, "n_checkpoint": 0}
+    peak = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB).evaluate(*knobs.values())["peak_bytes"]
+    budget = peak + staging_bytes()
+    assert 4 * sum(p.chunks.trainable_numel[-2:]) > 64 << 20  # what the old term added
+    plan = search(PlanProblem(p, hw, gpu_budget_bytes=budget,
+                              fixed_knobs={**knobs, "n_device_step": 2})).plan  # fmt: skip
+    assert plan.n_device_step == 2 and plan.predicted_peak_bytes == budget
+    with pytest.raises(NoPlanFits, match="n_device_step=2 fits none"):
+        search(PlanProblem(p, hw, gpu_budget_bytes=budget - 1,
+                           fixed_knobs={**knobs, "n_device_step": 2}))  # fmt: skip
+
+
 def test_sharded_ranks_plan_their_own_shards():
-    """With sharded chunks each rank steps its shard on the device: the accumulators and
-    the link bytes are a rank's 1/N, and a fixed count is planned with, as on one rank."""
+    """With sharded chunks each rank steps its shard on the device: the link bytes are a
+    rank's 1/N (the staging sets, a piece each, the same), and a fixed count is planned
+    with, as on one rank."""
     p = syn.profile(8, 10)
     hw = dataclasses.replace(syn.hardware(), cpu_adam_params_per_s=0.3e9,
                              collective_bytes_per_s=100e9, all_gather_bytes_per_s=80e9,
@@ -114,8 +139,9 @@ def test_sharded_ranks_plan_their_own_shards():
     two = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, world=World(2, 2, "sharded"))
     e1 = one.evaluate(2, 3, 0, 0, n_device_step=2)
     e2 = two.evaluate(2, 3, 0, 0, n_device_step=2)
-    assert e1["memory_terms"]["device_step_grads"] == 4 * trn
-    assert e2["memory_terms"]["device_step_grads"] == 4 * -(-trn // 2)
+    assert e1["memory_terms"]["device_step_staging"] == staging_bytes()
+    assert e2["memory_terms"]["device_step_staging"] == staging_bytes()
+    assert "device_step_grads" not in e1["memory_terms"] | e2["memory_terms"]
     assert e2["time_terms"]["device_step_h2d_bytes"] == pytest.approx(12 * trn / 2)
     fixed = {"n_persist": 2, "n_device_step": 1}
     plan = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs=fixed,

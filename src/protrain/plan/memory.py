@@ -34,9 +34,10 @@
   bucket being filled, the one being reduced, and a reduce-scatter's output shard (sharded
   mode) are live at once. A peak in forward does not hold them.
 - **device step** (``n_device_step`` > 0, ``optim/device_step.py``): the staging sets of the
-  pipeline, and the fp32 gradient accumulators of the device-stepped chunks, which stay on
-  the device from their first gradient to ``zero_grad`` (counted whole, as if every one were
-  live at the peak).
+  pipeline (fp32 gradients, masters and two moments, and the cast weights, of one piece per
+  set: ``staging_bytes``), its only device memory: the device-stepped chunks' gradients are
+  accumulated on the host as every offloaded chunk's, so nothing grows with their
+  parameters but the piece, up to ``PIECE_NUMEL``.
 - **allocator overhead** (CUDA): the traced step's reserved peak minus its allocated peak,
   both raw (buffer pool included), in a step that ran on the cache of one step like it (the
   trace empties the cache after its first step).
@@ -224,12 +225,12 @@ class MemoryModel:
         """The device step's bytes (see the module note): {} when it steps nothing."""
         idx = np.flatnonzero(self._trn[n_persist:] > 0) + n_persist
         chunks = idx[max(len(idx) - n_device_step, 0) :] if n_device_step else idx[:0]
-        # sharded: a rank accumulates and steps its own shard of each chunk
+        # sharded: a rank steps its own shard of each chunk
         numel = -(-int(self._trn[chunks].sum()) // self.world.shards)
         if not numel:
             return {}
         piece = min(PIECE_NUMEL, -(-numel // 16) * 16)
-        return {"device_step_staging": staging_bytes(piece), "device_step_grads": 4 * numel}
+        return {"device_step_staging": staging_bytes(piece)}
 
     def terms(
         self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int, n_device_step=0
