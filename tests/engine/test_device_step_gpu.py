@@ -6,7 +6,11 @@ The host path is not the reference here: its CPU kernel rounds differently, and 
 learning rate those differences grow to 1e-4 in the loss within three steps. The engine runs
 in fp32 (``compute_dtype``; its CUDA default is bf16) as the plain model does: in session 16
 the bf16 default made the first loss, before any step, differ by 1e-4 relative, for the host
-path and the device path alike."""
+path and the device path alike.
+
+The device-stepped chunks' gradients are accumulated on the host (``slot.grad_acc``), so
+after the last backward the device run holds its staging sets more than the host run, and no
+bytes a parameter (64 KiB of slack for small tensors the two runs hold at different times)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import protrain
 from protrain.optim import device_step
 
 from .models import batches, build, lora
+from .test_device_step import _tensors_outside_sets
 from .test_equivalence import ACCUM, LR, MAX_NORM
 from .test_flat_host_adam import _groups
 
@@ -26,7 +31,9 @@ pytestmark = pytest.mark.gpu
 STEPS = 3
 
 
-def _loop(model, opt, data, clip, arm=None):
+def _loop(model, opt, data, clip, arm=None, held=None):
+    """The training loop; ``held``: a list given gets the device bytes allocated after each
+    step's last backward."""
     losses = []
     for step in range(STEPS):
         if arm is not None:
@@ -36,6 +43,9 @@ def _loop(model, opt, data, clip, arm=None):
             loss = model(**batch).loss / (ACCUM if clip else 1)
             loss.backward()
             losses.append(loss.item())
+        if held is not None:
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated())
         if clip:
             if hasattr(opt, "clip_grad_norm_"):
                 opt.clip_grad_norm_(MAX_NORM)
@@ -69,10 +79,22 @@ def _engine(base, data, clip, n_device_step):
         param_groups=groups,
         n_device_step=n_device_step,
     )
-    losses = _loop(model, opt, data, clip, None if clip else opt.step_in_backward)
+    held: list[int] = []
+    losses = _loop(model, opt, data, clip, None if clip else opt.step_in_backward, held)
     state = protrain.state_dict(model)
     trained = {n: state[n].float().cpu() for n in names.values() if n in state}
     stats = dict(opt.stats)
+    stats["held_bytes"] = held
+    ds = opt._device_step
+    if ds is not None:  # the accumulators it reads are the host ones; it keeps no gradient
+        m = opt._manager
+        accs = [s.grad_acc for ci in ds.chunk_ids() for s in m.chunks[ci].trainable_slots]
+        assert accs and all(a.device.type == "cpu" for a in accs)
+        assert _tensors_outside_sets(ds) == []
+        stats["stepped_numel"] = sum(a.numel() for a in accs)
+        stats["staged_bytes"] = sum(
+            t.numel() * t.element_size() for st in ds._sets for t in (*st.fp32.values(), st.cast)
+        )
     protrain.close(model)
     return losses, trained, stats
 
@@ -90,10 +112,15 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
     n = sum(1 for c in opt._manager.offloaded if c.trainable_slots)
     protrain.close(probe)
     assert n >= 1
-    host_losses, host, _ = _engine(base, data, clip, 0)
+    host_losses, host, host_stats = _engine(base, data, clip, 0)
     dev_losses, dev, stats = _engine(base, data, clip, n)
     assert stats["device_steps"] >= STEPS  # step() calls; in an armed backward, one a chunk
     assert stats["device_step_h2d_bytes"] > 0 and stats["device_step_d2h_bytes"] > 0
+    # from the second step on, the sets are made: they are all the device run holds more
+    piece = min(4096, -(-stats["stepped_numel"] // 16) * 16)
+    assert stats["staged_bytes"] == device_step.staging_bytes(piece)
+    for dev_b, host_b in zip(stats["held_bytes"][1:], host_stats["held_bytes"][1:], strict=True):
+        assert dev_b - host_b <= stats["staged_bytes"] + (64 << 10), (dev_b, host_b)
     assert dev.keys() == plain.keys() == host.keys() and plain
 
     def worst(got):
