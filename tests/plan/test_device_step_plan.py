@@ -31,18 +31,19 @@ def test_device_step_terms():
     t2, b2 = _terms(rt, p, 2, 2)
     trn = np.asarray(p.chunks.trainable_numel[-2:], dtype=np.float64)
     tb = float(np.sum(p.chunks.trainable_bytes[-2:]))
-    assert b2["device_step_h2d_bytes"] == 12 * trn.sum()
+    assert b2["device_step_h2d_bytes"] == 16 * trn.sum()
     assert b2["device_step_d2h_bytes"] == 12 * trn.sum() + tb
-    # masters and moments in, cast weights in instead of fp32 masters
-    assert b2["h2d_bytes"] - b0["h2d_bytes"] == pytest.approx(12 * trn.sum() - (4 * trn.sum() - tb))
-    # masters, moments and cast weights out; no gradients, no write-back
-    assert b2["d2h_bytes"] - b0["d2h_bytes"] == pytest.approx(8 * trn.sum())
+    # gradients, masters and moments in, cast weights in instead of fp32 masters
+    assert b2["h2d_bytes"] - b0["h2d_bytes"] == pytest.approx(16 * trn.sum() - (4 * trn.sum() - tb))
+    # masters, moments and cast weights out, no write-back; the gradients go out in
+    # backward as a host-stepped chunk's
+    assert b2["d2h_bytes"] - b0["d2h_bytes"] == pytest.approx(12 * trn.sum())
     assert b0["host_optimizer"] - b2["host_optimizer"] == pytest.approx(
         trn.sum() * rt.host_s_per_param
     )
     tb8 = p.chunks.trainable_bytes[8]
-    link = max(12 * trn[0] / hw.h2d_bytes_per_s, (12 * trn[0] + tb8) / hw.d2h_bytes_per_s,
-               (24 * trn[0] + tb8) / hw.duplex_bytes_per_s)  # fmt: skip
+    link = max(16 * trn[0] / hw.h2d_bytes_per_s, (12 * trn[0] + tb8) / hw.d2h_bytes_per_s,
+               (28 * trn[0] + tb8) / hw.duplex_bytes_per_s)  # fmt: skip
     assert rt.device_step_chunk_s(np.array([8]))[0] == pytest.approx(
         max(link, trn[0] / hw.device_adam_params_per_s)
     )
@@ -51,11 +52,21 @@ def test_device_step_terms():
     # n_device_step=0 is the model without it
     assert t0 == _terms(rt, p, 2, 0)[0] and "device_step" in b0
 
-    # without clipping each starts when its gradients are complete, inside the backward
+    # each starts once its gradients are on the host: with clipping, every gradient (the
+    # first offloaded chunk's largest tensor comes last, as for the host steps); without,
+    # its own largest tensor's copy after its backward, inside the backward
     chunks = rt.device_step_chunks(2, 2)
-    early = RuntimeModel(p, hw, clipping=False)._device_done(chunks)
-    assert (early < rt._device_done(chunks)).all()
-    assert rt._device_done(chunks)[-1] == pytest.approx(rt.device_step_chunk_s(chunks).sum())
+    out_s = 4 * np.asarray(p.chunks.max_trainable_numel) / hw.d2h_bytes_per_s
+    no_clip = RuntimeModel(p, hw, clipping=False)
+    early = no_clip._device_done(chunks, 2)
+    assert (early < rt._device_done(chunks, 2)).all()
+    assert rt._device_done(chunks, 2)[-1] == pytest.approx(
+        out_s[2] + rt.device_step_chunk_s(chunks).sum()
+    )
+    last = chunks[-1]  # the first in backward: it starts after its backward and copy-out
+    assert early[-1] == pytest.approx(
+        out_s[last] - no_clip._bwd_after[last] + rt.device_step_chunk_s(chunks[-1:])[0]
+    )
 
     problem = PlanProblem(p, hw, gpu_budget_bytes=100 * GIB)
     mem0 = problem.evaluate(2, 3, 0, 0)["memory_terms"]
@@ -142,7 +153,7 @@ def test_sharded_ranks_plan_their_own_shards():
     assert e1["memory_terms"]["device_step_staging"] == staging_bytes()
     assert e2["memory_terms"]["device_step_staging"] == staging_bytes()
     assert "device_step_grads" not in e1["memory_terms"] | e2["memory_terms"]
-    assert e2["time_terms"]["device_step_h2d_bytes"] == pytest.approx(12 * trn / 2)
+    assert e2["time_terms"]["device_step_h2d_bytes"] == pytest.approx(16 * trn / 2)
     fixed = {"n_persist": 2, "n_device_step": 1}
     plan = search(PlanProblem(p, hw, gpu_budget_bytes=100 * GIB, fixed_knobs=fixed,
                               world=World(2, 2, "sharded"))).plan  # fmt: skip

@@ -81,17 +81,19 @@ rate]) it still takes full fine-tuning's median from 6.2% to 7.2% (all rows 5.3%
 
 [Note: device-stepped chunks]
 The last ``n_device_step`` offloaded trainable chunks step on the device
-(``optim/device_step.py``): their fp32 gradients stay on the device (4 bytes a parameter
-less device-to-host in backward), and after backward their masters and moments cross the
-link both ways (12 bytes a parameter in, 12 out, plus the cast weights out); the next
-gather copies the cast weights in (not the fp32 masters) and nothing is written back. The
-stream runs at the measured link rates (the longer of each direction and the duplex total)
-or the device AdamW rate, whichever is slower, chunk after chunk from the end of backward
-(without clipping, each from when its gradients are complete, as ``step_in_backward`` starts
-it); its bytes are counted with the forward's copies, which they share the link with. The host
-worker no longer steps these chunks (their host AdamW time leaves the critical path); each
-arrives for the next forward when its device step and its gather are done. Memory: the
-staging sets and the chunks' fp32 gradient accumulators (``plan/memory.py``).
+(``optim/device_step.py``): their fp32 gradients go to the host in backward as every
+offloaded chunk's (``grads_out``, 4 bytes a parameter), and after backward their gradients,
+masters and moments cross the link in (16 bytes a parameter) and the masters and moments
+back out (12 bytes, plus the cast weights); the next gather copies the cast weights in (not
+the fp32 masters) and nothing is written back. The stream runs at the measured link rates
+(the longer of each direction and the duplex total) or the device AdamW rate, whichever is
+slower, chunk after chunk, each from when its gradients are on the host: with clipping once
+every gradient is (as the host steps), without, once its own largest gradient's copy ends
+after its backward (as ``step_in_backward`` starts it); its bytes are counted with the
+forward's copies, which they share the link with. The host worker no longer steps these
+chunks (their host AdamW time leaves the critical path); each arrives for the next forward
+when its device step and its gather are done. Memory: the staging sets alone
+(``plan/memory.py``), no bytes a parameter.
 
 [Note: a tied head]
 A causal LM's head that shares the input embedding's weight (``ChunkTable.tied_head_chunk``,
@@ -467,9 +469,9 @@ class RuntimeModel:
         dev_opt_s = self.trainable[n_p] / hw.device_adam_params_per_s
         stepped = self._trn > 0
         dev_done = np.full(n, -np.inf)
-        if len(on_device):  # one after another from the end of backward, cast weights in
+        if len(on_device):  # one after another once their gradients are out, cast weights in
             stepped[on_device] = False
-            dev_done[on_device] = self._device_done(on_device)
+            dev_done[on_device] = self._device_done(on_device, n_p)
             own = (self._frozen + self._trainable_bytes)[on_device] / sh / hw.h2d_bytes_per_s
             gather_s, tail_s = gather_s.copy(), tail_s.copy()
             gather_s[on_device] = tail_s[on_device] = own + self.gather_coll_s
@@ -494,12 +496,16 @@ class RuntimeModel:
 
     # ---- device-stepped chunks ([Note: device-stepped chunks]) -------------------------
 
-    def _device_done(self, chunks: np.ndarray) -> np.ndarray:
+    def _device_done(self, chunks: np.ndarray, n_persist: int) -> np.ndarray:
         """When each device-stepped chunk's step ends (seconds from the end of backward):
-        one after another, from the end of backward with clipping, else each from when
-        its gradients are complete (during backward, last chunk first)."""
+        one after another, each from when its gradients are on the host: with clipping
+        every gradient (the host steps' release at ``n_persist``), else its own (during
+        backward, last chunk first)."""
         dur = self.device_step_chunk_s(chunks)
-        release = np.zeros(len(chunks)) if self.clipping else -self._bwd_after[chunks]
+        if self.clipping:
+            release = np.full(len(chunks), self._grad_tail_s[int(n_persist)])
+        else:
+            release = self._grad_tail_s[chunks] - self._bwd_after[chunks]
         done, t = np.empty(len(chunks)), -np.inf
         for j in np.argsort(release, kind="stable"):
             t = max(t, release[j]) + dur[j]
@@ -523,17 +529,18 @@ class RuntimeModel:
 
     def device_step_bytes(self, chunks: np.ndarray) -> tuple[float, float]:
         """(host-to-device, device-to-host) bytes per rank a device step of ``chunks``
-        streams: masters and both moments each way, and the cast weights out."""
+        streams: gradients, masters and both moments in, masters and both moments and the
+        cast weights out."""
         trn = float(self._trn[chunks].sum())
         tb = float(self._trainable_bytes[chunks].sum())
-        return 12 * trn / self.world.shards, (12 * trn + tb) / self.world.shards
+        return 16 * trn / self.world.shards, (12 * trn + tb) / self.world.shards
 
     def device_step_chunk_s(self, chunks: np.ndarray) -> np.ndarray:
         """Seconds of each chunk's device step: its link traffic at the measured rates or
         its device AdamW, whichever is longer (the pieces pipeline the two)."""
         hw, sh = self.hw, self.world.shards
         trn = self._trn[chunks].astype(np.float64)
-        h2d, d2h = 12 * trn / sh, (12 * trn + self._trainable_bytes[chunks]) / sh
+        h2d, d2h = 16 * trn / sh, (12 * trn + self._trainable_bytes[chunks]) / sh
         link = np.maximum(
             np.maximum(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s),
             (h2d + d2h) / hw.duplex_bytes_per_s,
@@ -617,8 +624,7 @@ class RuntimeModel:
             trn, tb = self._trn[dev].sum(), self._trainable_bytes[dev].sum()
             dev_h2d, dev_d2h = self.device_step_bytes(dev)
             h2d_f = h2d_f - (4 * trn - tb) / sh + dev_h2d  # cast weights in, not masters
-            d2h_f = d2h_f - tb / sh + dev_d2h  # no write-back
-            d2h_b = d2h_b - 4 * trn / sh  # gradients stay on the device
+            d2h_f = d2h_f - tb / sh + dev_d2h  # no write-back; gradients out as the host's
             dev_step_s = float(self.device_step_chunk_s(dev).sum())
             host_params = host_params - trn
 
