@@ -67,6 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "the planner, which picks the other knobs for it)",
     )  # fmt: skip
     p.add_argument(
+        "--device-step-search", action="store_true",
+        help="protrain --auto: the planner also chooses n_device_step (memory.device_step_search)",
+    )  # fmt: skip
+    p.add_argument(
         "--auto", action="store_true",
         help="protrain: knobs from the planner (wrap(gpu_budget=, sample_batch=)) instead of "
              "--n-persist/--n-buffer; the engine's activation policies replace HF checkpointing",
@@ -135,6 +139,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         chunk_size_bytes=int(args.chunk_mib * 2**20) if args.chunk_mib else None,
         host_threads=args.host_threads,
         n_device_step=args.n_device_step,
+        device_step_search=args.device_step_search,
         auto=args.auto,
         chunked_loss_tokens=args.chunked_loss_tokens,
         distributed_mode=args.distributed_mode,

@@ -51,6 +51,7 @@ def setup(spec: RowSpec) -> Trainer:
             sample_batch={"input_ids": ids, "labels": ids},
             clipping=spec.max_grad_norm is not None,
             loss_fn=loss_fn,
+            device_step_search=spec.device_step_search,
         )
     model, optimizer, layout = protrain.wrap(
         model,

@@ -67,6 +67,7 @@ def wrap(
     distributed_mode: str | None = None,
     grad_reduce: str = "mean",
     n_device_step: int | None = None,
+    device_step_search: bool = False,
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
@@ -83,7 +84,9 @@ def wrap(
     ``protrain.plan.loss_chunk.LossChunks``, in place of ``loss_fn``): the caller's loss in
     chunks of positions, the chunk searched; train with the plan's
     ``chunked_loss_tokens`` (None: the whole logits). ``clipping=False`` plans for training without
-    clipping, with ``step_in_backward``. With several ranks the plan is made on the first
+    clipping, with ``step_in_backward``. ``device_step_search``: the plan also chooses how
+    many offloaded chunks step on the device (``n_device_step``, kept where given). With
+    several ranks the plan is made on the first
     and every rank runs it (or raises its error). Without ``gpu_budget``, ``cpu_budget``,
     ``sample_batch``, ``loss_fn``, ``loss_chunks`` and ``clipping`` are not read.
     """
@@ -128,6 +131,7 @@ def wrap(
             process_group=ctx.group if ctx.is_distributed else NO_GROUP,
             distributed_mode=distributed_mode if ctx.is_distributed else None,
             loss_chunks=loss_chunks,
+            device_step_search=device_step_search,
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         knobs = plan_knobs(plan)

@@ -106,6 +106,25 @@ def test_auto_plan_searches_the_chunk_size():
         assert _step_at(problem, model, size) >= plan.predicted_step_s - 1e-12
 
 
+@pytest.mark.parametrize("asked", [False, True])
+def test_protrain_wrap_asks_the_search_for_device_steps_only_when_told(monkeypatch, asked):
+    """``protrain.wrap(device_step_search=True)`` reaches every problem the search solves
+    (through profile_and_plan, the loss chunks and the chunk sizes); by default none asks."""
+    import protrain
+    import protrain.plan.chunk_size as chunk_size
+
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("device_step_search", False))
+        return PlanProblem(*args, **kwargs)
+
+    monkeypatch.setattr(chunk_size, "PlanProblem", recording)
+    protrain.wrap(tiny_llama.build(seed=4), gpu_budget=1 << 30, sample_batch=tiny_llama.batch(),
+                  device="cpu", device_step_search=asked)  # fmt: skip
+    assert seen and all(s is asked for s in seen)
+
+
 def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
     """Above the work bound every size is screened by a search without swap, and the full
     search runs at the size that screened fastest."""

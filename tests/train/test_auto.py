@@ -73,6 +73,7 @@ def assert_same_training(a, b, rtol=1e-5, atol=1e-6):
             "offload_checkpoint = true is not planned by memory.auto",
         ),
         ({"auto": True, "gpu_budget": "lots"}, "memory.gpu_budget = 'lots'"),
+        ({"device_step_search": True}, "memory.device_step_search = true is read only by"),
     ],
 )
 def test_auto_config_errors(tmp_path, memory, needle):
@@ -198,6 +199,20 @@ def test_the_plan_assumes_the_host_optimizer_schedule_the_run_uses(
     monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
     assert plan_memory(torch.nn.Linear(2, 2), {}, settings, {}) == (1, 2)
     assert seen["clipping"] is clipping
+    assert seen["device_step_search"] is False  # memory.device_step_search's default
+
+
+def test_memory_device_step_search_reaches_the_planner(tmp_path, monkeypatch):
+    import protrain.plan as plan_api
+    from protrain.train.planning import PlanSettings, plan_memory
+
+    memory = {"auto": True, "gpu_budget": "1GiB", "device_step_search": True}
+    cfg = validate_config(tiny_config(tmp_path, memory=memory))
+    settings = PlanSettings.from_config(cfg, torch.device("cpu"), None)
+    seen = {}
+    monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
+    plan_memory(torch.nn.Linear(2, 2), {}, settings, {})
+    assert seen["device_step_search"] is True
 
 
 def test_a_slow_host_optimizer_replans_in_place_to_the_faster_plan(

@@ -221,6 +221,7 @@ def profile_and_plan(
     distributed_mode: str | None = None,
     loss_chunks: LossChunks | None = None,
     fixed_loss_chunk_tokens: int | None = None,
+    device_step_search: bool = False,
 ) -> tuple[Plan, PlanProblem | None]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
@@ -238,7 +239,9 @@ def profile_and_plan(
     (``protrain.plan.loss_chunk``); the plan's ``chunked_loss_tokens`` is the one to train
     with (None: the whole logits). Without it the loss is ``loss_fn``, as traced;
     ``fixed_loss_chunk_tokens`` its chunk where the user fixed one (named by the error of a
-    trace that runs out of memory)."""
+    trace that runs out of memory). ``device_step_search``: the search also chooses how many
+    offloaded chunks step on the device (``n_device_step``, ``optim/device_step.py``; a
+    fixed ``n_device_step`` in ``fixed_knobs`` is kept)."""
     device = _device(device)
     ctx = resolve_context(process_group)
     if distributed_mode is not None and distributed_mode not in MODES:
@@ -264,6 +267,7 @@ def profile_and_plan(
         clipping=clipping,
         loss_chunks=loss_chunks,
         fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
+        device_step_search=device_step_search,
     )
     if not ctx.is_distributed:
         return _plan_here(**kwargs)
@@ -298,6 +302,7 @@ def _plan_here(
     fixed_loss_chunk_tokens: int | None = None,
     world: World = SINGLE,
     mode_fixed: bool = True,
+    device_step_search: bool = False,
 ) -> tuple[Plan, PlanProblem]:
     """:func:`profile_and_plan` on this process: trace (unless given), then search."""
     t0 = time.perf_counter()
@@ -353,6 +358,7 @@ def _plan_here(
             chunk_size_fixed=chunk_size_bytes is not None,
             world=world,
             mode_fixed=mode_fixed,
+            device_step_search=device_step_search,
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":

@@ -140,6 +140,7 @@ def search_chunk_sizes(
     chunk_size_fixed: bool = False,
     world: World = SINGLE,
     mode_fixed: bool = True,
+    device_step_search: bool = False,
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes and, with several ranks and
     ``mode_fixed`` false, over both modes (``plan/world.py``), with the problem it solved;
@@ -148,14 +149,15 @@ def search_chunk_sizes(
         return _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
                              cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
                              clipping=clipping, chunk_size_fixed=chunk_size_fixed,
-                             world=world)  # fmt: skip
+                             world=world, device_step_search=device_step_search)  # fmt: skip
     found, errors = {}, []
     for mode in MODES:
         try:
             found[mode] = _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
                                         cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
                                         clipping=clipping, chunk_size_fixed=chunk_size_fixed,
-                                        world=world.with_mode(mode))  # fmt: skip
+                                        world=world.with_mode(mode),
+                                        device_step_search=device_step_search)  # fmt: skip
         except NoPlanFits as exc:
             errors.append(exc)
     if not found:
@@ -185,6 +187,7 @@ def _search_sizes(
     clipping: bool,
     chunk_size_fixed: bool,
     world: World,
+    device_step_search: bool = False,
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
@@ -231,6 +234,7 @@ def _search_sizes(
             fixed_knobs=fixed,
             clipping=clipping,
             world=world,
+            device_step_search=device_step_search,
         )
         for size, p in profiles.items()
     }

@@ -278,6 +278,11 @@ class MemoryConfig(StrictModel):
         description="Offloaded chunks (the last in forward order) whose AdamW runs on the GPU, "
         "their fp32 masters and Adam moments streamed over the host link; default 0.",
     )
+    device_step_search: bool = Field(
+        False,
+        description="With memory.auto: the plan also chooses n_device_step (the offloaded "
+        "chunks whose AdamW runs on the GPU), where it is not set.",
+    )
     chunk_size: ByteSize | None = Field(None, description="Chunk size; default: least waste.")
     n_swap: int | None = Field(None, ge=0, description="Blocks whose activations go to the host.")
     n_checkpoint: int | None = Field(None, ge=0, description="Blocks recomputed in backward.")
@@ -315,6 +320,11 @@ class MemoryConfig(StrictModel):
             raise ValueError(
                 f"memory.n_device_step = {self.n_device_step} needs the chunked engine: set "
                 "memory.n_persist (the chunks kept on the GPU; the others are offloaded)"
+            )
+        if self.device_step_search and not self.auto:
+            raise ValueError(
+                "memory.device_step_search = true is read only by the planner: set "
+                "memory.auto = true, or set memory.n_device_step yourself"
             )
         if self.auto and self.offload_checkpoint:
             raise ValueError(

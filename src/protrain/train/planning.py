@@ -99,6 +99,8 @@ class PlanSettings:
     distributed_mode: str | None = None
     # The smallest loss chunk searched where chunked_loss_tokens is not set (plan/loss_chunk).
     loss_chunk_floor_tokens: int = LOSS_CHUNK_FLOOR_TOKENS
+    # memory.device_step_search: the search chooses n_device_step too
+    device_step_search: bool = False
 
     @classmethod
     def from_config(
@@ -121,6 +123,7 @@ class PlanSettings:
             clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
             distributed_mode=mem.mode,
             loss_chunk_floor_tokens=LOSS_CHUNK_FLOOR_TOKENS,
+            device_step_search=mem.device_step_search,
         )
 
 
@@ -141,6 +144,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
                 fixed_knobs=fixed_knobs,
                 clipping=settings.clipping,
                 distributed_mode=settings.distributed_mode,
+                device_step_search=settings.device_step_search,
             )
         except NoPlanFits as exc:
             raise ConfigError(no_plan_fits_message(exc, settings)) from None
