@@ -484,7 +484,7 @@ def _choose_device_step(problem: PlanProblem, rows: list[list[int]]) -> tuple[in
         dev_time = np.concatenate([[0.0], np.cumsum(rt.device_step_chunk_s(chunks)[::-1])])
         balance = int(np.argmax(dev_time >= host_left))
         room = problem.gpu_budget_bytes - base["peak_bytes"]
-        most = 0  # the device bytes grow with d
+        most = 0  # the staging sets' bytes never shrink as d grows (capped at a piece)
         while most < len(chunks) and (
             sum(problem.memory.device_step_terms(n_p, most + 1).values()) <= room
         ):
@@ -522,8 +522,8 @@ def _fixed_device_step(problem: PlanProblem, rows: list[list[int]], d: int):
     if best is None:
         raise NoPlanFits(
             f"n_device_step={d} fits none of the {len(rows)} fastest plans of the budget of "
-            f"{problem.gpu_budget_bytes / _GIB:.2f} GiB (its staging and gradients take device "
-            "memory, and it needs that many offloaded trainable chunks): use a smaller "
+            f"{problem.gpu_budget_bytes / _GIB:.2f} GiB (its staging sets take device memory, "
+            "and it needs that many offloaded trainable chunks): use a smaller "
             "n_device_step, or leave it to the planner",
             None,
         )
