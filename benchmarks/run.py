@@ -95,7 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-id", help="rows measured side by side share one (default: new)")
     p.add_argument("--commit", help="default: git rev-parse --short HEAD")
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no budget")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.device_step_search and not args.auto:
+        p.error("--device-step-search is read only by the planner: add --auto, or fix "
+                "--n-device-step yourself")  # fmt: skip
+    return args
 
 
 def git_commit() -> str:

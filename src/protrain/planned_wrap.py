@@ -100,6 +100,11 @@ def wrap(
         "n_device_step": n_device_step or 0,
     }
     plan = None
+    if device_step_search and gpu_budget is None:
+        raise ValueError(
+            "protrain.wrap: device_step_search=True is read only by the planner: give "
+            "gpu_budget= (and sample_batch=), or set n_device_step yourself"
+        )
     if gpu_budget is not None:
         # the engine's own checks first: a bad argument is refused before a trace
         target = engine.wrap_target(

@@ -90,24 +90,32 @@ def test_device_step_equals_host_step(kind, mode, fp16, resume, monkeypatch):
         protrain.close(model)
 
 
-def test_device_step_in_backward_without_clipping(monkeypatch):
+@pytest.mark.parametrize("accum", [1, ACCUM])
+def test_device_step_in_backward_without_clipping(monkeypatch, accum):
     """Armed by step_in_backward(): every chunk's update starts in backward as soon as its
-    gradients are complete, the device-stepped ones on the device; the same bits as the host
-    path."""
+    gradients are complete, the device-stepped ones on the device when the window has one
+    micro-batch (with more, their last gradients are added on the host, and step() steps
+    them rather than the backward's thread waiting for those adds); the same bits as the
+    host path."""
     monkeypatch.setattr(device_step, "PIECE_NUMEL", 48)
     base = build("llama")
-    data = batches("llama", STEPS * ACCUM)
+    data = batches("llama", STEPS * accum)
 
     def run(n):
         model, opt, _ = _wrap(base, n)
         for step in range(STEPS):
-            for mb in range(ACCUM):
-                if mb == ACCUM - 1:
+            for mb in range(accum):
+                if mb == accum - 1:
                     opt.step_in_backward()
-                (model(**data[step * ACCUM + mb]).loss / ACCUM).backward()
-            if n:  # both device-stepped chunks stepped inside the backward
-                assert opt.stats["device_steps"] == 2 * (step + 1)
+                (model(**data[step * accum + mb]).loss / accum).backward()
+            # both device-stepped chunks stepped inside the backward (one call each), or
+            # neither, and then both in one call of step()
+            before, after = (2 * (step + 1),) * 2 if accum == 1 else (step, step + 1)
+            if n:
+                assert opt.stats.get("device_steps", 0) == before
             opt.step()
+            if n:
+                assert opt.stats["device_steps"] == after
             opt.zero_grad()
         out = copy.deepcopy(_states(model, opt))
         protrain.close(model)

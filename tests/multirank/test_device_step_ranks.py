@@ -1,7 +1,7 @@
 """Device-stepped offloaded chunks (``optim/device_step.py``) on gloo ranks compute bit for
 bit what the host AdamW computes there: the replicated mode (gradients all-reduced chunk by
 chunk) and the sharded mode (each rank steps its own shard of the chunk on the device, from a
-shard-sized device accumulator), accumulation 2, clipping on, one and two device-stepped
+its shard of the host accumulator), accumulation 2, clipping on, one and two device-stepped
 chunks: at 2 ranks full fine-tuning and LoRA (and fp16 loss scaling), at 3 ranks full
 fine-tuning (uneven shards: some parameters own no element on a rank). Pieces of 48 elements
 cut the shards inside. The device-stepped chunks' reduced gradients (the shards, in the

@@ -125,6 +125,13 @@ def test_protrain_wrap_asks_the_search_for_device_steps_only_when_told(monkeypat
     assert seen and all(s is asked for s in seen)
 
 
+def test_device_step_search_without_a_budget_is_refused():
+    import protrain
+
+    with pytest.raises(ValueError, match="device_step_search=True is read only by the planner"):
+        protrain.wrap(tiny_llama.build(), device="cpu", device_step_search=True)
+
+
 def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
     """Above the work bound every size is screened by a search without swap, and the full
     search runs at the size that screened fastest."""

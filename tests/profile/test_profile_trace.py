@@ -137,6 +137,17 @@ def test_free_running_step_and_chunk_blocks(traced):
     assert all(-1 <= f <= profile.n_blocks for f in first)
 
 
+def test_the_plain_layout_is_measured_only_within_the_budget():
+    """The step with nothing recomputed runs only if the checkpointed step's peak plus
+    every block's saved bytes (and a quarter more) fit the plan's budget."""
+    model = tiny_llama.build()
+    inside = trace_model(model, tiny_llama.batch(), device="cpu", gpu_budget_bytes=1 << 40)
+    assert inside.free_keep_fwd_bwd_s is not None
+    tight = trace_model(model, tiny_llama.batch(), device="cpu", gpu_budget_bytes=1)
+    assert tight.free_keep_fwd_bwd_s is None
+    assert "free_running_step_keep" not in tight.trace_phases_s
+
+
 def test_trace_times_its_parts(traced):
     """Each part of the trace is timed (where a long plan time goes), the parts cover the
     trace, and the record survives a round trip through JSON."""

@@ -44,7 +44,8 @@ copy-in of it (:meth:`DeviceStep.grads_read`, on ``grad_offload_stream``).
 Unscaling (fp16) and clipping are done on each staged piece of gradients, on the device,
 with the kernels and the order of the host step task (unscale, then the clip coefficient,
 each one fp32 multiplication an element), so the result equals the host path's. The host
-accumulator is not changed.
+accumulator is not changed (the host task scales its chunk's in place), so a gradient norm
+read after ``step()`` and before ``zero_grad()`` sees these chunks' gradients unclipped.
 
 Several ranks: gradients arrive from the reducer (``distributed/grad_reducer.py``) after
 backward's reductions and take the host path as a host-stepped chunk's do, and ``step()``

@@ -364,10 +364,14 @@ class HybridAdamW(torch.optim.Optimizer):
         }
         # A device-stepped chunk steps once its whole gradient is on its way to the host (its
         # copy-in waits for the copies); with several ranks in step(), after the reductions
-        # (the reducer hands gradients over on its own stream).
+        # (the reducer hands gradients over on its own stream). Not in the last backward of
+        # an accumulation window either: its gradients are then added on the host, and the
+        # step's wait for those adds would hold the backward's thread (step() steps it).
         if self._device_step is not None and self._sink.reducer is None:
             for ci in self._device_step.chunk_ids():
-                pieces[(ci, _DEVICE)] = self._manager.chunks[ci].trainable_slots
+                slots = self._manager.chunks[ci].trainable_slots
+                if not any(s.has_grad for s in slots):
+                    pieces[(ci, _DEVICE)] = slots
         self._sink.watch(pieces, self._start_in_backward)
 
     def _start_in_backward(self, key: tuple[int, int]) -> None:

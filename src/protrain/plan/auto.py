@@ -137,6 +137,7 @@ def profile_model(
         chunk_size_bytes=table.chunk_size_bytes,
         loss_fn=loss_fn,
         tiled_mlp_tokens=tiled_mlp_tokens,
+        gpu_budget_bytes=gpu_budget_bytes,
     )
     attempts = [n_persist] if n_persist == 0 else [n_persist, 0]
     for i, n in enumerate(attempts):

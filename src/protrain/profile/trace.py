@@ -546,15 +546,21 @@ def _fastest_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, c
 _KEEP_ALL_MARGIN = 1.25
 
 
-def _keep_all_fits(device: torch.device, traced_peak: int, saved: list[int]) -> bool:
+def _keep_all_fits(
+    device: torch.device, traced_peak: int, saved: list[int], budget: int | None = None
+) -> bool:
     """Whether a step with no block recomputed fits: see [Note: the plain layout measured].
-    ``traced_peak``: the checkpointed step's allocated peak (model states included)."""
+    ``traced_peak``: the checkpointed step's allocated peak (model states included);
+    ``budget``: the plan's device budget, bytes (None: the device's own limit only)."""
+    need = traced_peak + _KEEP_ALL_MARGIN * sum(saved)
+    if budget is not None and need > budget:
+        return False
     if device.type != "cuda":
         return True
     free, total = torch.cuda.mem_get_info(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _d: 1.0)(device)
     limit = min(total * fraction, torch.cuda.memory_reserved(device) + free)
-    return traced_peak + _KEEP_ALL_MARGIN * sum(saved) <= limit
+    return need <= limit
 
 
 def _keep_all_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait):
@@ -629,6 +635,7 @@ def trace_model(
     loss_fn: LossFn = hf_loss,
     steps: int = 2,
     tiled_mlp_tokens: int | None = None,
+    gpu_budget_bytes: int | None = None,
 ) -> ModelProfile:
     """Trace ``model`` at ``sample_batch`` under the chunk engine; return its profile.
     The trace runs on this process alone, whatever process group is initialized: with
@@ -638,7 +645,8 @@ def trace_model(
     persistent); the caller picks ``n_persist=0`` for a model that does not fit. The model
     is unchanged afterwards (wrapped with ``lr=0`` and closed again). ``loss_fn`` is the
     training loss (e.g. a chunked loss); ``tiled_mlp_tokens`` traces with tiled MLPs, as
-    training will run them.
+    training will run them. ``gpu_budget_bytes``: the plan's device budget, which the step
+    with nothing recomputed must fit to be measured ([Note: the plain layout measured]).
     """
     from protrain.activations import apply_activation_knobs
     from protrain.engine import wrap as engine_wrap
@@ -769,7 +777,9 @@ def trace_model(
         )
         phase("free_running_step")
         free_keep = None
-        if not manager.offloaded and _keep_all_fits(device, tracer.max_allocated, saved):
+        if not manager.offloaded and _keep_all_fits(
+            device, tracer.max_allocated, saved, gpu_budget_bytes
+        ):
             handle.remove()
             handle = apply_activation_knobs(
                 model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
