@@ -207,3 +207,32 @@ def test_split_pieces_cuts_tensors_at_lane_units():
         for s in p:
             covered.setdefault(id(s.slot), []).append((s.lo, s.hi))
     assert [sum(b - a for a, b in covered[id(s)]) for s, _, _ in items] == [40, 7, 100]
+
+
+def test_device_step_merges_copies_of_back_to_back_tensors(monkeypatch):
+    """A LoRA piece holds many small tensors whose masters, accumulators and moments lie back
+    to back on the host: each kind crosses in as a few merged copies, not one per tensor and
+    kind (session 18's review: the kinds alternated, so no two copies ever merged)."""
+    monkeypatch.setattr(device_step, "PIECE_NUMEL", 1 << 20)  # one piece holds every tensor
+    base = lora(build("llama"), "llama")
+    data = batches("llama", 1)
+    model, opt, _ = _wrap(base, 2)
+    seen = []
+    merged = device_step._merged
+
+    def counting(pairs):
+        out = merged(pairs)
+        seen.append((len(pairs), len(out)))
+        return out
+
+    monkeypatch.setattr(device_step, "_merged", counting)
+    model(**data[0]).loss.backward()
+    opt.step()
+    chunks = opt._device_step.chunk_ids()
+    tensors = sum(len(opt._manager.chunks[ci].trainable_slots) for ci in chunks)
+    # one call per kind (4 in, 3 out), each over every tensor of the piece
+    assert len(chunks) == 2 and tensors >= 4
+    assert [n for n, _ in seen] == [tensors] * 7, seen
+    # one copy per chunk and kind: a chunk's tensors lie back to back (one param group here)
+    assert [out for _, out in seen] == [len(chunks)] * 7, seen
+    protrain.close(model)

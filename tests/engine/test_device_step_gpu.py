@@ -142,3 +142,27 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
     for name in plain:
         torch.testing.assert_close(dev[name], plain[name], rtol=1e-5, atol=1e-5)
     assert worst(dev) <= 1.5 * worst(host) + 1e-6
+
+
+def test_device_step_never_synchronizes(monkeypatch):
+    """The device step only enqueues: nothing in it waits for the device (torch's sync debug
+    mode raises on any synchronizing call). In an armed backward it runs on the autograd
+    thread, so one wait there leaves the GPU idle for the copies' duration; in session 19 the
+    step counts' pageable copy did that once a piece (+0.25 s a step on full-3b)."""
+    monkeypatch.setattr(device_step, "PIECE_NUMEL", 4096)
+    step = device_step.DeviceStep.step
+    calls = []
+
+    def strict(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            calls.append(1)
+
+    monkeypatch.setattr(device_step.DeviceStep, "step", strict)
+    base = lora(build("llama"), "llama")
+    data = batches("llama", STEPS * ACCUM)
+    _, _, stats = _engine(base, data, False, 1)  # armed backward: steps inside it
+    assert len(calls) >= STEPS and stats["device_step_h2d_bytes"] > 0
