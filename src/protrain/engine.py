@@ -45,6 +45,7 @@ from protrain.chunks.shard import shard_multiple
 from protrain.distributed import ChunkCollectives, DistContext, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
 from protrain.model.readers import DirectReads, direct_reads
+from protrain.optim.adamw_8bit import check_optimizer
 from protrain.optim.device_step import DeviceStep
 from protrain.optim.hybrid_adamw import HybridAdamW, check_hyperparameters
 from protrain.optim.loss_scaler import LossScaler
@@ -376,6 +377,7 @@ def wrap(
     grad_reduce: str = "mean",
     plan=None,
     n_device_step: int = 0,
+    optimizer: str = "adamw",
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks with the knobs given and return ``(model,
     optimizer, layout)``. The engine takes knobs, never a budget: ``protrain.wrap``
@@ -384,7 +386,7 @@ def wrap(
     ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
     chunks resident at once (None: a small default, at least what one module or block
     needs). ``compute_dtype``: float32 (default on CPU), bfloat16 (default on CUDA) or
-    float16; trainable parameters keep fp32 masters and fp32 optimizer state either way.
+    float16; trainable parameters keep fp32 masters either way.
     float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
     ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
     ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
@@ -406,6 +408,9 @@ def wrap(
     ``n_device_step``: offloaded chunks (the last ones in forward order) whose AdamW runs on
     the device, their masters and moments streamed over the link, instead of on the host
     (``protrain/optim/device_step.py``); in the sharded mode each rank steps its own shards.
+    ``optimizer``: ``"adamw"`` (fp32 moments) or ``"adamw_8bit"``: the persistent chunks'
+    moments are bitsandbytes' blockwise 8-bit state, stepped by its AdamW8bit; offloaded
+    chunks keep fp32 moments on the host (``protrain/optim/adamw_8bit.py`` says why).
     ``plan``: the decision these knobs came from, kept for :func:`plan_of`; the engine does
     not read it.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
@@ -431,6 +436,7 @@ def wrap(
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
         raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
+    check_optimizer(optimizer)
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = params_in_order(model)
@@ -497,6 +503,7 @@ def wrap(
             scaler=scaler,
             sink=sink,
             device_step=device_step,
+            optimizer=optimizer,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)

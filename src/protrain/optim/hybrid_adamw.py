@@ -15,6 +15,11 @@ out (``optim/device_step.py``): in ``step()`` after the host tasks are queued, o
 ``step_in_backward()`` on one rank, from inside the backward once the chunk's whole
 gradient is on its way to the host.
 
+With ``optimizer="adamw_8bit"`` the persistent chunks' moments are bitsandbytes' blockwise
+8-bit state, stepped by its ``AdamW8bit`` instead of the fused AdamW (``optim/adamw_8bit.py``);
+offloaded chunks keep fp32 moments on the host either way (see [Note: 8-bit state on the
+host] there).
+
 To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
 parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
 torch's, and ``load_state_dict`` takes that format back.
@@ -93,6 +98,12 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.optim.adamw_8bit import (
+    DeviceAdamW8bit,
+    check_optimizer,
+    device_adamw,
+    device_state_keys,
+)
 from protrain.optim.device_step import DeviceStep
 from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.loss_scaler import LossScaler
@@ -142,7 +153,10 @@ class HybridAdamW(torch.optim.Optimizer):
         scaler: LossScaler | None = None,
         sink: GradSink | None = None,
         device_step: DeviceStep | None = None,
+        optimizer: str = "adamw",
     ):
+        check_optimizer(optimizer)
+        self.optimizer_name = optimizer  # "adamw" or "adamw_8bit" (optim/adamw_8bit.py)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._ready = False
         super().__init__(param_groups, defaults)
@@ -180,8 +194,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._ready = True
 
     def _inner(self, slots: list[ParamSlot]):
-        """A fused torch AdamW over the masters of ``slots`` (the persistent chunks', on the
-        device); inner group -> outer group."""
+        """The device optimizer over the masters of ``slots`` (the persistent chunks'):
+        torch's fused AdamW, or bitsandbytes' 8-bit AdamW; inner group -> outer group."""
         if not slots:
             return None
         groups, group_map = [], []
@@ -190,7 +204,7 @@ class HybridAdamW(torch.optim.Optimizer):
             if masters:
                 groups.append({"params": masters, **{k: g[k] for k in _HYPER}})
                 group_map.append(gi)
-        return torch.optim.AdamW(groups, fused=True), group_map
+        return device_adamw(groups, self.optimizer_name), group_map
 
     def add_param_group(self, param_group: dict) -> None:
         if self._ready:
@@ -697,11 +711,20 @@ class HybridAdamW(torch.optim.Optimizer):
             if not st:
                 opt.state.pop(s.master, None)
                 continue
-            opt.state[s.master] = {
-                k: (_own(k, v, s).to(s.master.device, torch.float32, copy=True)
-                    if torch.is_tensor(v) else v)
-                for k, v in st.items()
-            }  # fmt: skip
+            if self._manager.chunks[s.chunk].persistent:
+                self._check_device_state(s, pid, st)
+            opt.state[s.master] = {k: _loaded(opt, k, v, s) for k, v in st.items()}
+
+    def _check_device_state(self, s: ParamSlot, pid, st: dict) -> None:
+        """A persistent parameter's saved state has the keys its device optimizer keeps (a
+        checkpoint of the other ``optimizer`` choice is refused, not misread)."""
+        want = device_state_keys(self.optimizer_name, s.master.numel())
+        if set(st) != want:
+            raise ValueError(
+                f"optimizer state_dict does not match: parameter {pid} ({s.name}) has state "
+                f"keys {sorted(st)}; optimizer={self.optimizer_name!r} keeps {sorted(want)} "
+                "for it (was the checkpoint saved with the other optimizer choice?)"
+            )
 
     def close(self) -> None:
         """Close the whole engine (see :func:`protrain.close`)."""
@@ -730,6 +753,19 @@ def _own(key: str, value: torch.Tensor, s: ParamSlot) -> torch.Tensor:
         return value
     lo, hi = s.shard
     return value.reshape(-1)[lo:hi]
+
+
+def _loaded(opt, key: str, value, s: ParamSlot):
+    """A saved state value as ``s``'s optimizer keeps it: a copy on the master's device,
+    floating point as fp32 (torch's Adam state), bitsandbytes' uint8 state as uint8, and
+    its quantization maps shared again."""
+    if not torch.is_tensor(value):
+        return value
+    dtype = torch.float32 if value.is_floating_point() else value.dtype
+    out = _own(key, value, s).to(s.master.device, dtype, copy=True)
+    if isinstance(opt, DeviceAdamW8bit) and key in ("qmap1", "qmap2"):
+        return opt.shared_qmap(key, out)
+    return out
 
 
 def _refuse_if_discarded(manager: ChunkManager, what: str) -> None:
