@@ -18,6 +18,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import protrain
 from protrain.engine import wrap
 from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, state_bytes_8bit
+from protrain.plan.memory import device_optimizer_bytes
+from protrain.profile.chunk_table import chunk_table
 
 bnb = pytest.importorskip("bitsandbytes")
 
@@ -232,3 +234,35 @@ def test_state_bytes_8bit_is_what_bitsandbytes_allocates():
 def test_8bit_engine_equals_bitsandbytes_adamw8bit_on_cuda():
     """The same comparison in fp32 on the GPU: bitsandbytes' CUDA kernels on both sides."""
     _compare("cuda", lambda m: None, tol=1e-6)
+
+
+def test_memory_model_bounds_the_8bit_state_the_engine_holds():
+    """plan/memory.py's per-chunk count against the masters and state the wrapped model
+    holds after a step: never below, at most 24 KiB a tensor above (its bound)."""
+    base = build()
+    table = chunk_table(base, compute_dtype=torch.float32)
+    data = batches(ACCUM)
+    model, opt, layout = wrap(
+        base, lr=LR, device="cpu", chunk_size_bytes=table.chunk_size_bytes, optimizer="adamw_8bit"
+    )
+    assert layout.n_chunks == table.n_chunks
+    train_engine(model, opt, data, steps=1)
+    sd = opt.state_dict()["state"]
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    index = {n: i for i, n in enumerate(names)}
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    state_keys = ("state1", "state2", "absmax1", "absmax2")
+    held = [
+        sum(
+            4 * sizes[n] + sum(sd[index[n]][k].nbytes for k in state_keys if k in sd[index[n]])
+            for n in c.param_names
+        )  # fmt: skip
+        for c in layout.chunks
+    ]
+    protrain.close(model)
+    bound = device_optimizer_bytes(table.trainable_numel, table.trainable_tensors, "adamw_8bit")
+    fp32 = device_optimizer_bytes(table.trainable_numel, table.trainable_tensors)
+    for c, (h, b, f) in enumerate(zip(held, bound, fp32)):
+        assert h <= b <= h + (6 * (MIN_8BIT_SIZE - 1) + 8) * table.trainable_tensors[c], c
+        assert b <= f, c  # and never above torch's fp32 state
+    assert bound.sum() < 0.8 * fp32.sum()

@@ -5,7 +5,15 @@
 
 - **model states**: for each persistent chunk, its bytes, and per trainable parameter in it
   the fp32 master and the two fp32 Adam moments (12 bytes per parameter) plus Adam's 4-byte
-  step tensor per trainable tensor; exact, from the layout.
+  step tensor per trainable tensor; exact, from the layout. With ``optimizer="adamw_8bit"``
+  the moments are bitsandbytes' 8-bit state (``optim/adamw_8bit.py``): 2 bytes a parameter,
+  an fp32 absmax per 256 elements of a tensor, the two quantization maps once, no step
+  tensor (a Python int), and fp32 moments for tensors under its ``MIN_8BIT_SIZE``. The
+  table has each chunk's trainable elements and tensors, not each tensor's size, so this
+  count is a bound (exact for a chunk of one trainable tensor): every tensor's last block
+  counted whole, and up to ``MIN_8BIT_SIZE - 1`` elements per tensor counted as small (at
+  most 24 KiB a tensor over), never more than fp32 moments. The host's state is fp32
+  either way.
 - **buffer pool**: ``n_buffer`` chunks.
 - **activations**: the traced step (every block checkpointed) gives the peak of every interval
   between block hooks, relative to the step's start (see ``protrain.profile.trace``). A plan's
@@ -47,6 +55,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from protrain.optim.adamw_8bit import BLOCK, MIN_8BIT_SIZE, QMAP_BYTES, check_optimizer
 from protrain.optim.device_step import PIECE_NUMEL, staging_bytes
 from protrain.plan.world import SINGLE, World
 from protrain.profile.trace import ModelProfile
@@ -56,6 +65,25 @@ ADAM_DEVICE_BYTES_PER_PARAM = 12  # fp32 master, exp_avg, exp_avg_sq
 ADAM_STEP_BYTES_PER_TENSOR = 4  # fused AdamW's fp32 step count per parameter tensor
 GRAD_PIECE_NUMEL = 1 << 26  # runtime.grad_offload casts offloaded gradients in such pieces
 _ALIGN = 64
+
+
+def device_optimizer_bytes(
+    trainable_numel: np.ndarray, trainable_tensors: np.ndarray, optimizer: str = "adamw"
+) -> np.ndarray:
+    """Per persistent chunk: the device bytes of its fp32 masters and optimizer state (see
+    the module note: exact for ``"adamw"``, a bound for ``"adamw_8bit"``); the 8-bit
+    quantization maps, allocated once, are not in it."""
+    trn = np.asarray(trainable_numel, dtype=np.int64)
+    tensors = np.asarray(trainable_tensors, dtype=np.int64)
+    check_optimizer(optimizer)
+    if optimizer == "adamw":
+        return ADAM_DEVICE_BYTES_PER_PARAM * trn + ADAM_STEP_BYTES_PER_TENSOR * tensors
+    absmax = 8 * (trn // BLOCK + tensors)  # two fp32 per block; each tensor's tail a block
+    small = 6 * np.minimum(trn, tensors * (MIN_8BIT_SIZE - 1))  # fp32 moments: 8, not 2
+    bound = np.minimum(6 * trn + absmax + small, 12 * trn)  # never more than fp32 moments
+    # a chunk of one trainable tensor: exact
+    one = np.where(trn < MIN_8BIT_SIZE, 12 * trn, 6 * trn + 8 * (-(-trn // BLOCK)))
+    return np.where(tensors == 1, one, bound)
 
 
 def _align(n: np.ndarray) -> np.ndarray:
@@ -81,22 +109,27 @@ def policy_matrix(n_blocks: int, n_swap: np.ndarray, n_checkpoint: np.ndarray) -
 class MemoryModel:
     """The terms above, precomputed from a profile for fast evaluation of many knobs."""
 
-    def __init__(self, profile: ModelProfile, world: World = SINGLE):
+    def __init__(self, profile: ModelProfile, world: World = SINGLE, optimizer: str = "adamw"):
         self.profile = profile
         self.world = world
+        self.optimizer = optimizer  # optim/adamw_8bit.py: the persistent chunks' state
         t = profile.chunks
         self.chunk_bytes = t.chunk_size_bytes
         self.n_chunks = t.n_chunks
         trn = np.asarray(t.trainable_numel, dtype=np.int64)
         self._trn = trn
         tensors = np.asarray(t.trainable_tensors, dtype=np.int64)
-        per_chunk = (
-            self.chunk_bytes
-            + ADAM_DEVICE_BYTES_PER_PARAM * trn
-            + ADAM_STEP_BYTES_PER_TENSOR * tensors
-        )
         # model_states[k]: the first k chunks persistent
-        self.model_states = np.concatenate([[0], np.cumsum(per_chunk)])
+        self.model_states = np.concatenate(
+            [[0], np.cumsum(self.chunk_bytes + device_optimizer_bytes(trn, tensors, optimizer))]
+        )
+        if optimizer == "adamw_8bit":  # the quantization maps, once the first 8-bit tensor is
+            big = np.asarray(t.max_trainable_numel, dtype=np.int64) >= MIN_8BIT_SIZE
+            self.model_states[1:] += np.where(np.cumsum(big) > 0, QMAP_BYTES, 0)
+        # the trace's own model states: it steps with torch's AdamW
+        traced_model_states = np.concatenate(
+            [[0], np.cumsum(self.chunk_bytes + device_optimizer_bytes(trn, tensors))]
+        )
         # host: offloaded chunk copies, fp32 master + accumulator + low-precision landing
         # place per trainable parameter, fp32 Adam moments + step on the host
         itemsize = np.asarray(t.trainable_bytes, dtype=np.int64) // np.maximum(trn, 1)
@@ -122,7 +155,7 @@ class MemoryModel:
         # (module buffers, library workspaces): measured, and the same for every plan.
         self.other_resident = 0
         if profile.step_start_bytes is not None:
-            traced_states = int(self.model_states[min(profile.trace_n_persist, self.n_chunks)])
+            traced_states = int(traced_model_states[min(profile.trace_n_persist, self.n_chunks)])
             self.other_resident = max(0, profile.step_start_bytes - traced_states)
         self._prepare_activations()
 

@@ -1,0 +1,52 @@
+"""The memory model with ``optimizer="adamw_8bit"`` (``plan/memory.py``): persistent chunks
+count bitsandbytes' 8-bit state, the host and the trace's own states stay fp32. Synthetic
+profiles: no trace."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from plan_synthetic import profile
+
+from protrain.optim.adamw_8bit import QMAP_BYTES
+from protrain.plan.memory import MemoryModel, device_optimizer_bytes
+
+
+def test_8bit_model_states_count_the_8bit_state_and_nothing_else_changes():
+    p = profile(6, 8)
+    p = dataclasses.replace(p, step_start_bytes=int(1.5e9))
+    fp32 = MemoryModel(p)
+    q = MemoryModel(p, optimizer="adamw_8bit")
+    t = p.chunks
+    per_chunk = t.chunk_size_bytes + device_optimizer_bytes(
+        t.trainable_numel, t.trainable_tensors, "adamw_8bit"
+    )
+    want = np.concatenate([[0], np.cumsum(per_chunk)])
+    big = np.cumsum(np.asarray(t.max_trainable_numel) >= 4096) > 0
+    want[1:] += np.where(big, QMAP_BYTES, 0)
+    assert np.array_equal(q.model_states, want)
+    assert (q.model_states[1:] < fp32.model_states[1:]).all()
+    # the host keeps fp32 moments; the trace's resident rest is read against its fp32 states
+    assert np.array_equal(q.host_suffix, fp32.host_suffix)
+    assert q.other_resident == fp32.other_resident > 0
+    for n_persist in (0, 3, 8):
+        a, b = fp32.terms(n_persist, 2, 0, 6), q.terms(n_persist, 2, 0, 6)
+        assert {k: v for k, v in a.items() if k != "model_states"} == {
+            k: v for k, v in b.items() if k != "model_states"
+        }
+
+
+def test_8bit_bytes_of_a_one_tensor_chunk_are_exact():
+    # one tensor per chunk: bitsandbytes' state of that tensor plus its fp32 master
+    trn = np.asarray([100, 4095, 4096, 1 << 24, (1 << 24) + 1])
+    got = device_optimizer_bytes(trn, np.ones_like(trn), "adamw_8bit")
+    want = [12 * 100, 12 * 4095, 6 * 4096 + 8 * 16, 6 * (1 << 24) + 8 * (1 << 16),
+            6 * ((1 << 24) + 1) + 8 * ((1 << 16) + 1)]  # fmt: skip
+    assert got.tolist() == want
+
+
+def test_unknown_optimizer_is_refused():
+    with pytest.raises(ValueError, match="'adamw', 'adamw_8bit'"):
+        MemoryModel(profile(2, 4), optimizer="lion")
