@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The next GPU session's calls, written in session 18 (not run yet). Run from a clean tree
+# Session 19's GPU calls (written in session 18). Run from a clean tree
 # at COMMIT (or a `git archive` of it), carrying .whl-ds (pydantic, pytest, DeepSpeed; see
 # benchmarks/README.md), WHL=.whl-ds.
 # PART=dstep1 (one GPU): the device step's GPU tests (gradients now on the host, streamed up
@@ -10,6 +10,10 @@
 #   24 GiB a GPU, 4 x 2048 a GPU, no clipping, in one run: auto sharded with and without
 #   --device-step-search, FSDP2 CPU offload; DeepSpeed ZeRO-3 offload with START=4 in a
 #   second call on the same warm machine (same RID) if the first runs out of time (#17).
+# PART=lora14b (one GPU): lora-14b at 24 GiB, auto beside FSDP2 CPU offload at batch 3 (its
+#   largest that fits) and 2 (issue 22: 3x at FSDP2's largest batch).
+# PART=fix (one GPU, WHL=.whl-lite): the device step's GPU tests, then full-3b auto with and
+#   without --device-step-search, after 7253d04 (the step enqueues without waiting).
 source benchmarks/sessions/lib.sh
 nvidia-smi -L; nproc; free -g | head -2
 install_ds() {
@@ -46,6 +50,17 @@ dstep2)
     "170 --workload full-8b $A" \
     "130 --workload full-8b --system fsdp2_offload" \
     "240 --workload full-8b --system ds_z3_offload"
+  ;;
+lora14b)
+  row 200 --workload lora-14b $A --out "$OUT/lora14b.jsonl"
+  row 130 --workload lora-14b --system fsdp2_offload --batch 3 --out "$OUT/lora14b.jsonl"
+  row 120 --workload lora-14b --system fsdp2_offload --batch 2 --out "$OUT/lora14b.jsonl"
+  ;;
+fix)
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_device_step_gpu.py \
+    2>&1 | grep -v "^  \|warn" | tail -6 | cut -c1-600
+  row 170 --workload full-3b $A --device-step-search --out "$OUT/fix.jsonl"
+  row 150 --workload full-3b $A --out "$OUT/fix.jsonl"
   ;;
 esac
 echo "elapsed $((SECONDS - T0)) s"
