@@ -557,8 +557,12 @@ class ChunkManager:
         sh = c.shard
         own = c.device_buffer[sh.start : sh.end]
         if not c.host_stale:
-            span.add(own.numel())
-            own.copy_(c.host_buffer, non_blocking=self.is_cuda)
+            # the shard's parameter bytes only: the chunk's padding past its last parameter
+            # is never read (a rank whose shard is all padding copies nothing)
+            n = min(sh.end, c.used_bytes) - sh.start
+            if n > 0:
+                span.add(n)
+                own[:n].copy_(c.host_buffer[:n], non_blocking=self.is_cuda)
         else:
             updating = c.update_future is not None and c.update_progress is not None
             for a, b in sh.clip_runs(c.byte_runs(trainable=False)):

@@ -1,0 +1,133 @@
+"""Every byte the chunk engine moves over the host-device link in a step, per rank, on gloo
+ranks in the sharded mode (bf16 compute on the CPU, where the copies are host-to-host and
+counted by the same counters as on CUDA).
+
+Per rank and step, with ``S`` the rank's shard of a chunk (the whole chunk on one rank):
+
+- a gather after a host update: the frozen bytes of ``S`` as they are, and 4 bytes a
+  trainable element of ``S`` (its fp32 master, cast on the device); the write-back then
+  copies the trainable bytes of ``S`` back (device-to-host);
+- any other gather: the parameter bytes of ``S`` (not the chunk's padding past its last
+  parameter, which nothing reads);
+- the gradients: 4 bytes a trainable element of ``S`` (the reduced shard, cast to fp32 on
+  the device).
+
+The per-rank counts equal that sum exactly, and over the ranks they equal what one process
+moves with the same layout (``tests/engine/test_copy_times.py`` pins the one-process counts
+to the runtime model's), including where a rank's shard of a gathered chunk is all padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from tests.engine.models import batches, lora
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import protrain
+from protrain.chunks.shard import ShardRange
+
+from .ranks import run_ranks
+
+STEPS = 3  # the first records the order of use; no update comes before it
+# a multiple of 64 * 2 and 64 * 3 that holds one MLP projection of _model() in bf16 (16 KiB)
+# and not two: those chunks end in 8 KiB of padding, the whole last shard at 3 ranks
+CHUNK = 64 * 6 * 64
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=224, hidden_size=32, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _run(adapter: bool, distributed: bool) -> list[tuple[int, int, list]]:
+    """Per step after the first: (h2d bytes, d2h bytes, the gathers as (chunk, after an
+    update)); each step asserts the bytes against the accounting of the module doc."""
+    model = _model()
+    model, opt, _ = protrain.wrap(
+        lora(model, "llama") if adapter else model,
+        device="cpu",
+        n_persist=1,
+        n_buffer=4 if adapter else 2,  # a LoRA block holds its (up to 4) chunks together
+        lr=1e-2,
+        chunk_size_bytes=CHUNK,
+        compute_dtype=torch.bfloat16,
+        distributed_mode="sharded" if distributed else None,
+        grad_reduce="sum",
+    )
+    manager = model._protrain_engine.manager
+    gathers: list[tuple[int, bool]] = []
+    copy_in = manager._copy_in_or_release
+
+    def spy(c):
+        gathers.append((c.index, c.host_stale))
+        copy_in(c)
+
+    manager._copy_in_or_release = spy
+    data = batches("llama", STEPS)
+    out = []
+    for step in range(STEPS):
+        before = dict(opt.stats)
+        gathers.clear()
+        model(**data[step]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        manager.settle_counters()
+        if step == 0:
+            continue
+        h2d = opt.stats["h2d_bytes"] - before["h2d_bytes"]
+        d2h = opt.stats["d2h_bytes"] - before["d2h_bytes"]
+        assert (h2d, d2h) == _expected(manager, gathers), (step, gathers)
+        out.append((h2d, d2h, list(gathers)))
+    protrain.close(model)
+    return out
+
+
+def _expected(manager, gathers: list[tuple[int, bool]]) -> tuple[int, int]:
+    """The module doc's sum over this step's gathers and gradients."""
+    h2d = d2h = 0
+    for ci, after_update in gathers:
+        c = manager.chunks[ci]
+        sh = c.shard or ShardRange(0, c.nbytes)
+        if after_update:
+            h2d += sum(b - a for a, b in sh.clip_runs(c.byte_runs(trainable=False)))
+            h2d += sum(4 * s.master.numel() for s in c.trainable_slots)
+            d2h += sum(b - a for a, b in sh.clip_runs(c.byte_runs(trainable=True)))
+        else:
+            h2d += max(0, min(sh.end, c.used_bytes) - sh.start)
+    d2h += sum(4 * s.master.numel() for c in manager.offloaded for s in c.trainable_slots)
+    return h2d, d2h
+
+
+def _check_ranks(rank: int, world: int, adapter: bool, single: list) -> None:
+    steps = _run(adapter, distributed=True)
+    assert len(steps) == len(single)
+    for (h2d, d2h, gathers), (h2d_1, d2h_1, gathers_1) in zip(steps, single):
+        assert gathers == gathers_1  # the same gathers as one process, in its order
+        total = torch.tensor([h2d, d2h], dtype=torch.int64)
+        dist.all_reduce(total)
+        assert total.tolist() == [h2d_1, d2h_1], (rank, total.tolist(), (h2d_1, d2h_1))
+
+
+@pytest.mark.parametrize(
+    ("world", "adapter"), [(2, False), (2, True), (3, False)], ids=["2-full", "2-lora", "3-full"]
+)
+def test_link_bytes_per_rank_are_the_shards_of_one_process(world, adapter):
+    single = _run(adapter, distributed=False)
+    # the cases of the padding rule: chunks ending in padding gathered in backward (not
+    # after an update); at 3 ranks their last shard holds no parameter byte
+    model, _, layout = protrain.wrap(_model(), device="cpu", n_persist=1, n_buffer=2,
+                                     chunk_size_bytes=CHUNK, compute_dtype=torch.bfloat16)  # fmt: skip
+    used = {spec.index: spec.used_bytes for spec in layout.chunks}
+    protrain.close(model)
+    again = {ci for _, _, gathers in single for ci, after in gathers if not after}
+    last_shard = CHUNK - CHUNK // world
+    assert any(used[ci] <= (last_shard if world == 3 else CHUNK - 1) for ci in again)
+    run_ranks(world, _check_ranks, adapter, single)
