@@ -266,3 +266,46 @@ def test_memory_model_bounds_the_8bit_state_the_engine_holds():
         assert h <= b <= h + (6 * (MIN_8BIT_SIZE - 1) + 8) * table.trainable_tensors[c], c
         assert b <= f, c  # and never above torch's fp32 state
     assert bound.sum() < 0.8 * fp32.sum()
+
+
+def test_state_dicts_share_no_memory_between_entries():
+    """A checkpoint writes each tensor under its own name (safetensors refuses shared
+    memory): bitsandbytes' one quantization map comes out as a copy per parameter, from the
+    engine's state_dict without copies and from plain_state_dict of AdamW8bit itself, which
+    also flattens bnb's nested state; that flat state loads back and steps the same."""
+    from protrain.optim.adamw_8bit import plain_state_dict
+
+    model, opt, _ = _wrap()
+    train_engine(model, opt, batches(ACCUM), steps=1)
+    tensors = [v for st in opt.state_dict(copy=False)["state"].values() for v in st.values()]
+    ptrs = [t.data_ptr() for t in tensors if torch.is_tensor(t) and t.numel() > 1]
+    assert len(ptrs) == len(set(ptrs))
+    protrain.close(model)
+
+    def plain(seed=0):
+        m = build(seed)
+        return m, bnb.optim.AdamW8bit(m.parameters(), lr=LR, weight_decay=WD)
+
+    def one_step(m, o, b):
+        m(**b).loss.backward()
+        o.step()
+        o.zero_grad()
+
+    data = batches(3)
+    m, o = plain()
+    one_step(m, o, data[0])
+    sd = plain_state_dict(o)
+    st = sd["state"][0]
+    assert not any(isinstance(v, dict) for v in st.values())
+    assert set(st) == {"step", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"}
+    ptrs = [v.data_ptr() for s in sd["state"].values() for v in s.values() if torch.is_tensor(v)]
+    assert len(ptrs) == len(set(ptrs))
+    sd = copy.deepcopy(sd)
+    m2, o2 = plain(seed=5)
+    m2.load_state_dict(m.state_dict())
+    o2.load_state_dict(sd)
+    for b in data[1:]:
+        one_step(m, o, b)
+        one_step(m2, o2, b)
+    for (name, a), b in zip(m.named_parameters(), m2.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)

@@ -33,6 +33,7 @@ QMAP_BYTES = 2 * 256 * 4  # the two fp32 quantization maps, shared by every tens
 STATE_KEYS_8BIT = {"step", "state1", "state2", "qmap1", "qmap2", "absmax1", "absmax2"}
 STATE_KEYS_32BIT = {"step", "state1", "state2"}  # bitsandbytes' state of a small tensor
 TORCH_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+QMAP_KEYS = ("qmap1", "qmap2")
 
 
 def check_optimizer(optimizer: str) -> None:
@@ -62,6 +63,21 @@ def device_state_keys(optimizer: str, numel: int) -> set[str]:
     if optimizer == "adamw_8bit":
         return STATE_KEYS_8BIT if numel >= MIN_8BIT_SIZE else STATE_KEYS_32BIT
     return TORCH_STATE_KEYS
+
+
+def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
+    """``opt.state_dict()`` with each parameter's state flat (bitsandbytes nests its 8-bit
+    tensors in one dict per parameter; its ``load_state_dict`` takes them flat too) and
+    every tensor its own (its quantization maps are one tensor for all parameters), so
+    that a checkpoint writes each tensor under its own name. torch's state is unchanged."""
+    sd = opt.state_dict()
+    state = {}
+    for i, st in sd["state"].items():
+        flat = {k: v for k, v in st.items() if not isinstance(v, dict)}
+        for nested in (v for v in st.values() if isinstance(v, dict)):
+            flat.update(nested)
+        state[i] = {k: v.clone() if k in QMAP_KEYS else v for k, v in flat.items()}
+    return {**sd, "state": state}
 
 
 def _bnb():

@@ -99,6 +99,7 @@ import torch
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.adamw_8bit import (
+    QMAP_KEYS,
     DeviceAdamW8bit,
     check_optimizer,
     device_adamw,
@@ -656,7 +657,9 @@ class HybridAdamW(torch.optim.Optimizer):
                 state[i] = {
                     k: whole[(id(s), k)]
                     if (id(s), k) in whole
-                    else v.detach().to("cpu", copy=copy)
+                    # bitsandbytes' maps are one tensor for every parameter: always copied
+                    # (1 KiB), so that no two entries of the dict share memory
+                    else v.detach().to("cpu", copy=copy or k in QMAP_KEYS)
                     if torch.is_tensor(v)
                     else v
                     for k, v in st.items()
@@ -763,7 +766,7 @@ def _loaded(opt, key: str, value, s: ParamSlot):
         return value
     dtype = torch.float32 if value.is_floating_point() else value.dtype
     out = _own(key, value, s).to(s.master.device, dtype, copy=True)
-    if isinstance(opt, DeviceAdamW8bit) and key in ("qmap1", "qmap2"):
+    if isinstance(opt, DeviceAdamW8bit) and key in QMAP_KEYS:
         return opt.shared_qmap(key, out)
     return out
 
