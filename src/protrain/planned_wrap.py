@@ -17,6 +17,7 @@ from torch import nn
 from protrain import engine
 from protrain.chunks.layout import ChunkLayout
 from protrain.distributed import NO_GROUP
+from protrain.optim.adamw_8bit import check_optimizer
 from protrain.optim.hybrid_adamw import HybridAdamW
 
 __all__ = ["wrap", "apply_plan", "plan_knobs"]
@@ -68,10 +69,12 @@ def wrap(
     grad_reduce: str = "mean",
     n_device_step: int | None = None,
     device_step_search: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
     """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
 
-    The knobs (``n_device_step`` among them), the optimizer settings, ``loss_scaling``,
+    The knobs (``n_device_step`` among them), the optimizer settings (``optimizer`` among
+    them: ``"adamw"`` or ``"adamw_8bit"``, which the plan counts), ``loss_scaling``,
     ``host_threads``,
     ``discard_offloaded_grads`` and several ranks are those of the engine's wrap
     (:func:`protrain.engine.wrap`, which documents them).
@@ -100,6 +103,7 @@ def wrap(
         "n_device_step": n_device_step or 0,
     }
     plan = None
+    check_optimizer(optimizer)  # before a trace
     if device_step_search and gpu_budget is None:
         raise ValueError(
             "protrain.wrap: device_step_search=True is read only by the planner: give "
@@ -137,6 +141,7 @@ def wrap(
             distributed_mode=distributed_mode if ctx.is_distributed else None,
             loss_chunks=loss_chunks,
             device_step_search=device_step_search,
+            optimizer=optimizer,
             **({"loss_fn": loss_fn} if loss_fn is not None else {}),
         )
         knobs = plan_knobs(plan)
@@ -159,6 +164,7 @@ def wrap(
         process_group=process_group,
         grad_reduce=grad_reduce,
         plan=plan,
+        optimizer=optimizer,
         **knobs,
     )
 
@@ -178,7 +184,7 @@ def apply_plan(
     Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
     undoes both (``activation_handle.remove()`` alone takes the policies off);
     ``protrain.plan_of(model)`` is ``plan``. ``wrap_kwargs`` are the optimizer settings of
-    the engine's wrap (lr, betas, eps, weight_decay, param_groups, grad_reduce).
+    the engine's wrap (lr, betas, eps, weight_decay, param_groups, grad_reduce, optimizer).
     ``tiled_mlp_tokens`` must be what the profile was traced with.
     """
     model, optimizer, layout = engine.wrap(

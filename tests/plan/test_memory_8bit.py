@@ -50,3 +50,28 @@ def test_8bit_bytes_of_a_one_tensor_chunk_are_exact():
 def test_unknown_optimizer_is_refused():
     with pytest.raises(ValueError, match="'adamw', 'adamw_8bit'"):
         MemoryModel(profile(2, 4), optimizer="lion")
+
+
+def test_the_search_plans_with_the_8bit_state():
+    """At a budget between the two, the 8-bit plan keeps more chunks persistent; at the
+    same knobs its predicted peak is lower by the model states alone."""
+    from plan_synthetic import hardware
+
+    from protrain.plan.search import NoPlanFits, PlanProblem, search
+
+    p = profile(6, 8)
+    hw = hardware()
+    fp32 = PlanProblem(p, hw, gpu_budget_bytes=1 << 40)
+    q = PlanProblem(p, hw, gpu_budget_bytes=1 << 40, optimizer="adamw_8bit")
+    assert q.memory.optimizer == "adamw_8bit" and fp32.memory.optimizer == "adamw"
+    knobs = {"n_persist": 8, "n_buffer": 0, "n_swap": 0, "n_checkpoint": 6}
+    peaks = [search(x.with_fixed(knobs)).plan.predicted_peak_bytes for x in (fp32, q)]
+    assert peaks[0] - peaks[1] == fp32.memory.model_states[8] - q.memory.model_states[8] > 0
+    budget = (peaks[0] + peaks[1]) // 2
+    fixed = {"n_swap": 0, "n_checkpoint": 6, "n_persist": 8}
+    with pytest.raises(NoPlanFits):
+        search(PlanProblem(p, hw, gpu_budget_bytes=budget, fixed_knobs=fixed))
+    plan = search(
+        PlanProblem(p, hw, gpu_budget_bytes=budget, fixed_knobs=fixed, optimizer="adamw_8bit")
+    ).plan
+    assert plan.n_persist == 8 and plan.predicted_peak_bytes <= budget

@@ -223,6 +223,7 @@ def profile_and_plan(
     loss_chunks: LossChunks | None = None,
     fixed_loss_chunk_tokens: int | None = None,
     device_step_search: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[Plan, PlanProblem | None]:
     """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
     ``clipping``: whether training clips gradients (it decides when the host optimizer
@@ -242,7 +243,9 @@ def profile_and_plan(
     ``fixed_loss_chunk_tokens`` its chunk where the user fixed one (named by the error of a
     trace that runs out of memory). ``device_step_search``: the search also chooses how many
     offloaded chunks step on the device (``n_device_step``, ``optim/device_step.py``; a
-    fixed ``n_device_step`` in ``fixed_knobs`` is kept)."""
+    fixed ``n_device_step`` in ``fixed_knobs`` is kept). ``optimizer``: the engine's
+    (``"adamw"`` or ``"adamw_8bit"``), whose device state the memory model counts; the trace
+    steps torch's AdamW either way."""
     device = _device(device)
     ctx = resolve_context(process_group)
     if distributed_mode is not None and distributed_mode not in MODES:
@@ -269,6 +272,7 @@ def profile_and_plan(
         loss_chunks=loss_chunks,
         fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
         device_step_search=device_step_search,
+        optimizer=optimizer,
     )
     if not ctx.is_distributed:
         return _plan_here(**kwargs)
@@ -304,6 +308,7 @@ def _plan_here(
     world: World = SINGLE,
     mode_fixed: bool = True,
     device_step_search: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[Plan, PlanProblem]:
     """:func:`profile_and_plan` on this process: trace (unless given), then search."""
     t0 = time.perf_counter()
@@ -360,6 +365,7 @@ def _plan_here(
             world=world,
             mode_fixed=mode_fixed,
             device_step_search=device_step_search,
+            optimizer=optimizer,
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":

@@ -141,6 +141,7 @@ def search_chunk_sizes(
     world: World = SINGLE,
     mode_fixed: bool = True,
     device_step_search: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes and, with several ranks and
     ``mode_fixed`` false, over both modes (``plan/world.py``), with the problem it solved;
@@ -149,7 +150,8 @@ def search_chunk_sizes(
         return _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
                              cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
                              clipping=clipping, chunk_size_fixed=chunk_size_fixed,
-                             world=world, device_step_search=device_step_search)  # fmt: skip
+                             world=world, device_step_search=device_step_search,
+                             optimizer=optimizer)  # fmt: skip
     found, errors = {}, []
     for mode in MODES:
         try:
@@ -157,7 +159,8 @@ def search_chunk_sizes(
                                         cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
                                         clipping=clipping, chunk_size_fixed=chunk_size_fixed,
                                         world=world.with_mode(mode),
-                                        device_step_search=device_step_search)  # fmt: skip
+                                        device_step_search=device_step_search,
+                                        optimizer=optimizer)  # fmt: skip
         except NoPlanFits as exc:
             errors.append(exc)
     if not found:
@@ -188,6 +191,7 @@ def _search_sizes(
     chunk_size_fixed: bool,
     world: World,
     device_step_search: bool = False,
+    optimizer: str = "adamw",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
@@ -235,6 +239,7 @@ def _search_sizes(
             clipping=clipping,
             world=world,
             device_step_search=device_step_search,
+            optimizer=optimizer,
         )
         for size, p in profiles.items()
     }

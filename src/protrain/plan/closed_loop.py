@@ -176,6 +176,7 @@ def _like(problem: PlanProblem, **changes) -> PlanProblem:
         clipping=problem.clipping,
         world=problem.world,
         device_step_search=problem.device_step_search,
+        optimizer=problem.optimizer,
     )
     hardware = changes.pop("hardware", problem.hardware)
     profile = changes.pop("profile", problem.profile)

@@ -108,6 +108,7 @@ class PlanProblem:
         clipping: bool = True,
         world: World = SINGLE,
         device_step_search: bool = False,
+        optimizer: str = "adamw",
     ):
         fixed = _known_knobs(fixed_knobs)
         self.world = world
@@ -118,7 +119,9 @@ class PlanProblem:
         self.fixed = fixed
         # Bytes the closed loop measured beyond the prediction (0 before any real step).
         self.extra_bytes = int(extra_bytes)
-        self.memory = MemoryModel(profile, world)
+        # the optimizer the plan is for: its device state (optim/adamw_8bit.py)
+        self.optimizer = optimizer
+        self.memory = MemoryModel(profile, world, optimizer)
         # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
         self.clipping = bool(clipping)
         self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS
-from protrain.train.config import TrainConfig
+from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.heaviest_batch import heaviest_batch
 from protrain.train.log import logger
@@ -101,6 +101,8 @@ class PlanSettings:
     loss_chunk_floor_tokens: int = LOSS_CHUNK_FLOOR_TOKENS
     # memory.device_step_search: the search chooses n_device_step too
     device_step_search: bool = False
+    # the engine's optimizer (config `optimizer`): the plan counts its device state
+    optimizer: str = "adamw"
 
     @classmethod
     def from_config(
@@ -124,6 +126,7 @@ class PlanSettings:
             distributed_mode=mem.mode,
             loss_chunk_floor_tokens=LOSS_CHUNK_FLOOR_TOKENS,
             device_step_search=mem.device_step_search,
+            optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
         )
 
 
@@ -145,6 +148,7 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
                 clipping=settings.clipping,
                 distributed_mode=settings.distributed_mode,
                 device_step_search=settings.device_step_search,
+                optimizer=settings.optimizer,
             )
         except NoPlanFits as exc:
             raise ConfigError(no_plan_fits_message(exc, settings)) from None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from protrain.train.config import TrainConfig
+from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
 from protrain.train.loss import causal_lm_loss_sum
@@ -239,8 +239,24 @@ class Trainable(abc.ABC):
                 )
 
 
+def plain_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The config's optimizer over every trainable parameter: torch's AdamW, or
+    bitsandbytes' 8-bit AdamW (its default threshold: tensors under 4096 elements keep fp32
+    state, as the engine's persistent chunks do)."""
+    groups = optimizer_param_groups(model, cfg.weight_decay)
+    hyper = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
+    if cfg.optimizer == "adamw_bnb_8bit":
+        import bitsandbytes as bnb
+
+        from protrain.optim.adamw_8bit import MIN_8BIT_SIZE
+
+        return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE, **hyper)
+    return torch.optim.AdamW(groups, fused=_fused_supported(model), **hyper)
+
+
 class PlainTrainable(Trainable):
-    """Plain PyTorch: every model state on `device`, `torch.optim.AdamW`."""
+    """Plain PyTorch: every model state on `device`, `torch.optim.AdamW` (or bitsandbytes'
+    8-bit AdamW: config `optimizer`)."""
 
     def __init__(
         self,
@@ -253,13 +269,7 @@ class PlainTrainable(Trainable):
         model.train()
         super().__init__(model, device, autocast_dtype, cfg.memory.chunked_loss_tokens)
         self.apply_activation_knobs(cfg)
-        self.optimizer = torch.optim.AdamW(
-            optimizer_param_groups(model, cfg.weight_decay),
-            lr=cfg.learning_rate,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_epsilon,
-            fused=_fused_supported(model),
-        )
+        self.optimizer = plain_optimizer(model, cfg)
         self.scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
 
     def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
@@ -309,6 +319,11 @@ class PlainTrainable(Trainable):
         params = dict(self.model.named_parameters())
         return {name: params[name].detach() for name in self.names}
 
+    def optimizer_state(self, copy: bool = True) -> dict:
+        from protrain.optim.adamw_8bit import plain_state_dict
+
+        return plain_state_dict(self.optimizer)  # bitsandbytes' state flat, for checkpoints
+
     @torch.no_grad()
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         self._check_state_names(state)
@@ -356,6 +371,7 @@ class EngineTrainable(Trainable):
                 param_groups=optimizer_param_groups(model, cfg.weight_decay),
                 compute_dtype=autocast_dtype or torch.float32,
                 chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
+                optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
                 **ranks,
             )
         except ValueError as exc:  # a knob that cannot work for this model
@@ -545,6 +561,7 @@ class AutoTrainable(EngineTrainable):
                 eps=cfg.adam_epsilon,
                 weight_decay=cfg.weight_decay,
                 param_groups=optimizer_param_groups(self.model, cfg.weight_decay),
+                optimizer=self.settings.optimizer,
                 # the loss is divided by the whole global batch's tokens (train/ranks.py)
                 **({"grad_reduce": "sum"} if self._several_ranks else {}),
             )
