@@ -14,6 +14,9 @@
 #   largest that fits) and 2 (issue 22: 3x at FSDP2's largest batch).
 # PART=fix (one GPU, WHL=.whl-lite): the device step's GPU tests, then full-3b auto with and
 #   without --device-step-search, after 7253d04 (the step enqueues without waiting).
+# PART=eightbit (one GPU, WHL=.whl: bitsandbytes): the 8-bit optimizer's GPU tests against
+#   bitsandbytes' AdamW8bit, its memory on a Llama-3-8B shape, then qlora-70b auto (issue 22:
+#   at least 1,000 tokens/s).
 source benchmarks/sessions/lib.sh
 nvidia-smi -L; nproc; free -g | head -2
 install_ds() {
@@ -61,6 +64,13 @@ fix)
     2>&1 | grep -v "^  \|warn" | tail -6 | cut -c1-600
   row 170 --workload full-3b $A --device-step-search --out "$OUT/fix.jsonl"
   row 150 --workload full-3b $A --out "$OUT/fix.jsonl"
+  ;;
+eightbit)
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_adamw_8bit.py \
+    tests/train/test_optimizer_8bit.py 2>&1 | grep -E "passed|failed|error|Error" | tail -6
+  timeout 120 python3 benchmarks/optim_8bit_memory.py --out "$OUT/mem8.jsonl" 2>&1 | tail -3 |
+    cut -c1-600
+  row 240 --workload qlora-70b $A --out "$OUT/qlora70b.jsonl"
   ;;
 esac
 echo "elapsed $((SECONDS - T0)) s"
