@@ -100,7 +100,8 @@ def _persistent_names(layout) -> set[str]:
 
 def _compare(device, n_persist_of, tol: float):
     base = build()
-    data = batches(STEPS * ACCUM)
+    # on the model's device: the engine, like plain PyTorch, takes batches where it computes
+    data = [{k: v.to(device) for k, v in b.items()} for b in batches(STEPS * ACCUM)]
     model, opt, layout = wrap(
         copy.deepcopy(base),
         n_persist=n_persist_of(base),
