@@ -89,6 +89,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="plain / protrain with fixed knobs: no activation recompute (the default recomputes "
              "every decoder layer); the row records checkpointing: none",
     )  # fmt: skip
+    p.add_argument(
+        "--profiles", type=Path,
+        help="protrain --auto: write the planner's model and hardware profiles here "
+             "(<workload>-b<batch>-s<seq>-<budget>g-w<world>.profile.json.gz, .hardware.json; "
+             "the first rank writes) to re-plan the row offline",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -96,6 +102,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--commit", help="default: git rev-parse --short HEAD")
     p.add_argument("--tiny", action="store_true", help="tiny model on the CPU, no budget")
     args = p.parse_args(argv)
+    if args.profiles and not args.auto:
+        p.error("--profiles writes the planner's profiles: add --auto")
     if args.device_step_search and not args.auto:
         p.error("--device-step-search is read only by the planner: add --auto, or fix "
                 "--n-device-step yourself")  # fmt: skip
@@ -149,6 +157,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         distributed_mode=args.distributed_mode,
         world_size=_world_size(),
         checkpointing=not args.no_checkpointing,
+        profiles=args.profiles,
     )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,7 @@ class RowSpec:
     distributed_mode: str | None = None  # protrain only, several ranks: sharded | replicated
     world_size: int = 1  # ranks under torchrun; batch is per rank
     checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer
+    profiles: Path | None = None  # protrain --auto: write the planner's profiles here
 
 
 @dataclass

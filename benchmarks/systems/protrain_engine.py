@@ -53,15 +53,18 @@ def setup(spec: RowSpec) -> Trainer:
             loss_fn=loss_fn,
             device_step_search=spec.device_step_search,
         )
-    model, optimizer, layout = protrain.wrap(
-        model,
-        **knobs,
-        **auto,
-        device=spec.device,
-        lr=spec.lr,
-        weight_decay=spec.weight_decay,
-        compute_dtype=torch.bfloat16,
-    )
+    if spec.auto and spec.profiles is not None:
+        model, optimizer, layout = _plan_keeping_profiles(model, spec, knobs, auto)
+    else:
+        model, optimizer, layout = protrain.wrap(
+            model,
+            **knobs,
+            **auto,
+            device=spec.device,
+            lr=spec.lr,
+            weight_decay=spec.weight_decay,
+            compute_dtype=torch.bfloat16,
+        )
 
     def step(input_ids: torch.Tensor) -> torch.Tensor:
         if spec.max_grad_norm is None:  # host AdamW of each chunk starts inside backward
@@ -85,6 +88,50 @@ def setup(spec: RowSpec) -> Trainer:
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, StepCounters(model, optimizer))
+
+
+def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):
+    """What ``protrain.wrap(gpu_budget=...)`` does, as the application does it (the
+    planner's ``profile_and_plan``, then ``apply_plan``), keeping the model and hardware
+    profiles the plan was made from in ``spec.profiles`` for ``repredict.py``."""
+    import gzip
+    import json
+
+    from protrain.plan import profile_and_plan
+    from protrain.planned_wrap import apply_plan
+
+    fixed = {k: knobs.get(k) for k in ("n_persist", "n_buffer", "n_device_step")}
+    plan, problem = profile_and_plan(
+        model,
+        auto["sample_batch"],
+        gpu_budget_bytes=auto["gpu_budget"],
+        device=spec.device,
+        fixed_knobs=fixed,
+        compute_dtype=torch.bfloat16,
+        chunk_size_bytes=knobs.get("chunk_size_bytes"),
+        loss_fn=auto["loss_fn"],
+        clipping=auto["clipping"],
+        distributed_mode=knobs.get("distributed_mode"),
+        device_step_search=auto["device_step_search"],
+    )
+    if problem is not None:  # several ranks: the first rank planned
+        budget = f"-{spec.budget_gib:g}g" if spec.budget_gib is not None else ""
+        name = f"{spec.workload}-b{spec.batch}-s{spec.seq}{budget}-w{spec.world_size}"
+        spec.profiles.mkdir(parents=True, exist_ok=True)
+        with gzip.open(spec.profiles / f"{name}.profile.json.gz", "wt") as f:
+            f.write(problem.profile.to_json())
+        (spec.profiles / f"{name}.hardware.json").write_text(json.dumps(problem.hardware.to_dict()))
+    extra = {"host_threads": knobs["host_threads"]} if "host_threads" in knobs else {}
+    model, optimizer, layout, _ = apply_plan(
+        model,
+        plan,
+        device=spec.device,
+        compute_dtype=torch.bfloat16,
+        lr=spec.lr,
+        weight_decay=spec.weight_decay,
+        **extra,
+    )
+    return model, optimizer, layout
 
 
 def _hf_loss(model, batch: dict) -> torch.Tensor:

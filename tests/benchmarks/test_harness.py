@@ -114,3 +114,28 @@ def test_protrain_auto_row_carries_the_plan(tmp_path: Path, clip: str, chunked) 
     assert row["max_grad_norm"] == (None if clip == "0" else 1.0)
     assert row["chunked_loss_tokens"] == (int(chunked) if chunked else None)
     assert row["loss"] > 0
+
+
+def test_protrain_auto_row_keeps_the_planners_profiles(tmp_path: Path) -> None:
+    """``--profiles``: the row is planned as ``protrain.wrap(gpu_budget=)`` plans it (the same
+    plan as without the flag) and the profiles it was planned from load back."""
+    import gzip
+
+    from protrain.profile.hardware import HardwareProfile
+    from protrain.profile.trace import ModelProfile
+
+    args = ("--workload", "full-3b", "--system", "protrain", "--auto", "--max-grad-norm", "0")
+    assert _run(tmp_path, *args).returncode == 0
+    proc = _run(tmp_path, *args, "--profiles", str(tmp_path / "prof"))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, kept = (json.loads(x) for x in (tmp_path / "rows.jsonl").read_text().splitlines())
+    for key in ("n_persist", "n_buffer", "n_swap", "n_checkpoint", "chunk_size_bytes"):
+        assert kept["plan"][key] == plain["plan"][key], key
+    assert kept["predicted_peak_gib"] == plain["predicted_peak_gib"]
+    name = tmp_path / "prof" / "full-3b-b2-s32-w1"
+    with gzip.open(f"{name}.profile.json.gz", "rt") as f:
+        profile = ModelProfile.from_json(f.read())
+    hw = HardwareProfile.from_dict(json.loads(Path(f"{name}.hardware.json").read_text()))
+    assert profile.n_blocks > 0 and hw.cpu_adam_params_per_s > 0
+    refused = _run(tmp_path, "--workload", "full-3b", "--system", "protrain", "--profiles", "x")
+    assert refused.returncode != 0 and "--profiles writes the planner's profiles" in refused.stderr
