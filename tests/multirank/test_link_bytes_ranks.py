@@ -10,7 +10,8 @@ Per rank and step, with ``S`` the rank's shard of a chunk (the whole chunk on on
 - any other gather: the parameter bytes of ``S`` (not the chunk's padding past its last
   parameter, which nothing reads);
 - the gradients: 4 bytes a trainable element of ``S`` (the reduced shard, cast to fp32 on
-  the device).
+  the device) in the first backward of a step, the compute dtype's bytes in each later one
+  (gradient accumulation: added into the fp32 accumulator on the host).
 
 The per-rank counts equal that sum exactly, and over the ranks they equal what one process
 moves with the same layout (``tests/engine/test_copy_times.py`` pins the one-process counts
@@ -46,9 +47,9 @@ def _model() -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
-def _run(adapter: bool, distributed: bool) -> list[tuple[int, int, list]]:
-    """Per step after the first: (h2d bytes, d2h bytes, the gathers as (chunk, after an
-    update)); each step asserts the bytes against the accounting of the module doc."""
+def _run(adapter: bool, distributed: bool, accum: int) -> list[tuple[int, int, list]]:
+    """Per step (``accum`` micro-batches) after the first: (h2d bytes, d2h bytes, the gathers
+    as (chunk, after an update)); each step asserts the bytes against the module doc's sum."""
     model = _model()
     model, opt, _ = protrain.wrap(
         lora(model, "llama") if adapter else model,
@@ -70,12 +71,13 @@ def _run(adapter: bool, distributed: bool) -> list[tuple[int, int, list]]:
         copy_in(c)
 
     manager._copy_in_or_release = spy
-    data = batches("llama", STEPS)
+    data = batches("llama", STEPS * accum)
     out = []
     for step in range(STEPS):
         before = dict(opt.stats)
         gathers.clear()
-        model(**data[step]).loss.backward()
+        for mb in range(accum):
+            model(**data[step * accum + mb]).loss.backward()
         opt.step()
         opt.zero_grad()
         opt.synchronize()
@@ -84,13 +86,13 @@ def _run(adapter: bool, distributed: bool) -> list[tuple[int, int, list]]:
             continue
         h2d = opt.stats["h2d_bytes"] - before["h2d_bytes"]
         d2h = opt.stats["d2h_bytes"] - before["d2h_bytes"]
-        assert (h2d, d2h) == _expected(manager, gathers), (step, gathers)
+        assert (h2d, d2h) == _expected(manager, gathers, accum), (step, gathers)
         out.append((h2d, d2h, list(gathers)))
     protrain.close(model)
     return out
 
 
-def _expected(manager, gathers: list[tuple[int, bool]]) -> tuple[int, int]:
+def _expected(manager, gathers: list[tuple[int, bool]], accum: int) -> tuple[int, int]:
     """The module doc's sum over this step's gathers and gradients."""
     h2d = d2h = 0
     for ci, after_update in gathers:
@@ -102,12 +104,13 @@ def _expected(manager, gathers: list[tuple[int, bool]]) -> tuple[int, int]:
             d2h += sum(b - a for a, b in sh.clip_runs(c.byte_runs(trainable=True)))
         else:
             h2d += max(0, min(sh.end, c.used_bytes) - sh.start)
-    d2h += sum(4 * s.master.numel() for c in manager.offloaded for s in c.trainable_slots)
+    for s in (s for c in manager.offloaded for s in c.trainable_slots):
+        d2h += s.master.numel() * (4 + (accum - 1) * s.placement.dtype.itemsize)
     return h2d, d2h
 
 
-def _check_ranks(rank: int, world: int, adapter: bool, single: list) -> None:
-    steps = _run(adapter, distributed=True)
+def _check_ranks(rank: int, world: int, adapter: bool, accum: int, single: list) -> None:
+    steps = _run(adapter, distributed=True, accum=accum)
     assert len(steps) == len(single)
     for (h2d, d2h, gathers), (h2d_1, d2h_1, gathers_1) in zip(steps, single):
         assert gathers == gathers_1  # the same gathers as one process, in its order
@@ -117,17 +120,20 @@ def _check_ranks(rank: int, world: int, adapter: bool, single: list) -> None:
 
 
 @pytest.mark.parametrize(
-    ("world", "adapter"), [(2, False), (2, True), (3, False)], ids=["2-full", "2-lora", "3-full"]
+    ("world", "adapter", "accum"),
+    [(2, False, 1), (2, True, 1), (3, False, 1), (2, False, 2), (2, True, 2)],
+    ids=["2-full", "2-lora", "3-full", "2-full-accum2", "2-lora-accum2"],
 )
-def test_link_bytes_per_rank_are_the_shards_of_one_process(world, adapter):
-    single = _run(adapter, distributed=False)
+def test_link_bytes_per_rank_are_the_shards_of_one_process(world, adapter, accum):
+    single = _run(adapter, distributed=False, accum=accum)
     # the cases of the padding rule: chunks ending in padding gathered in backward (not
     # after an update); at 3 ranks their last shard holds no parameter byte
     model, _, layout = protrain.wrap(_model(), device="cpu", n_persist=1, n_buffer=2,
                                      chunk_size_bytes=CHUNK, compute_dtype=torch.bfloat16)  # fmt: skip
-    used = {spec.index: spec.used_bytes for spec in layout.chunks}
+    used = {spec.index: max(pl.offset_bytes + pl.nbytes for pl in spec.placements)
+            for spec in layout.chunks}  # fmt: skip
     protrain.close(model)
     again = {ci for _, _, gathers in single for ci, after in gathers if not after}
     last_shard = CHUNK - CHUNK // world
     assert any(used[ci] <= (last_shard if world == 3 else CHUNK - 1) for ci in again)
-    run_ranks(world, _check_ranks, adapter, single)
+    run_ranks(world, _check_ranks, adapter, accum, single)
