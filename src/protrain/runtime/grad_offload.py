@@ -18,7 +18,10 @@ its step streams the host accumulator back to the device with the masters and mo
 no gradient of it stays on the device.
 
 The first gradient is copied rather than added, so accumulation over micro-batches does the
-same arithmetic as PyTorch's ``param.grad += grad``; the fp32 cast is exact either side.
+same arithmetic as PyTorch's ``param.grad += grad``; the fp32 cast is exact either side. It
+is cast on the device because the host optimizer reads fp32: a bf16 copy would halve the
+first gradient's bytes but cost the host a cast pass of about 45% of its AdamW per parameter
+([Note: write-back on the device] in chunks/manager.py has the figures).
 
 [Note: reusing a landing place]
 A parameter's landing place is reused by its next gradient (next micro-batch); before the
