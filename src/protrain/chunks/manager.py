@@ -82,7 +82,8 @@ than the 2-norm) is refused.
 
 [Note: sharded chunks]
 With several ranks in the sharded mode (``collectives`` given, ``sharded=True``), every
-offloaded chunk is split into equal shards (``chunks/shard.py``): a rank's host copy, fp32
+offloaded chunk's parameter bytes are split into equal shards (``chunks/shard.py``; the
+padding after its last parameter belongs to no rank): a rank's host copy, fp32
 masters, gradient accumulators and Adam state hold the bytes and elements of its own shard
 only. A gather copies the own shard into its place in the device buffer (or, after an
 update, the own masters, cast there) and all-gathers the rest from the other ranks into the
@@ -105,7 +106,7 @@ import torch
 from protrain.chunks.chunk import Chunk, ChunkState, ParamSlot
 from protrain.chunks.copy_times import D2H, H2D, CopyTimes
 from protrain.chunks.layout import ChunkLayout
-from protrain.chunks.shard import ShardRange, shard_range
+from protrain.chunks.shard import ShardRange, shard_range, shard_span
 
 _PIECE_NUMEL = 1 << 26  # fp32 elements per master copy-in piece (256 MiB of staging)
 _registered_host_bytes = 0  # host memory this process pinned with cudaHostRegister, live
@@ -228,7 +229,9 @@ class ChunkManager:
         if self.sharded:
             coll = self.collectives
             shards = {
-                spec.index: shard_range(size, coll.rank, coll.world_size)
+                spec.index: shard_range(
+                    shard_span(_end_bytes(spec), size, coll.world_size), coll.rank, coll.world_size
+                )
                 for spec in self.layout.chunks
                 if not spec.persistent
             }
@@ -562,8 +565,8 @@ class ChunkManager:
         sh = c.shard
         own = c.device_buffer[sh.start : sh.end]
         if not c.host_stale:
-            # the shard's parameter bytes only: the chunk's padding past its last parameter
-            # is never read (a rank whose shard is all padding copies nothing)
+            # the shard's parameter bytes only: the alignment padding past the chunk's last
+            # parameter is never read
             n = min(sh.end, c.used_bytes) - sh.start
             if n > 0:
                 span.add(n)
@@ -792,6 +795,12 @@ def _carve(arena: torch.Tensor, off: int, nbytes: int, dtype: torch.dtype, shape
     """The view of ``nbytes`` of ``arena`` at ``off`` as ``dtype`` and ``shape``, and the
     offset after it, aligned so that any next view starts on a 64-byte boundary."""
     return arena[off : off + nbytes].view(dtype).view(shape), off + _align64(nbytes)
+
+
+def _end_bytes(spec) -> int:
+    """Where a chunk's last parameter ends (``Chunk.used_bytes``; a ``ChunkSpec``'s
+    ``used_bytes`` leaves out the alignment gaps between its parameters)."""
+    return max((pl.offset_bytes + pl.nbytes for pl in spec.placements), default=0)
 
 
 def _align64(n: int) -> int:

@@ -1,13 +1,17 @@
 """Which bytes of a chunk a rank owns in the sharded mode (several ranks: ``protrain.distributed``).
 
-A sharded chunk of ``C`` bytes is split into ``world_size`` equal shards of ``C / world``
-bytes, rank ``r`` owning ``[r * S, (r + 1) * S)``. The chunk size is a multiple of
-``ALIGN_BYTES * world_size`` and every parameter starts at a multiple of ``ALIGN_BYTES``,
-so a shard boundary never splits an element of any dtype: each rank owns a contiguous run
-of elements of each parameter it overlaps (possibly none), and the runs of all ranks, in
-rank order, are the whole parameter. The same split serves the parameter bytes (all-gather),
-the gradient bytes (reduce-scatter in the compute dtype, in which every trainable parameter
-is stored) and the fp32 masters and Adam state (the owned elements only).
+A sharded chunk's *span* is its used bytes (up to the end of its last parameter) rounded up
+to ``ALIGN_BYTES * world_size``; the span is split into ``world_size`` equal shards of
+``S = span / world`` bytes, rank ``r`` owning ``[r * S, (r + 1) * S)``, and the padding past
+the span belongs to no rank. Splitting the span, not the whole chunk, gives every rank the
+same share of the parameters (the chunk's padding would otherwise all fall in the last
+ranks' shards, and rank 0 would copy, reduce and step up to ``1 / world`` of the chunk more
+than the average). Every parameter starts at a multiple of ``ALIGN_BYTES``, so a shard
+boundary never splits an element of any dtype: each rank owns a contiguous run of elements
+of each parameter it overlaps (possibly none), and the runs of all ranks, in rank order, are
+the whole parameter. The same split serves the parameter bytes (all-gather), the gradient
+bytes (reduce-scatter in the compute dtype, in which every trainable parameter is stored)
+and the fp32 masters and Adam state (the owned elements only).
 """
 
 from __future__ import annotations
@@ -53,10 +57,16 @@ class ShardRange:
         return out
 
 
-def shard_range(chunk_size_bytes: int, rank: int, world_size: int) -> ShardRange:
-    if chunk_size_bytes % shard_multiple(world_size):
-        raise ValueError(
-            f"chunk size {chunk_size_bytes} is not a multiple of {shard_multiple(world_size)}"
-        )
-    s = chunk_size_bytes // world_size
+def shard_span(used_bytes: int, chunk_size_bytes: int, world_size: int) -> int:
+    """The bytes of a chunk that its shards split: ``used_bytes`` rounded up to
+    :func:`shard_multiple` (the chunk size is a multiple of it)."""
+    m = shard_multiple(world_size)
+    return min(chunk_size_bytes, -(-used_bytes // m) * m)
+
+
+def shard_range(span_bytes: int, rank: int, world_size: int) -> ShardRange:
+    """Rank ``rank``'s shard of a chunk whose span is ``span_bytes`` (:func:`shard_span`)."""
+    if span_bytes % shard_multiple(world_size):
+        raise ValueError(f"span {span_bytes} is not a multiple of {shard_multiple(world_size)}")
+    s = span_bytes // world_size
     return ShardRange(rank * s, (rank + 1) * s)

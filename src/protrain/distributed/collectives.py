@@ -49,13 +49,15 @@ class ChunkCollectives:
         return self.ctx.world_size
 
     def all_gather_chunk(self, out: torch.Tensor, shard: torch.Tensor) -> None:
-        """``out`` (the whole chunk) from every rank's ``shard``, which may be this rank's
-        own slice of ``out`` (in place)."""
-        all_gather_into(out, shard, self.ctx.group)
+        """The first ``world_size * len(shard)`` elements of ``out`` (a chunk's span,
+        ``chunks/shard.py``; the rest, its padding, is left as it is) from every rank's
+        ``shard``, which may be this rank's own slice of ``out`` (in place)."""
+        all_gather_into(out[: shard.numel() * self.world_size], shard, self.ctx.group)
 
     def reduce_scatter_sum(self, out: torch.Tensor, full: torch.Tensor) -> None:
-        """``out``: this rank's shard of the sum of every rank's ``full``."""
-        reduce_scatter_into(out, full, self.ctx.group)
+        """``out``: this rank's shard of the sum of every rank's ``full``, of which the first
+        ``world_size * len(out)`` elements (a chunk's span) are reduced."""
+        reduce_scatter_into(out, full[: out.numel() * self.world_size], self.ctx.group)
 
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.ctx.group)

@@ -78,7 +78,8 @@ def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torc
     pl = slot.placement
     size = own.dtype.itemsize
     world = coll.world_size
-    runs = [shard_range(chunk.nbytes, r, world).owned_elements(pl) for r in range(world)]
+    span = chunk.shard.nbytes * world  # the bytes the shards split (chunks/shard.py)
+    runs = [shard_range(span, r, world).owned_elements(pl) for r in range(world)]
     longest = max(hi - lo for lo, hi in runs) * size
     comm = coll.comm_device
     mine = own.reshape(-1).view(torch.uint8)
