@@ -80,7 +80,8 @@ def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
     return {**sd, "state": state}
 
 
-def _bnb():
+def import_bitsandbytes():
+    """bitsandbytes, or an ImportError that says the 8-bit optimizer needs it."""
     try:
         import bitsandbytes
     except ImportError as exc:
@@ -98,7 +99,7 @@ class DeviceAdamW8bit:
     compute stream, as torch's fused AdamW is."""
 
     def __init__(self, groups: list[dict]) -> None:
-        bnb = _bnb()
+        bnb = import_bitsandbytes()
         self.inner = bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE)
 
     @property

@@ -246,10 +246,9 @@ def plain_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     groups = optimizer_param_groups(model, cfg.weight_decay)
     hyper = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.optimizer == "adamw_bnb_8bit":
-        import bitsandbytes as bnb
+        from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, import_bitsandbytes
 
-        from protrain.optim.adamw_8bit import MIN_8BIT_SIZE
-
+        bnb = import_bitsandbytes()
         return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE, **hyper)
     return torch.optim.AdamW(groups, fused=_fused_supported(model), **hyper)
 
