@@ -206,8 +206,50 @@ def test_a_checkpoint_of_the_other_optimizer_choice_is_refused():
     saved = opt.state_dict()
     protrain.close(model)
     model, opt, _ = _wrap(optimizer="adamw_8bit")
-    with pytest.raises(ValueError, match="optimizer='adamw_8bit' keeps"):
+    with pytest.raises(ValueError, match="saved with optimizer='adamw', this engine's is"):
         opt.load_state_dict(saved)
+    legacy = {k: v for k, v in saved.items() if k != "optimizer"}  # before the marker
+    with pytest.raises(ValueError, match="optimizer='adamw_8bit' keeps"):
+        opt.load_state_dict(legacy)
+    protrain.close(model)
+
+
+@pytest.mark.parametrize("before,after", [(None, 0), (0, None)])
+def test_8bit_state_moves_with_the_plan(before, after):
+    """A new plan (the closed loop's re-plan, a resume under another plan) that moves
+    parameters between the persistent chunks (8-bit state) and the host (fp32 moments)
+    loads the same choice's checkpoint: the moments are dequantized with bitsandbytes' own
+    code, or quantized as its AdamW8bit does, the step count kept; training goes on."""
+    F = bnb.functional
+    data = batches(3 * ACCUM)
+    model, opt, _ = _wrap(before)
+    train_engine(model, opt, data[:ACCUM], steps=1)
+    saved = copy.deepcopy(opt.state_dict())
+    protrain.close(model)
+    model, opt, _ = _wrap(after)
+    opt.load_state_dict(saved)
+    got = opt.state_dict()
+    moved = 0
+    for i, st in saved["state"].items():
+        new = got["state"][i]
+        if set(st) == set(new):
+            continue
+        moved += 1
+        assert float(new["step"]) == float(st["step"]) == 1.0
+        if "absmax1" in st:  # 8-bit -> fp32 on the host: bitsandbytes' dequantization
+            for j, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                want = F.dequantize_blockwise(st[f"state{j}"], absmax=st[f"absmax{j}"],
+                                              code=st[f"qmap{j}"], blocksize=256)  # fmt: skip
+                torch.testing.assert_close(new[key], want, atol=0, rtol=0)
+        elif "absmax1" in new:  # fp32 -> 8-bit: within one quantization step of a block
+            for j, key in ((1, "exp_avg"), (2, "exp_avg_sq")):
+                back = F.dequantize_blockwise(new[f"state{j}"], absmax=new[f"absmax{j}"],
+                                              code=new[f"qmap{j}"], blocksize=256)  # fmt: skip
+                scale = st[key].abs().max()
+                assert (back - st[key]).abs().max() <= 0.05 * scale, key
+    assert moved > 0
+    losses, _ = train_engine(model, opt, data[ACCUM:], steps=2)
+    assert all(torch.isfinite(torch.tensor(losses)))
     protrain.close(model)
 
 

@@ -65,6 +65,46 @@ def device_state_keys(optimizer: str, numel: int) -> set[str]:
     return TORCH_STATE_KEYS
 
 
+def convert_state(st: dict, want: set[str], device_opt=None) -> dict:
+    """One parameter's saved AdamW state in the format ``want`` (a key set above), where a
+    new plan moved the parameter between the device (8-bit state) and the host (fp32
+    moments) under the same ``optimizer`` choice: the moments are dequantized with
+    bitsandbytes' own blockwise code (exact to its 8-bit values), or quantized as its
+    AdamW8bit quantizes them (blocks of 256, its signed map for the first moment and unsigned
+    map for the second; ``device_opt``: the :class:`DeviceAdamW8bit` whose maps to use).
+    The step count is kept."""
+    have = set(st)
+    if have == want:
+        return st
+    step = st["step"]
+    count = float(step.item() if torch.is_tensor(step) else step)
+    if have == STATE_KEYS_8BIT:
+        F = import_bitsandbytes().functional
+        m, v = (
+            F.dequantize_blockwise(st[f"state{i}"], absmax=st[f"absmax{i}"], code=st[f"qmap{i}"],
+                                   blocksize=BLOCK).float()
+            for i in (1, 2)
+        )  # fmt: skip
+    elif have == STATE_KEYS_32BIT:
+        m, v = st["state1"].float(), st["state2"].float()
+    elif have == TORCH_STATE_KEYS:
+        m, v = st["exp_avg"].float(), st["exp_avg_sq"].float()
+    else:
+        raise ValueError(f"optimizer state with keys {sorted(have)} is neither torch's AdamW "
+                         "state nor bitsandbytes' AdamW8bit state")  # fmt: skip
+    if want == TORCH_STATE_KEYS:
+        return {"step": torch.tensor(count), "exp_avg": m, "exp_avg_sq": v}
+    if want == STATE_KEYS_32BIT:
+        return {"step": int(count), "state1": m, "state2": v}
+    F = import_bitsandbytes().functional
+    out: dict = {"step": int(count)}
+    for i, (t, name) in enumerate(((m, "dynamic"), (v, "udynamic")), start=1):
+        code = device_opt.inner.name2qmap[name].to(t.device)
+        q, qs = F.quantize_blockwise(t.contiguous(), code=code, blocksize=BLOCK)
+        out[f"state{i}"], out[f"absmax{i}"], out[f"qmap{i}"] = q, qs.absmax, code
+    return out
+
+
 def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
     """``opt.state_dict()`` with each parameter's state flat (bitsandbytes nests its 8-bit
     tensors in one dict per parameter; its ``load_state_dict`` takes them flat too) and

@@ -100,8 +100,10 @@ from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
 from protrain.optim.adamw_8bit import (
     QMAP_KEYS,
+    TORCH_STATE_KEYS,
     DeviceAdamW8bit,
     check_optimizer,
+    convert_state,
     device_adamw,
     device_state_keys,
 )
@@ -670,7 +672,9 @@ class HybridAdamW(torch.optim.Optimizer):
             d["params"] = list(range(start, start + len(g["params"])))
             start += len(g["params"])
             groups.append(d)
-        out = {"state": state, "param_groups": groups}
+        # which choice saved it: a load converts a parameter's state only between placements
+        # under the same choice (convert_state), and refuses the other choice's checkpoint
+        out = {"state": state, "param_groups": groups, "optimizer": self.optimizer_name}
         if self.scaler.enabled:
             out["loss_scaler"] = self.scaler.state_dict()
         return out
@@ -707,16 +711,40 @@ class HybridAdamW(torch.optim.Optimizer):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
         for g, sg in zip(self.param_groups, saved_groups):
             g.update({k: v for k, v in sg.items() if k != "params"})
+        saved_choice = state_dict.get("optimizer")
+        if saved_choice is not None and saved_choice != self.optimizer_name:
+            raise ValueError(
+                f"optimizer state_dict does not match: it was saved with optimizer="
+                f"{saved_choice!r}, this engine's is {self.optimizer_name!r}; resume with the "
+                "optimizer it was saved with"
+            )
         ordered = [pid for sg in saved_groups for pid in sg["params"]]
+        converted = 0
         for s, pid in zip(self._slots, ordered):
             opt = self._opt_of(s)
             st = state_dict["state"].get(pid, state_dict["state"].get(str(pid)))
             if not st:
                 opt.state.pop(s.master, None)
                 continue
-            if self._manager.chunks[s.chunk].persistent:
+            persistent = self._manager.chunks[s.chunk].persistent
+            if saved_choice is None and persistent:  # a checkpoint from before the marker
                 self._check_device_state(s, pid, st)
+            want = (
+                device_state_keys(self.optimizer_name, s.master.numel())
+                if persistent
+                else TORCH_STATE_KEYS
+            )
+            if set(st) != want:  # another plan placed it on the other side (same choice)
+                st = convert_state(st, want, opt if isinstance(opt, DeviceAdamW8bit) else None)
+                converted += 1
             opt.state[s.master] = {k: _loaded(opt, k, v, s) for k, v in st.items()}
+        if converted:
+            log.warning(
+                "protrain: the AdamW state of %d parameters moved between 8-bit (device) and "
+                "fp32 (host) moments: this plan places them on the other side than the one "
+                "that saved them",
+                converted,
+            )
 
     def _check_device_state(self, s: ParamSlot, pid, st: dict) -> None:
         """A persistent parameter's saved state has the keys its device optimizer keeps (a
