@@ -436,7 +436,7 @@ def wrap(
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
         raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
-    check_optimizer(optimizer)
+    check_optimizer(optimizer, ctx.world_size)
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = params_in_order(model)

@@ -119,6 +119,7 @@ def wrap(
         import protrain.plan as planner
 
         ctx = target.ctx
+        check_optimizer(optimizer, ctx.world_size)  # before a trace
         # several ranks: planned on the first, the same plan (and its mode) on every rank
         plan, _ = planner.profile_and_plan(
             model,

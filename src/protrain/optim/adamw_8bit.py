@@ -36,10 +36,18 @@ TORCH_STATE_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 QMAP_KEYS = ("qmap1", "qmap2")
 
 
-def check_optimizer(optimizer: str) -> None:
+def check_optimizer(optimizer: str, world_size: int = 1) -> None:
     if optimizer not in OPTIMIZERS:
         raise ValueError(
             f"optimizer={optimizer!r} is not allowed: use one of {', '.join(map(repr, OPTIMIZERS))}"
+        )
+    if optimizer == "adamw_8bit" and world_size > 1:
+        # the sharded checkpoint format splits each tensor of a parameter's state by the
+        # parameter's elements, which bitsandbytes' per-block scales and maps are not
+        raise ValueError(
+            f"optimizer='adamw_8bit' with several ranks ({world_size}) is not supported: its "
+            "8-bit state does not split into the sharded checkpoints of several ranks; use "
+            "optimizer='adamw' with several ranks, or one rank for 'adamw_8bit'"
         )
 
 
