@@ -94,3 +94,24 @@ def test_the_planner_plans_for_the_optimizer_and_the_plan_runs_with_it(tmp_path,
     assert problems and set(problems) == {"adamw_8bit"}
     # the trace steps torch's AdamW (its own wrap), the run bitsandbytes'
     assert [o for name, o in seen if name == "HybridAdamW"] == ["adamw", "adamw_8bit"]
+
+
+@pytest.mark.parametrize("memory", [None, {"n_persist": 1, "chunk_size": "4MiB"}])
+def test_resume_with_the_other_optimizer_choice_is_refused(tmp_path, memory):
+    """A checkpoint of adamw_torch resumed with adamw_bnb_8bit (plain PyTorch, whose
+    bitsandbytes optimizer would take torch's state and fail at its first step, and the
+    engine): one message naming both choices, and the checkpoint is left as it was."""
+    from protrain.train.errors import OutputDirError
+
+    extra = {"memory": memory} if memory else {}
+    run = train(validate_config(tiny_config(tmp_path / "r", max_steps=2, save_steps=2, **extra)))
+    ckpt = run.output_dir / "checkpoint-2"
+    files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()}
+    cfg = validate_config(
+        tiny_config(tmp_path / "r", max_steps=4, save_steps=2, **extra, **EIGHT_BIT)
+    )
+    with pytest.raises(OutputDirError) as err:
+        train(cfg, resume=True)
+    assert "saved with optimizer='adamw'" in str(err.value)
+    assert "'adamw_8bit'" in str(err.value) and "checkpoint-2" in str(err.value)
+    assert {p.name: p.read_bytes() for p in ckpt.iterdir() if p.is_file()} == files

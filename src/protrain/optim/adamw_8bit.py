@@ -120,12 +120,27 @@ def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
     that a checkpoint writes each tensor under its own name. torch's state is unchanged."""
     sd = opt.state_dict()
     state = {}
+    is_8bit = type(opt).__module__.startswith("bitsandbytes")
     for i, st in sd["state"].items():
         flat = {k: v for k, v in st.items() if not isinstance(v, dict)}
         for nested in (v for v in st.values() if isinstance(v, dict)):
             flat.update(nested)
         state[i] = {k: v.clone() if k in QMAP_KEYS else v for k, v in flat.items()}
-    return {**sd, "state": state}
+    return {**sd, "state": state, "optimizer": "adamw_8bit" if is_8bit else "adamw"}
+
+
+def check_saved_optimizer(sd: dict, optimizer: str) -> None:
+    """Refuse a plain optimizer state dict saved with the other ``optimizer`` choice (the
+    choice :func:`plain_state_dict` names; older checkpoints: told by their state's keys).
+    bitsandbytes' ``load_state_dict`` takes torch's AdamW state and fails at the first step."""
+    saved = sd.get("optimizer")
+    if saved is None and sd.get("state"):
+        saved = "adamw_8bit" if any("state1" in st for st in sd["state"].values()) else "adamw"
+    if saved is not None and saved != optimizer:
+        raise ValueError(
+            f"optimizer state_dict does not match: it was saved with optimizer={saved!r}, "
+            f"this run's is {optimizer!r}; resume with the optimizer it was saved with"
+        )
 
 
 def import_bitsandbytes():

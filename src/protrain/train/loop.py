@@ -659,12 +659,19 @@ def _resume(path: Path, trainable, ranks: Ranks, data_order: dict, new_global_ba
         _check_data_order(state.trainer_state.get("data_order"), data_order, path, new_global_batch)
         try:
             trainable.load_model_state(state.model_state)
-            trainable.optimizer.load_state_dict(state.optimizer_state)
         except ValueError as exc:  # names or shapes of another model (or adapter)
             raise OutputDirError(
                 f"--resume: {path / 'model.safetensors'} is a checkpoint of another model "
                 f"({exc}); resume with the config that wrote it, or move {path.name} away to "
                 "resume from the one before"
+            ) from None
+        try:
+            trainable.load_optimizer_state(state.optimizer_state)
+        except ValueError as exc:  # another optimizer choice, or another model's groups
+            raise OutputDirError(
+                f"--resume: the optimizer state in {path} does not fit this run ({exc}); "
+                f"resume with the config that wrote it, or move {path.name} away to resume "
+                "from the one before"
             ) from None
         ckpt.restore_rng(state)
         step, trainer_state, scheduler_state = (

@@ -187,6 +187,10 @@ class Trainable(abc.ABC):
         torch's optimizers return their own tensors either way)."""
         return self.optimizer.state_dict()
 
+    def load_optimizer_state(self, state: dict) -> None:
+        """Load what `optimizer_state` returned."""
+        self.optimizer.load_state_dict(state)
+
     @abc.abstractmethod
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load what `model_state` returned."""
@@ -269,6 +273,7 @@ class PlainTrainable(Trainable):
         super().__init__(model, device, autocast_dtype, cfg.memory.chunked_loss_tokens)
         self.apply_activation_knobs(cfg)
         self.optimizer = plain_optimizer(model, cfg)
+        self.optimizer_choice = cfg.optimizer
         self.scaler = torch.amp.GradScaler(device.type) if autocast_dtype == torch.float16 else None
 
     def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
@@ -322,6 +327,12 @@ class PlainTrainable(Trainable):
         from protrain.optim.adamw_8bit import plain_state_dict
 
         return plain_state_dict(self.optimizer)  # bitsandbytes' state flat, for checkpoints
+
+    def load_optimizer_state(self, state: dict) -> None:
+        from protrain.optim.adamw_8bit import check_saved_optimizer
+
+        check_saved_optimizer(state, ENGINE_OPTIMIZERS[self.optimizer_choice])
+        self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
 
     @torch.no_grad()
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
