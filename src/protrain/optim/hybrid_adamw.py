@@ -186,6 +186,16 @@ class HybridAdamW(torch.optim.Optimizer):
         persistent = [s for s in self._slots if manager.chunks[s.chunk].persistent]
         self._persistent_slots = persistent
         self._device_opt = self._inner(persistent)
+        if self.optimizer_name == "adamw_8bit":  # say what the choice covers in this layout
+            on_device = sum(s.master.numel() for s in persistent)
+            total = sum(s.master.numel() for s in self._slots)
+            log.info(
+                "protrain: optimizer='adamw_8bit' keeps 8-bit state for %d of %d trainable "
+                "parameters (the persistent chunks'); the offloaded ones keep fp32 moments on "
+                "the host",
+                on_device,
+                total,
+            )
         self._host_opts: dict[int, list[FlatAdamW]] = {
             c.index: [
                 FlatAdamW(piece, [self._group_of[id(s)] for s in piece])
