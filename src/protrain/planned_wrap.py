@@ -185,15 +185,24 @@ def apply_plan(
     Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
     undoes both (``activation_handle.remove()`` alone takes the policies off);
     ``protrain.plan_of(model)`` is ``plan``. ``wrap_kwargs`` are the optimizer settings of
-    the engine's wrap (lr, betas, eps, weight_decay, param_groups, grad_reduce, optimizer).
+    the engine's wrap (lr, betas, eps, weight_decay, param_groups, grad_reduce; ``optimizer``
+    defaults to the one the plan was made for, and another is refused).
     ``tiled_mlp_tokens`` must be what the profile was traced with.
     """
+    planned_for = getattr(plan, "optimizer", "adamw")
+    chosen = wrap_kwargs.pop("optimizer", planned_for)
+    if chosen != planned_for:  # its device state is what the plan's memory counted
+        raise ValueError(
+            f"apply_plan: optimizer={chosen!r}, but the plan was made for "
+            f"optimizer={planned_for!r}; plan again with this optimizer, or leave it out"
+        )
     model, optimizer, layout = engine.wrap(
         model,
         device=device,
         compute_dtype=compute_dtype,
         tiled_mlp_tokens=tiled_mlp_tokens,
         plan=plan,
+        optimizer=chosen,
         **plan_knobs(plan),
         **wrap_kwargs,
     )

@@ -53,8 +53,9 @@ def test_unknown_optimizer_is_refused():
 
 
 def test_the_search_plans_with_the_8bit_state():
-    """At a budget between the two, the 8-bit plan keeps more chunks persistent; at the
-    same knobs its predicted peak is lower by the model states alone."""
+    """At the same knobs the 8-bit plan's predicted peak is lower by the model states
+    alone; at a budget between the two peaks, 8 persistent chunks fit only with 8-bit state.
+    The plan names its optimizer, and applying it with the other one is refused."""
     from plan_synthetic import hardware
 
     from protrain.plan.search import NoPlanFits, PlanProblem, search
@@ -75,3 +76,11 @@ def test_the_search_plans_with_the_8bit_state():
         PlanProblem(p, hw, gpu_budget_bytes=budget, fixed_knobs=fixed, optimizer="adamw_8bit")
     ).plan
     assert plan.n_persist == 8 and plan.predicted_peak_bytes <= budget
+    assert plan.optimizer == "adamw_8bit"
+    assert search(fp32.with_fixed(knobs)).plan.optimizer == "adamw"
+    import torch
+
+    from protrain.planned_wrap import apply_plan
+
+    with pytest.raises(ValueError, match="the plan was made for optimizer='adamw_8bit'"):
+        apply_plan(torch.nn.Linear(2, 2), plan, optimizer="adamw")

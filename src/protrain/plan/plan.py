@@ -38,6 +38,9 @@ class Plan:
     # offloaded chunks whose AdamW runs on the device (optim/device_step.py); chosen after
     # the other knobs for the best of them (plan/search.py), so not among KNOBS
     n_device_step: int = 0
+    # the optimizer whose device state the memory model counted (optim/adamw_8bit.py): the
+    # engine runs the plan with it (planned_wrap.apply_plan)
+    optimizer: str = "adamw"
 
     @property
     def knobs(self) -> dict[str, int]:

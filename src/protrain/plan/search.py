@@ -580,6 +580,7 @@ def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int =
         chunked_loss_tokens=p.loss_chunk_tokens,
         loss_planned=p.loss_vocab_size is not None,
         n_device_step=n_device_step,
+        optimizer=problem.optimizer,
     )
     plan.reasons = reasons_for(plan, problem)
     return plan
