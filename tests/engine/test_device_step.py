@@ -212,7 +212,8 @@ def test_split_pieces_cuts_tensors_at_lane_units():
 def test_device_step_merges_copies_of_back_to_back_tensors(monkeypatch):
     """A LoRA piece holds many small tensors whose masters, accumulators and moments lie back
     to back on the host: each kind crosses in as a few merged copies, not one per tensor and
-    kind (session 18's review: the kinds alternated, so no two copies ever merged)."""
+    kind (listed kind after kind, so that no copy of another kind sits between two of one
+    kind and blocks their merge)."""
     monkeypatch.setattr(device_step, "PIECE_NUMEL", 1 << 20)  # one piece holds every tensor
     base = lora(build("llama"), "llama")
     data = batches("llama", 1)
