@@ -7,6 +7,7 @@
 #   tests, then qlora-70b auto with its profiles kept (session 19: 601 tokens/s, predicted
 #   2.65 s, measured 3.41 s, 2 allocator retries a step; session 9: 805 with 14 swapped
 #   blocks), to re-plan it offline (issue 22: at least 1,000 tokens/s).
+# PART=qtl (one GPU, WHL=.whl): qlora-70b auto under step_timeline.py.
 # PART=two (2 GPUs, WHL=.whl-ds): the multigpu tests, then full-8b at 24 GiB a GPU, one run:
 #   auto with its profiles kept (shards now split each chunk's span: every rank steps the
 #   same share), FSDP2 CPU offload, DeepSpeed ZeRO-3 offload (START=3 on the same warm
@@ -16,6 +17,7 @@
 #   commit (issue 21's last open row: the matrix on one commit on an H200 host).
 source benchmarks/sessions/lib.sh
 nvidia-smi -L; nproc; free -g | head -2
+lscpu | grep -i "numa\|model name\|socket" ; nvidia-smi topo -m 2>/dev/null | head -6
 install_ds() {
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade \
     --target /tmp/site "${WHL:-.whl}"/deepspeed-0.19.8.tar.gz >/dev/null 2>&1
@@ -25,6 +27,10 @@ one)
   timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/optim/test_adamw_8bit.py \
     tests/engine/test_device_step_gpu.py 2>&1 | grep -E "passed|failed|Error|^E " | tail -8
   row 300 --workload qlora-70b $A --profiles "$OUT/prof" --out "$OUT/qlora70b.jsonl"
+  ;;
+qtl)  # qlora-70b's step under torch.profiler: where the 0.75 s the model misses goes
+  timeout $(( $(left) - 10 )) python3 benchmarks/step_timeline.py --workload qlora-70b $A \
+    --max-grad-norm 0 --steps 2 --out "$OUT/qtl.jsonl" 2>&1 | grep -E "Error|^{" | tail -2 | cut -c1-400
   ;;
 two)
   [ "${START:-1}" = 1 ] && timeout 120 python3 -m pytest -q -p no:cacheprovider -m multigpu \
