@@ -19,7 +19,10 @@ persistent, the compute dtype bf16. Per base:
   chunk manager's buffers, the masters and the optimizer's state tensors instead.
 
 One JSON line per base, with its saving against bf16. ``--tiny``: the tiny Llama of the
-benchmark matrix, on the CPU, for a test run.
+benchmark matrix, on the CPU, for a test run (13 s on 2 cores). The planner's count for the
+int8 base of the 8B shape (built on a 2-core CPU in 200 s, not wrapped): 9.17 GB in 9
+chunks of 1.05 GB (projections 6.98 GB, their scales 5.5 MB, embeddings, norms and head
+2.10 GB, adapters 84 MB), 9.96 GB of model states with the adapters' AdamW.
 
 Usage: ``python benchmarks/base_8bit_memory.py [--tiny] [--device cuda] [--out r.jsonl]``
 """
