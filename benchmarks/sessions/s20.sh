@@ -13,6 +13,8 @@
 #   same share), FSDP2 CPU offload, DeepSpeed ZeRO-3 offload (START=3 on the same warm
 #   machine, same RID, if the call runs out of time; issue 17: 2x and 2.5x, session 19:
 #   1.48x and 2.17x); then a step timeline of auto if time is left.
+# PART=final (one GPU, WHL=.whl): engine GPU tests, qlora-70b at batch 1 and 2, the 8-bit
+#   base's memory (benchmarks/base_8bit_memory.py).
 # PART=pa K=1..3: issue 21's matrix on an H200 (`issue21.sh PART=pa`), every part on one
 #   commit (issue 21's last open row: the matrix on one commit on an H200 host).
 source benchmarks/sessions/lib.sh
@@ -52,6 +54,16 @@ two)
   ;;
 pa)
   PART=pa bash benchmarks/sessions/issue21.sh
+  ;;
+final)  # one GPU, WHL=.whl: after the batched first gradients, the engine's GPU tests, then
+  # qlora-70b at batch 1 (call 1's row: 719 tokens/s) and 2, and the 8-bit base's memory
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine 2>&1 \
+    | grep -E "passed|failed|Error|^E " | tail -8
+  for b in ${BATCHES:-1 2}; do
+    row 280 --workload qlora-70b $A --batch "$b" --out "$OUT/qlora70b.jsonl"
+  done
+  [ "$(left)" -gt 100 ] && timeout $(( $(left) - 10 )) python3 benchmarks/base_8bit_memory.py \
+    --device cuda --out "$OUT/base8.jsonl" 2>&1 | grep -E "Error|^{" | cut -c1-300
   ;;
 esac
 echo "elapsed $((SECONDS - T0)) s"
