@@ -233,7 +233,15 @@ class HybridAdamW(torch.optim.Optimizer):
         if self._sink is not None and self._sink.reducer is not None:
             self._sink.reducer.wait()
 
+    def _flush_grads(self) -> None:
+        """The first gradients the sink still holds go to their accumulators (after a
+        backward that raised before its end; see [Note: batched first gradients] in
+        runtime/grad_offload.py)."""
+        if self._sink is not None:
+            self._sink.flush()
+
     def _wait_accumulations(self) -> None:
+        self._flush_grads()
         for s in self._slots:
             if s.accumulate_future is not None:
                 t0 = time.perf_counter()
@@ -482,6 +490,7 @@ class HybridAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._flush_grads()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
         if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
@@ -613,6 +622,7 @@ class HybridAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._check_open()
         self.check_between_steps("zero_grad()")
+        self._flush_grads()  # no copy into an accumulator after its gradient is cleared
         self._disarm()
         self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
