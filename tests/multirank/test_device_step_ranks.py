@@ -113,8 +113,8 @@ def _three_ranks(rank: int, world: int) -> None:
 
 
 def test_device_step_on_two_ranks_equals_the_host_step():
-    run_ranks(2, _two_ranks)
+    run_ranks(2, _two_ranks, check_group_freed=True)
 
 
 def test_sharded_device_step_on_three_ranks_equals_the_host_step():
-    run_ranks(3, _three_ranks)
+    run_ranks(3, _three_ranks, check_group_freed=True)

@@ -146,4 +146,4 @@ def test_link_bytes_per_rank_are_the_shards_of_one_process(world, adapter, accum
     again = {ci for _, _, gathers in single for ci, after in gathers if not after}
     last_shard = CHUNK - CHUNK // world
     assert any(used[ci] <= (last_shard if world == 3 else CHUNK - 1) for ci in again)
-    run_ranks(world, _check_ranks, adapter, accum, single)
+    run_ranks(world, _check_ranks, adapter, accum, single, check_group_freed=True)

@@ -5,12 +5,25 @@ the default group when ``torch.distributed`` is initialized, else a single rank.
 ``init_from_env`` is what the application uses under ``torchrun``: it initializes the default
 group from the launcher's environment (NCCL with CUDA, gloo on the CPU) and binds the rank
 to its local GPU.
+
+[Note: the group is held weakly] A ``DistContext`` (and so every engine built on it) refers
+to its process group through a weak reference: the group's life is its owner's (torch's
+registry from ``init_process_group``/``new_group`` until ``destroy_process_group``). gloo
+stops its worker threads only when the last reference to its ``ProcessGroup`` goes, and a
+closed engine lives on as garbage in reference cycles until a collection, at the latest the
+one of interpreter exit. Held strongly by such garbage, the group would outlive
+``destroy_process_group`` into interpreter finalization, where a gloo worker still releasing
+a finished collective's tensors (after the caller's ``wait`` returned) needs the GIL, is
+ended by the finalizing interpreter inside a ``noexcept`` destructor, and aborts the process
+("terminate called without an active exception", SIGABRT after a run that passed).
 """
 
 from __future__ import annotations
 
 import datetime
 import os
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +38,27 @@ DEFAULT_TIMEOUT_S = 600
 class DistContext:
     """Rank and size of the group that trains one model together (one rank: no group)."""
 
-    group: object | None  # torch.distributed.ProcessGroup, None for a single rank
+    # a weak reference to the torch.distributed.ProcessGroup ([Note: the group is held
+    # weakly]); None for a single rank
+    group_ref: Callable[[], object | None] | None
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     local_world_size: int = 1
     backend: str = "none"
+
+    @property
+    def group(self) -> object | None:
+        """The ``ProcessGroup``; None for a single rank."""
+        if self.group_ref is None:
+            return None
+        group = self.group_ref()
+        if group is None:  # never None for a live group: None means the default group
+            raise RuntimeError(
+                "protrain: the process group was destroyed while this engine still uses it "
+                "(close the model before dist.destroy_process_group())"
+            )
+        return group
 
     @property
     def is_distributed(self) -> bool:
@@ -53,7 +81,7 @@ class DistContext:
             )
 
 
-SINGLE = DistContext(group=None)
+SINGLE = DistContext(group_ref=None)
 # ``process_group=NO_GROUP``: this process alone, even when a default group is initialized
 # (the planner's trace runs on one rank while the others wait).
 NO_GROUP = "no-group"
@@ -72,7 +100,7 @@ def resolve_context(process_group=None) -> DistContext:
         return SINGLE
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     return DistContext(
-        group=process_group,
+        group_ref=weakref.ref(process_group),
         rank=dist.get_rank(process_group),
         world_size=world,
         local_rank=int(os.environ.get("LOCAL_RANK", dist.get_rank(process_group))),
