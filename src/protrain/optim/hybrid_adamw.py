@@ -649,6 +649,7 @@ class HybridAdamW(torch.optim.Optimizer):
         except an update begun in a backward armed by ``step_in_backward()``, which ends
         only once ``step()`` has queued its remaining pieces."""
         self._check_open()
+        self._flush_grads()  # held first gradients' copies are enqueued before the wait
         self._worker.barrier()
         if self._manager.is_cuda:  # device-to-host copies into host memory
             torch.cuda.synchronize(self._manager.device)

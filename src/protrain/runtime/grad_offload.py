@@ -65,7 +65,8 @@ and copy as one by one, so the same bits (``stats["grad_batches"]`` counts the b
 gradient of over ``_DIRECT_NUMEL`` elements (full fine-tuning's) goes at once, alone: its
 host overhead is negligible beside its copy.
 Every gradient is produced on the compute stream, so one event recorded on it at the flush
-orders the whole batch. Whatever reads ``grad_event``, ``grad_norm`` or ``grad_acc`` sees a
+orders the whole batch (the engine runs every op that reads a parameter on that stream; a
+model whose forward spreads over several streams would need each gradient's own event). Whatever reads ``grad_event``, ``grad_norm`` or ``grad_acc`` sees a
 flushed batch: the sink flushes before a watched group completes, before a later gradient of
 a held slot, and at the end of every backward (a callback queued on the backward in which
 the first gradient was held); the optimizer flushes before it reads gradients, in case a
@@ -182,7 +183,14 @@ class GradSink:
         if not batch:
             return
         self.manager.stats["grad_batches"] = self.manager.stats.get("grad_batches", 0) + 1
-        self._offload_first(batch)
+        try:
+            self._offload_first(batch)
+        except BaseException:
+            # its waits come before any copy, so none landed: no slot may count last step's
+            # accumulator as this step's gradient (a caller that catches and steps)
+            for slot, _ in batch:
+                slot.has_grad = False
+            raise
 
     def _hold(self, slot: ParamSlot, grad: torch.Tensor) -> bool:
         """Hold ``slot``'s first gradient for the next batch; False where it must go at once
