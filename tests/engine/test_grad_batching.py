@@ -17,6 +17,14 @@ from protrain.optim.hybrid_adamw import HybridAdamW
 
 from .models import batches, build, lora
 
+
+@pytest.fixture(autouse=True)
+def _hold_on_cpu(monkeypatch):
+    """The engine holds first gradients on CUDA only; these tests run the same logic on
+    the CPU."""
+    monkeypatch.setattr(grad_offload, "_HOLD_ON_CPU", True)
+
+
 STEPS, MAX_NORM, LR, WD = 3, 0.5, 1e-2, 0.01
 
 
