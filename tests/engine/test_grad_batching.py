@@ -58,7 +58,23 @@ def _poison(model) -> None:
         s.grad_norm = None
 
 
-def _engine(model, optimizer, data, accum: int, armed: bool) -> list[float]:
+def _to(b, device):
+    return {k: v.to(device) for k, v in b.items()}
+
+
+def _engine(
+    model,
+    optimizer,
+    data,
+    accum: int,
+    armed: bool,
+    clip: bool | None = None,
+    device: str = "cpu",
+) -> list[float]:
+    """STEPS steps of ``accum`` micro-batches; clipped unless armed (or as ``clip`` says).
+    On the CPU each first backward's gradients are checked landed at its end (on CUDA the
+    device norm and the host accumulator's may differ in their last bits)."""
+    clip = not armed if clip is None else clip
     losses = []
     for step in range(STEPS):
         optimizer.synchronize()  # the last update has read the accumulators
@@ -66,16 +82,16 @@ def _engine(model, optimizer, data, accum: int, armed: bool) -> list[float]:
         for mb in range(accum):
             if armed and mb == accum - 1:
                 optimizer.step_in_backward()
-            loss = model(**data[step * accum + mb]).loss / accum
+            loss = model(**_to(data[step * accum + mb], device)).loss / accum
             loss.backward()
-            if mb == 0:  # first gradients flushed at its end (later ones: the worker adds)
+            if mb == 0 and device == "cpu":  # first gradients flushed at its end
                 _check_landed(model)
-            losses.append(loss.item())
-        if not armed:
+            losses.append(loss.detach())  # read at the end: no sync inside the steps
+        if clip:
             optimizer.clip_grad_norm_(MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
-    return losses
+    return [float(loss) for loss in losses]
 
 
 def _check_landed(model) -> None:
@@ -235,10 +251,6 @@ def test_a_backward_that_raised_keeps_its_held_gradients(then):
     assert moved == 30
 
 
-def _to(b, device):
-    return {k: v.to(device) for k, v in b.items()}
-
-
 @pytest.mark.gpu
 def test_batched_on_cuda_equals_one_gradient_at_a_time_and_plain_pytorch(monkeypatch):
     """bf16 LoRA with every chunk offloaded: the batches' one event orders every copy before
@@ -267,18 +279,7 @@ def test_batched_on_cuda_equals_one_gradient_at_a_time_and_plain_pytorch(monkeyp
             copy.deepcopy(base), n_persist=0, lr=LR, weight_decay=WD, device="cuda",
             compute_dtype=torch.bfloat16,
         )  # fmt: skip
-        for step in range(STEPS):
-            optimizer.synchronize()  # the last update has read the accumulators
-            _poison(model)
-            for mb in range(accum):
-                if armed and mb == accum - 1:
-                    optimizer.step_in_backward()
-                loss = model(**_to(data[step * accum + mb], "cuda")).loss / accum
-                loss.backward()
-            if clip:
-                optimizer.clip_grad_norm_(MAX_NORM)
-            optimizer.step()
-            optimizer.zero_grad()
+        _engine(model, optimizer, data, accum, armed, clip=clip, device="cuda")
         stats = dict(optimizer.stats)
         state = protrain.state_dict(model)
         protrain.close(model)
