@@ -22,21 +22,24 @@ MOE = [name for name, f in FAMILIES.items() if f.kind == "moe"]
 @pytest.mark.parametrize("name", MOE)
 def test_moe_profile_and_plan(name):
     batch = batches(name, 1)[0]
-    # a block's bwd_s is its backward interval less its forward, timed in another run: on a
-    # loaded CPU a tiny block's difference can clip to 0. Session 15's fresh clone saw both
-    # blocks clip at once, so a second trace is taken where the first's sum is 0; a
-    # backward that is not timed gives 0 both times.
-    for _attempt in range(2):
-        model = base_model(name, "lora")
-        plan, problem = profile_and_plan(
-            model, batch, gpu_budget_bytes=2_000_000, device="cpu", hardware=hardware("cpu")
-        )
-        blocks = problem.profile.blocks
-        if sum(b.bwd_s for b in blocks) > 0:
-            break
+    model = base_model(name, "lora")
+    plan, problem = profile_and_plan(
+        model, batch, gpu_budget_bytes=2_000_000, device="cpu", hardware=hardware("cpu")
+    )
+    blocks = problem.profile.blocks
     assert len(blocks) == n_layers(model)
     assert all(b.fwd_s > 0 and b.saved_bytes > 0 for b in blocks), blocks
-    assert sum(b.bwd_s for b in blocks) > 0, blocks
+    # Every block's backward (router and experts included) is timed. Its bwd_s is that
+    # interval less the forward timed in another pass, which on the CPU is mostly the
+    # memory clock's per-op Python cost: under pytest that cost grows ~1.5x and the
+    # difference of a tiny block clips to 0 (CI, 2026-11-27), so the interval is what is
+    # checked here and bwd_s only for its sign.
+    bwd = {i: 0.0 for i in range(len(blocks))}
+    for x in problem.profile.intervals:
+        if x.kind == "bwd":
+            bwd[x.block] += x.compute_s
+    assert all(t > 0 for t in bwd.values()), bwd
+    assert all(b.bwd_s >= 0 for b in blocks), blocks
     model, optimizer, layout, handle = apply_plan(model, plan, device="cpu", lr=1e-3)
     try:
         assert (layout.n_persist, layout.n_chunks) == (plan.n_persist, plan.n_chunks)
