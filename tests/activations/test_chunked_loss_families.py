@@ -10,7 +10,8 @@ from torch import nn
 
 from protrain.activations import LogitTransform, UnsupportedHead, causal_lm_head
 from protrain.train.errors import ConfigError
-from protrain.train.trainable import check_chunked_loss_supported, loss_sum
+from protrain.train.loss import loss_sum
+from protrain.train.trainable import check_chunked_loss_supported
 
 VOCAB, BATCH, SEQ = 96, 2, 10
 SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)

@@ -14,7 +14,7 @@ from protrain.train.data import (
     preprocess,
 )
 from protrain.train.data.packing import plan_bins
-from protrain.train.data.preprocess import load_prepared
+from protrain.train.data.prepared import load_prepared
 
 from .helpers import byte_tokenizer, write_jsonl
 
@@ -225,7 +225,7 @@ def test_packed_batch_keeps_samples_apart_in_a_model(tmp_path, tok):
 def test_a_cache_is_keyed_by_the_media_processor(tmp_path, tok):
     """Rows of a vision-language model depend on its processor (tokens per image, pixel
     sizes): a cache written without it, or with another image processor, is not reused."""
-    from protrain.train.data.preprocess import fingerprint
+    from protrain.train.data.prepared import fingerprint
 
     from .vision_helpers import gemma3_processor
 

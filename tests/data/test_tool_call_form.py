@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from protrain.train.data import DataError, DataSettings, build_train_dataset
-from protrain.train.data.preprocess import fingerprint
+from protrain.train.data.prepared import fingerprint
 from protrain.train.data.rendering import ChatRenderer
 from protrain.train.data.tool_call_form import ArgumentsForm, ToolCallForm
 

@@ -58,11 +58,11 @@ def one_process_reference(config: Path, world: int = WORLD) -> tuple[list[float]
     from transformers import get_scheduler
 
     from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.loop import seed_everything
-    from protrain.train.loss import count_trained_tokens
+    from protrain.train.loss import count_trained_tokens, loss_sum
     from protrain.train.modeling import build_model, load_tokenizer
     from protrain.train.sampling import MicroBatchStream, StreamPosition
-    from protrain.train.trainable import loss_sum, optimizer_param_groups
+    from protrain.train.seeding import seed_everything
+    from protrain.train.trainable import optimizer_param_groups
 
     cfg = load_config(config)
     seed_everything(cfg.seed)  # the loop's order: seed, data, then the model (LoRA init)

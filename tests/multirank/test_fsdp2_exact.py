@@ -49,8 +49,8 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
 )
 
 from protrain.train.config import validate_config
-from protrain.train.loss import count_trained_tokens
-from protrain.train.trainable import loss_sum, optimizer_param_groups
+from protrain.train.loss import count_trained_tokens, loss_sum
+from protrain.train.trainable import optimizer_param_groups
 
 from .ranks import run_ranks
 

@@ -118,8 +118,9 @@ def test_derived_chunks_against_traces_at_those_chunks(traced):
     assert off.head_s == pytest.approx(max(prof.head_s - prof.free_loss_forward_s, 0.0))
     assert at_loss_chunk(prof, 64).free_fwd_bwd_s == prof.free_fwd_bwd_s
     # the step with nothing recomputed moves by the same loss forward
+    # (clipped at 0 as head_s is: two timings of a tiny model on a loaded CPU can cross)
     assert off.free_keep_fwd_bwd_s == pytest.approx(
-        prof.free_keep_fwd_bwd_s - prof.free_loss_forward_s
+        max(prof.free_keep_fwd_bwd_s - prof.free_loss_forward_s, 0.0)
     )
     # a profile without a free-running step (older ones): the traced loss forward
     old = dataclasses.replace(prof, free_fwd_bwd_s=None, free_loss_forward_s=None)

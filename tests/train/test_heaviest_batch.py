@@ -106,7 +106,7 @@ def test_packed_micro_batches_are_planned_at_full_width(text_data, protrain_log)
 def test_row_sizes_of_a_prepared_arrow_dataset_match_its_rows():
     import datasets
 
-    from protrain.train.data.preprocess import ArrowItems
+    from protrain.train.data.items import ArrowItems
 
     items = [{"input_ids": [1] * n, "labels": [1] * n} for n in (5, 9, 2)]
     arrow = ArrowItems(datasets.Dataset.from_list(items))

@@ -10,10 +10,9 @@ import torch
 
 from protrain.train.config import QUICKSTART_DIR, validate_config
 from protrain.train.errors import ConfigError
-from protrain.train.loss import count_trained_tokens
+from protrain.train.loss import count_trained_tokens, loss_sum
 from protrain.train.modeling import model_auto_class
 from protrain.train.seq2seq import encoder_decoder_batch
-from protrain.train.trainable import loss_sum
 
 from .helpers import tiny_config
 

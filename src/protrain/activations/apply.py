@@ -1,9 +1,8 @@
 """Put a policy on each block of a model, and take it off again.
 
-Each block gets a forward wrapper: the block's ``forward`` attribute, on that instance only,
-becomes the policy's function around the original forward. ``nn.Module.__call__`` still runs
-the block's hooks around it (the chunk runtime's included), parameter names and the module
-tree do not change, and :meth:`ActivationHandle.remove` restores the original attribute.
+Each block gets a forward wrapper (``activations/forward_wrap.py``): the block's ``forward``
+attribute, on that instance only, becomes the policy's function around the original forward,
+and :meth:`ActivationHandle.remove` restores the original attribute.
 """
 
 from __future__ import annotations
@@ -16,6 +15,7 @@ import torch
 from torch import nn
 
 from protrain.activations.checkpoint import checkpointed_forward
+from protrain.activations.forward_wrap import wrap_forward
 from protrain.activations.offload_checkpoint import offload_checkpointed_forward
 from protrain.activations.policy import ActivationPolicy, as_policies, place_policies
 from protrain.activations.swap import ActivationSwapper, swapped_forward
@@ -24,22 +24,6 @@ from protrain.model.blocks import discover_blocks
 from protrain.model.layout import BlockLayout
 
 log = logging.getLogger(__name__)
-
-_MISSING = object()
-
-
-def wrap_forward(module: nn.Module, make: Callable[[Callable], Callable]) -> Callable[[], None]:
-    """Set ``module.forward`` to ``make(original forward)``; return the undo."""
-    previous = module.__dict__.get("forward", _MISSING)
-    module.forward = make(module.forward)
-
-    def undo() -> None:
-        if previous is _MISSING:
-            del module.forward
-        else:
-            module.forward = previous
-
-    return undo
 
 
 @dataclass

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from protrain.activations.forward_wrap import wrap_forward
 from protrain.activations.policy import ActivationPolicy
 from protrain.activations.swap import is_parameter_like
 
@@ -175,8 +176,6 @@ class SavedBytesProbe:
     """
 
     def __init__(self, blocks: Sequence[nn.Module]):
-        from protrain.activations.apply import wrap_forward
-
         self.bytes_per_block = [0] * len(blocks)
         self._undo: list[Callable[[], None]] = []
         for i, block in enumerate(blocks):

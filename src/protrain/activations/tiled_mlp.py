@@ -61,6 +61,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from protrain.activations.forward_wrap import wrap_forward
 from protrain.model.blocks import discover_blocks
 from protrain.model.layout import BlockLayout
 
@@ -156,8 +157,6 @@ def apply_tiled_mlp(
 
     A block without such a child is an error: name the MLP attribute with ``mlp_names``.
     """
-    from protrain.activations.apply import wrap_forward
-
     if not isinstance(tile_tokens, int) or tile_tokens < 1:
         raise ValueError(f"tile_tokens={tile_tokens!r} is not allowed: use an integer >= 1")
     layout = layout or discover_blocks(model)

@@ -1,4 +1,5 @@
-"""``Plan``: a plain, serializable value: knobs, predictions with their terms, and reasons."""
+"""``Plan``: a plain, serializable value (knobs, predictions with their terms, and reasons),
+and its text form: ``explain`` (what ``str(plan)`` gives) and the candidates' table."""
 
 from __future__ import annotations
 
@@ -65,6 +66,65 @@ class Plan:
         return cls.from_dict(json.loads(s))
 
     def __str__(self) -> str:
-        from protrain.plan.explain import explain
-
         return explain(self)
+
+
+_GIB = 1 << 30
+
+
+def gib(n: float) -> str:
+    """``n`` bytes in GiB, two decimals."""
+    return f"{n / _GIB:.2f} GiB"
+
+
+def loss_words(plan: Plan) -> str:
+    """The plan's loss in words ("" where the planner does not own the loss)."""
+    if not plan.loss_planned:
+        return ""
+    if plan.chunked_loss_tokens is None:
+        return "loss over the whole logits"
+    return f"loss in chunks of {plan.chunked_loss_tokens} tokens"
+
+
+def candidates_table(plan: Plan) -> str:
+    loss = any("chunked_loss_tokens" in c for c in plan.candidates)
+    rows = [("n_persist", "n_buffer", "n_swap", "n_ckpt", "peak GiB", "step s", "tokens/s")]
+    if loss:
+        rows[0] += ("loss chunk",)
+    for c in plan.candidates:
+        row = (
+            str(c["n_persist"]),
+            str(c["n_buffer"]),
+            str(c["n_swap"]),
+            str(c["n_checkpoint"]),
+            f"{c['predicted_peak_bytes'] / _GIB:.2f}",
+            f"{c['predicted_step_s']:.3f}",
+            f"{c['predicted_tokens_per_s']:,.0f}",
+        )
+        if loss:
+            row += (str(c.get("chunked_loss_tokens") or "off"),)
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
+
+
+def explain(plan: Plan, *, with_candidates: bool = True) -> str:
+    lines = [
+        f"Plan: n_persist={plan.n_persist}, n_buffer={plan.n_buffer}, n_swap={plan.n_swap}, "
+        f"n_checkpoint={plan.n_checkpoint} ({plan.n_chunks} chunks of "
+        f"{plan.chunk_size_bytes / (1 << 20):.1f} MiB, {plan.n_blocks} blocks"
+        + (f"; {loss_words(plan)}" if plan.loss_planned else "")
+        + ")",
+        f"  predicted peak {gib(plan.predicted_peak_bytes)} of {gib(plan.gpu_budget_bytes)}; "
+        f"step {plan.predicted_step_s:.3f} s, {plan.predicted_tokens_per_s:,.0f} tokens/s; "
+        f"host memory {gib(plan.predicted_host_bytes)}",
+        "  memory terms: " + ", ".join(f"{k} {gib(v)}" for k, v in plan.memory_terms.items()),
+    ]
+    if plan.world_size > 1:  # the figures above are each rank's
+        lines.insert(1, f"  per rank, {plan.world_size} ranks, {plan.distributed_mode} mode: every "
+                        "rank runs these knobs; tokens/s of one rank")  # fmt: skip
+    lines += [f"  - {r}" for r in plan.reasons]
+    if with_candidates and plan.candidates:
+        lines.append("best candidates:")
+        lines += ["  " + row for row in candidates_table(plan).splitlines()]
+    return "\n".join(lines)

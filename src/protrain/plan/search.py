@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protrain.plan.memory import MemoryModel, policy_matrix
-from protrain.plan.plan import KNOBS, Plan
+from protrain.plan.plan import KNOBS, Plan, gib
 from protrain.plan.runtime import RuntimeModel
 from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
@@ -537,8 +537,6 @@ def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int =
     """The plan of ``best[0]`` with ``n_device_step``; ``best`` (knobs, fastest first)
     becomes its candidates, each evaluated as the plan is (the first with
     ``n_device_step``, the others without)."""
-    from protrain.plan.explain import reasons_for
-
     p = problem.profile
     fixed_nb = problem.fixed.get("n_buffer")
     candidates = []
@@ -584,3 +582,54 @@ def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int =
     )
     plan.reasons = reasons_for(plan, problem)
     return plan
+
+
+def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
+    """Why the search chose ``plan`` for ``problem``, a sentence each (``Plan.reasons``)."""
+    out = []
+    fixed = plan.fixed_knobs
+    if fixed:
+        out.append("fixed by the user: " + ", ".join(f"{k}={v}" for k, v in fixed.items()))
+    searched = [k for k in KNOBS if k not in fixed]
+    if searched:
+        out.append("searched: " + ", ".join(searched))
+    budget = plan.gpu_budget_bytes
+    out.append(
+        f"fastest of the plans that fit {gib(budget)}: predicted peak "
+        f"{gib(plan.predicted_peak_bytes)} ({gib(budget - plan.predicted_peak_bytes)} left)"
+    )
+    if plan.n_persist == plan.n_chunks:
+        if problem.hardware.device == "cuda":
+            out.append("every chunk stays on the GPU: no parameter traffic, no host optimizer")
+        else:  # planned for the CPU: the device is the host, nothing moves
+            out.append(
+                f"every chunk stays on the device ({problem.hardware.device}): no chunk copies, "
+                "no separate host optimizer"
+            )
+    else:
+        nxt = problem.memory.model_states[min(plan.n_persist + 1, plan.n_chunks)]
+        more = nxt - problem.memory.model_states[plan.n_persist]
+        out.append(
+            f"n_persist={plan.n_persist} of {plan.n_chunks} chunks: one more persistent chunk "
+            f"needs {gib(more)} of model states"
+        )
+    t = plan.time_terms
+    if t:
+        out.append(
+            f"step {plan.predicted_step_s:.3f} s: compute {t['compute']:.3f} s"
+            + (
+                f" (of which {t['swap_wait']:.3f} s swapped blocks wait for their copies)"
+                if t.get("swap_wait")
+                else ""
+            )  # fmt: skip
+            + f", copies "
+            f"{t['copy']:.3f} s ({t['copy_exposed']:.3f} s not hidden), device optimizer "
+            f"{t['device_optimizer']:.3f} s, host optimizer {t['host_optimizer']:.3f} s "
+            f"({t['host_optimizer_exposed']:.3f} s the next forward waits for)"
+        )
+    if plan.n_checkpoint or plan.n_swap:
+        out.append(
+            f"activations: {plan.n_swap} blocks swapped, {plan.n_checkpoint} checkpointed, "
+            f"{plan.n_blocks - plan.n_swap - plan.n_checkpoint} kept"
+        )
+    return out

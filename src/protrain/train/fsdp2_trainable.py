@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from protrain.activations.apply import wrap_forward
+from protrain.activations.forward_wrap import wrap_forward
 from protrain.distributed.fsdp2 import (
     DEFAULT_MIN_NUM_PARAMS,
     SIZE_BASED_WRAP,
@@ -57,13 +57,8 @@ from protrain.distributed.fsdp2 import (
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
-from protrain.train.trainable import (
-    Trainable,
-    _causal_lm,
-    _fused_supported,
-    loss_sum,
-    optimizer_param_groups,
-)
+from protrain.train.loss import loss_sum, unwrap_causal_lm
+from protrain.train.trainable import Trainable, _fused_supported, optimizer_param_groups
 
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
@@ -350,12 +345,12 @@ def _not_units(
     names = {id(m): n for n, m in model.named_modules()}
     out: set[str] = set()
     if chunked_loss_tokens is not None:
-        causal_lm = _causal_lm(model)
-        path = names[id(causal_lm)]
+        lm = unwrap_causal_lm(model)
+        path = names[id(lm)]
         parts = path.split(".") if path else []
         # the root's descendants down to the causal LM, whose forwards the loss calls past
         out.update(".".join(parts[: i + 1]) for i in range(len(parts)))
-        head = names[id(causal_lm.get_output_embeddings())]
+        head = names[id(lm.get_output_embeddings())]
         out.update(n for n in names.values() if n == head or n.startswith(head + "."))
     if tiled_mlp_tokens is not None:
         from protrain.activations.tiled_mlp import find_mlp

@@ -26,14 +26,12 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import yaml
 from tqdm.auto import tqdm
@@ -53,6 +51,7 @@ from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
+from protrain.train.make_trainable import make_trainable
 from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
     DTYPES,
@@ -76,8 +75,9 @@ from protrain.train.planning import sample_batch
 from protrain.train.ranks import Ranks, start_ranks, stop_ranks
 from protrain.train.run_lock import RunLock, check_free_space
 from protrain.train.sampling import MicroBatchStream, StreamPosition
+from protrain.train.seeding import seed_everything
 from protrain.train.stop_signals import StopSignals, TrainingStopped, resume_command
-from protrain.train.trainable import Trainable, make_trainable
+from protrain.train.trainable import Trainable
 
 
 @dataclass
@@ -757,12 +757,6 @@ def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     return get_scheduler(
         cfg.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
     )
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _yaml(cfg: TrainConfig) -> str:

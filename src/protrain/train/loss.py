@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 IGNORE_INDEX = -100
 
@@ -27,3 +28,42 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tens
     shift_logits = logits[..., :-1, :].reshape(-1, logits.size(-1)).float()
     shift_labels = labels[..., 1:].reshape(-1).to(shift_logits.device)
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers causal-LM module inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def loss_sum(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    device: torch.device,
+    chunked_loss_tokens: int | None = None,
+) -> torch.Tensor:
+    """Sum of token losses of one micro-batch, as the loop computes it (and the planner
+    traces it)."""
+    causal_lm = unwrap_causal_lm(model)
+    if getattr(getattr(causal_lm, "config", None), "is_encoder_decoder", False):
+        from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
+
+        # encoder input and causal decoder labels: the same trained tokens as `batch`'s
+        batch = encoder_decoder_batch(batch, decoder_start_token_id(causal_lm))
+    labels = batch["labels"]
+    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
+    if chunked_loss_tokens is None:
+        return causal_lm_loss_sum(model(**inputs).logits, labels)
+    # Full-sequence logits never exist: the body gives hidden states and the head runs
+    # chunk by chunk inside the loss, with the family's logit transform.
+    from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
+
+    head, transform = causal_lm_head(causal_lm)
+    hidden = causal_lm.base_model(**inputs).last_hidden_state
+    return chunked_causal_lm_loss_sum(
+        hidden,
+        head,
+        labels.to(hidden.device),
+        chunk_tokens=chunked_loss_tokens,
+        logit_transform=transform,
+    )

@@ -39,7 +39,7 @@ def sample_batch(cfg: TrainConfig, train_data, collate) -> dict[str, torch.Tenso
 
 def planner_loss(device: torch.device, chunked_loss_tokens: int | None):
     """The loop's loss (chunked when configured) as the planner's `loss_fn(model, batch)`."""
-    from protrain.train.trainable import loss_sum
+    from protrain.train.loss import loss_sum
 
     def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
         n = max(count_trained_tokens(batch["labels"]), 1)
@@ -245,8 +245,8 @@ def run_model_and_batch(cfg: TrainConfig) -> tuple[nn.Module, dict[str, torch.Te
     built as `protrain train` builds them (same seed, data, collator and model), writing
     nothing: the one builder of `planning_inputs` and of the FSDP2 engine's trace."""
     from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.loop import seed_everything
     from protrain.train.modeling import build_model, load_media_processor, load_tokenizer
+    from protrain.train.seeding import seed_everything
 
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg)

@@ -13,7 +13,6 @@ import abc
 import contextlib
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +21,7 @@ from torch import nn
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
-from protrain.train.loss import causal_lm_loss_sum
+from protrain.train.loss import loss_sum, unwrap_causal_lm
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -39,39 +38,6 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
 
 def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
-
-
-def loss_sum(
-    model: nn.Module,
-    batch: dict[str, torch.Tensor],
-    device: torch.device,
-    chunked_loss_tokens: int | None = None,
-) -> torch.Tensor:
-    """Sum of token losses of one micro-batch, as the loop computes it (and the planner
-    traces it)."""
-    causal_lm = _causal_lm(model)
-    if getattr(getattr(causal_lm, "config", None), "is_encoder_decoder", False):
-        from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
-
-        # encoder input and causal decoder labels: the same trained tokens as `batch`'s
-        batch = encoder_decoder_batch(batch, decoder_start_token_id(causal_lm))
-    labels = batch["labels"]
-    inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
-    if chunked_loss_tokens is None:
-        return causal_lm_loss_sum(model(**inputs).logits, labels)
-    # Full-sequence logits never exist: the body gives hidden states and the head runs
-    # chunk by chunk inside the loss, with the family's logit transform.
-    from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
-
-    head, transform = causal_lm_head(causal_lm)
-    hidden = causal_lm.base_model(**inputs).last_hidden_state
-    return chunked_causal_lm_loss_sum(
-        hidden,
-        head,
-        labels.to(hidden.device),
-        chunk_tokens=chunked_loss_tokens,
-        logit_transform=transform,
-    )
 
 
 class Trainable(abc.ABC):
@@ -774,18 +740,12 @@ class AutoTrainable(EngineTrainable):
             self._measured_peak_bytes = peak[0]
 
 
-def _causal_lm(model: nn.Module) -> nn.Module:
-    """The transformers causal-LM module inside a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def check_chunked_loss_supported(model: nn.Module) -> None:
     """Refuse `memory.chunked_loss_tokens` where the model's logits are not a known
     transform of its output embedding's output (see `causal_lm_head`)."""
     from protrain.activations import UnsupportedHead, causal_lm_head
 
-    causal_lm = _causal_lm(model)
+    causal_lm = unwrap_causal_lm(model)
     model_type = getattr(getattr(causal_lm, "config", None), "model_type", None)
     try:
         causal_lm_head(causal_lm)
@@ -794,34 +754,6 @@ def check_chunked_loss_supported(model: nn.Module) -> None:
             f"memory.chunked_loss_tokens is not allowed for model type {model_type!r}: the "
             f"chunked loss cannot reproduce its logits ({exc}); unset it"
         ) from None
-
-
-def make_trainable(
-    model: nn.Module,
-    cfg: TrainConfig,
-    device: torch.device,
-    autocast_dtype: torch.dtype | None,
-    sample_batch: Callable[[], dict[str, torch.Tensor]],
-    several_ranks: bool = False,
-) -> Trainable:
-    """The trainable the `memory:` section asks for; `sample_batch()` (the heaviest micro-batch)
-    is called only when a plan is made. Several ranks run the engine (with no knob set, every
-    chunk on the GPU: gradients all-reduced chunk by chunk, as DDP would)."""
-    if cfg.fsdp_version:  # the FSDP2 engine, on one rank or several
-        from protrain.train.fsdp2_trainable import FSDP2Trainable
-
-        return FSDP2Trainable(model, cfg, device, autocast_dtype)
-    if cfg.memory.auto:
-        return AutoTrainable(
-            model, cfg, device, autocast_dtype, sample_batch(), several_ranks=several_ranks
-        )
-    if several_ranks:
-        if not cfg.memory.engine_enabled:
-            logger.info("several ranks without memory knobs: every chunk stays on the GPU")
-        return EngineTrainable(model, cfg, device, autocast_dtype, several_ranks=True)
-    if cfg.memory.engine_enabled:
-        return EngineTrainable(model, cfg, device, autocast_dtype)
-    return PlainTrainable(model, cfg, device, autocast_dtype)
 
 
 def _fused_supported(model: nn.Module) -> bool | None:

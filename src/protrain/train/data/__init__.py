@@ -3,8 +3,9 @@
 The folder is the table of contents: `config` (YAML keys), `loading` (files and hub),
 `formats` (row shapes), `templates` (built-in chat templates), `rendering` (turns in the
 rendered chat), `masks` (which tokens are trained), `encoding` (text samples to ids),
-`role_boundaries` and `vision` (vision-language rows), `packing`, `collate`, `dataset` (the
-builders), `preprocess` (cache), `inspect` (`protrain inspect-data`), `masking_info`.
+`role_boundaries` and `vision` (vision-language rows), `packing`, `collate`, `items`
+(dataset items), `dataset` (the builders), `prepared` (the cache), `preprocess` (`protrain
+preprocess`), `inspect` (`protrain inspect-data`), `masking_info`.
 """
 
 from protrain.train.data.collate import build_collator

@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 
-from protrain.train.data.collate import token_extra_keys
 from protrain.train.data.config import DatasetConfig, DataSettings
 from protrain.train.data.encoding import Encoded, encode_sample
 from protrain.train.data.errors import DataError
 from protrain.train.data.formats import ChatSample, parse_row
+from protrain.train.data.items import TokenizedDataset
 from protrain.train.data.loading import read_rows, select_rows
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
+from protrain.train.data.prepared import fingerprint, load_prepared
 from protrain.train.data.rendering import (
     ChatRenderer,
     TemplateMismatch,
@@ -38,38 +39,6 @@ from protrain.train.data.role_boundaries import (
 from protrain.train.data.templates import resolve_chat_template
 
 logger = logging.getLogger("protrain.train.data")
-
-
-class TokenizedDataset(torch.utils.data.Dataset):
-    """Encoded samples; items are dicts with `input_ids` and `labels` (lists of ints), plus
-    `position_ids` when packed and media tensors for VLM rows.
-
-    Per-token lists are held as int32 tensors (a Python list of ints costs about nine times
-    as much memory) and given back as lists.
-    """
-
-    def __init__(self, items: list[dict[str, Any]]) -> None:
-        self._tokens: list[dict[str, torch.Tensor]] = []
-        self._others: list[dict[str, Any]] = []
-        for item in items:
-            keys = {"input_ids", "labels", "position_ids", *token_extra_keys(item)} & item.keys()
-            self._tokens.append({k: torch.tensor(item[k], dtype=torch.int32) for k in keys})
-            self._others.append({k: v for k, v in item.items() if k not in keys})
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
-    def __getitem__(self, index: int) -> dict[str, Any]:
-        tokens = {k: v.tolist() for k, v in self._tokens[index].items()}
-        return {**tokens, **self._others[index]}
-
-    def token_counts(self) -> list[int]:
-        """Tokens of every item, without building their lists."""
-        return [len(t["input_ids"]) for t in self._tokens]
-
-    def media(self, index: int) -> dict[str, torch.Tensor]:
-        """The media tensors of item `index`, without building its token lists."""
-        return {k: v for k, v in self._others[index].items() if isinstance(v, torch.Tensor)}
 
 
 @dataclass
@@ -319,8 +288,6 @@ _held_out: dict[tuple, TokenizedDataset] = {}
 
 
 def _held_out_key(settings, tokenizer, processor, sequence_len: int, seed: int) -> tuple:
-    from protrain.train.data.preprocess import fingerprint
-
     fp = fingerprint(settings, tokenizer, sequence_len=sequence_len, seed=seed, processor=processor)
     return (fp, id(tokenizer), id(processor))
 
@@ -329,8 +296,6 @@ def build_train_dataset(
     settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
 ) -> torch.utils.data.Dataset:
     """The tokenized (and, with `sample_packing`, packed) training dataset."""
-    from protrain.train.data.preprocess import load_prepared
-
     if not settings.datasets:
         raise DataError("datasets is empty: training needs at least one dataset")
     check_settings(settings, tokenizer, processor)
@@ -365,8 +330,6 @@ def build_eval_dataset(
     settings: DataSettings, tokenizer, *, sequence_len: int, seed: int, processor=None
 ) -> torch.utils.data.Dataset | None:
     """The evaluation dataset (`eval_datasets`, or the `val_set_size` hold-out), or None."""
-    from protrain.train.data.preprocess import load_prepared
-
     if not settings.eval_datasets and not settings.val_set_size:
         return None
     prepared = load_prepared(
