@@ -1,10 +1,12 @@
 """Run `protrain` CLI processes quickly: a server imports protrain once, then forks one child
 per run, so that a test can start (and `kill -9`) many runs without paying the imports each
-time. The server itself runs no torch op before forking.
+time. The server itself runs no torch op before forking. `CliServer()` returns once the
+imports are done, so that the first run's start-up is as short as the later ones' (tests time
+it to choose when to kill).
 
-Protocol (one JSON line each way): {"argv": [...], "log": path, "env": {...}} starts a child
-with stdout and stderr to `log` and answers {"pid": N}; {"wait": N} answers {"status": S}
-(the exit status, or -signal for a child killed by one).
+Protocol (one JSON line each way, after the server's {"ready": true}): {"argv": [...], "log":
+path, "env": {...}} starts a child with stdout and stderr to `log` and answers {"pid": N};
+{"wait": N} answers {"status": S} (the exit status, or -signal for a child killed by one).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ SERVER = r"""
 import json, os, signal, sys
 import protrain.train.loop, protrain.cli, transformers, peft  # the imports, paid once
 from protrain.cli import main
+print(json.dumps({"ready": True}), flush=True)
 
 def child(request):
     fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -71,10 +74,15 @@ class CliServer:
             text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
+        if self._read() != {"ready": True}:
+            raise RuntimeError("the CLI server did not start")
 
     def _ask(self, request: dict) -> dict:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
+        return self._read()
+
+    def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the CLI server died")
