@@ -17,8 +17,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "install_torch.sh"
 
 
-def install(index: str, *, use_index: bool = True, probe_timeout: float = 1.0):
-    """Runs the script with `echo` as pip: (the pip command it ran, stderr, seconds)."""
+def install(index: str, *, use_index: bool = True, probe_timeout: float = 30.0):
+    """Runs the script with `echo` as pip: (the pip command it ran, stderr, seconds). The
+    probe's timeout is generous unless a test times it: a local index on a loaded machine
+    may take over a second to answer."""
     env = dict(
         os.environ,
         TORCH_SPEC="torch==2.13.0",
