@@ -121,12 +121,25 @@ def clean_leftovers(output_dir: Path, *, complete_saves: bool = True) -> list[st
             complete = complete_saves and CHECKPOINT_RE.match(final.name) and not final.exists()
             if complete and verify(p) is None:
                 p.rename(final)
-                _fsync(output_dir)
+                fsync_path(output_dir)
                 notes.append(f"completed {final}, a save interrupted before its rename")
             else:
                 shutil.rmtree(p, ignore_errors=True)
                 notes.append(f"removed {p}, an unfinished checkpoint save")
     return notes
+
+
+def complete_unrenamed_saves(output_dir: Path) -> list[Path]:
+    """The `.tmp-*` saves whose manifest verifies (a kill between the manifest and the
+    rename), oldest first: `--resume` puts them in place (`clean_leftovers`)."""
+    if not output_dir.is_dir():
+        return []
+    found = []
+    for p in output_dir.iterdir():
+        step = p.name.removeprefix(TMP_PREFIX)
+        if p.name.startswith(TMP_PREFIX) and step.isdigit() and verify(p) is None:
+            found.append((int(step), p))
+    return [p for _, p in sorted(found)]
 
 
 def verify(path: Path) -> str | None:
@@ -182,13 +195,13 @@ def find_resume_checkpoint(output_dir: Path) -> Path:
     for path in reversed(list_checkpoints(output_dir)):
         problem = verify(path)
         if problem is None:
-            if damaged:
+            for name, why, aside in damaged:  # every one moved aside is named
                 logger.warning(
                     "--resume: %s is damaged (%s) and was moved to %s; resuming from %s, the "
                     "newest intact checkpoint",
-                    damaged[0][0],
-                    damaged[0][1],
-                    damaged[0][2],
+                    name,
+                    why,
+                    aside,
                     path.name,
                 )
             return path
@@ -245,7 +258,7 @@ def save_checkpoint(
         }
         _write_text(tmp / "state.json", json.dumps(state, indent=1))
         _write_manifest(tmp)
-        _fsync(tmp)
+        fsync_path(tmp)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -259,7 +272,7 @@ def save_checkpoint(
     if final.exists():  # the same step saved again: the old copy leaves the namespace first
         _trash(final)
     tmp.rename(final)
-    _fsync(output_dir)
+    fsync_path(output_dir)
 
     if save_total_limit is not None:
         problem = check_sizes(final)
@@ -378,7 +391,7 @@ def _json_scalars(value: Any) -> Any:
 def _trash(path: Path) -> None:
     """Take a checkpoint out of the `checkpoint-*` namespace (atomic); removed later."""
     path.rename(path.with_name(TRASH_PREFIX + path.name.removeprefix("checkpoint-")))
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def _remove_trash(output_dir: Path) -> None:
@@ -395,7 +408,7 @@ def _move_aside(path: Path) -> Path:
         n += 1
         aside = path.with_name(f"{DAMAGED_PREFIX}{path.name.removeprefix('checkpoint-')}.{n}")
     path.rename(aside)
-    _fsync(path.parent)
+    fsync_path(path.parent)
     return aside
 
 
@@ -483,7 +496,7 @@ def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
         if code is None:
             raise
         raise OSError(int(code[1]), f"{os.strerror(int(code[1]))}: {path}") from None
-    _fsync(path)
+    fsync_path(path)
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -493,7 +506,7 @@ def _write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file or a directory entry to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -48,6 +48,8 @@ from protrain.train.data import (
     describe_masking,
 )
 from protrain.train.errors import ConfigError, OutputDirError
+from protrain.train.final_dir import publish, tmp_dir
+from protrain.train.final_dir import recover as recover_final
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
@@ -424,29 +426,68 @@ def _train(
 
     # -- 6. export
     result.steps = step
+    # A stop signal now lets the export finish (the model is the run's result; the steps
+    # since the last checkpoint exist nowhere else); a second one ends the process at once.
+    with StopSignals(finishing="the export of the trained model") as late:
+        try:
+            _export_run(trainable, built, cfg, ranks, result.final_dir)
+        except NonFiniteError:
+            raise  # it says what is kept
+        except Exception:
+            logger.error(_export_failed_note(last_saved, step, total_steps))
+            raise
+    if late.requested is not None:
+        logger.warning(
+            "%s came during the export; the export finished: the run is complete",
+            signal_name(late.requested),
+        )
+    return result
+
+
+def _export_run(
+    trainable: Trainable, built, cfg: TrainConfig, ranks: Ranks, final_dir: Path
+) -> None:
+    """Write `final_dir` from every rank's trainable (streamed where it can be)."""
     if ranks.several:  # each rank checks its own shards, one verdict for all
         _check_finite_over_ranks(trainable, ranks)
         why_not = streamed_export.streamable(trainable)
         if why_not is None:
             streamed_export.export_streamed(
-                trainable, built.tokenizer, result.final_dir, ranks,
+                trainable, built.tokenizer, final_dir, ranks,
                 write_extra=_tiny_base_writer(cfg, built),
             )  # fmt: skip
             ranks.barrier()
             trainable.close(keep_weights=False)  # written: nothing to gather back
-            logger.info("exported the trained model to %s", result.final_dir)
-            return result
+            logger.info("exported the trained model to %s", final_dir)
+            return
         logger.warning("export gathered on every rank (not streamed): %s", why_not)
     else:
         assert_finite(trainable.model_state(copy=False), "the final model")
     if ranks.is_main:
-        export(trainable, built, cfg, result.final_dir)
+        export(trainable, built, cfg, final_dir)
     else:
         trainable.export_model()  # closing the engine is a collective in the sharded mode
     ranks.barrier()
     trainable.close()
-    logger.info("exported the trained model to %s", result.final_dir)
-    return result
+    logger.info("exported the trained model to %s", final_dir)
+
+
+def _export_failed_note(last_saved: Path | None, step: int, total_steps: int) -> str:
+    """What is kept when the export fails: the steps after the last checkpoint are lost."""
+    if last_saved is None:
+        return (
+            f"the final model was not written, and no checkpoint was saved: the {step} steps "
+            "trained are lost; set save_steps to keep checkpoints"
+        )
+    redo = (
+        "exports it"
+        if last_saved.name == f"checkpoint-{step}"
+        else f"trains the steps after it (to {total_steps}) again and exports"
+    )
+    return (
+        f"the final model was not written; {last_saved.name} is the newest checkpoint: after "
+        f"fixing the cause, {resume_command()} {redo}"
+    )
 
 
 @torch.no_grad()
@@ -468,7 +509,7 @@ def evaluate(trainable: Trainable, data, collate, cfg: TrainConfig) -> float:
 def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> None:
     """Write the model atomically: Hugging Face format, or the trained PEFT adapters (frozen
     ones stay where they were loaded from)."""
-    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    tmp = tmp_dir(final_dir)
     if tmp.exists():
         shutil.rmtree(tmp)
     model = trainable.export_model()
@@ -481,9 +522,7 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> No
     write_extra = _tiny_base_writer(cfg, built)
     if write_extra is not None:
         write_extra(tmp)
-    if final_dir.exists():
-        shutil.rmtree(final_dir)
-    tmp.rename(final_dir)
+    publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
 
 
 def _tiny_base_writer(cfg: TrainConfig, built):
@@ -522,12 +561,21 @@ def _check_finite_over_ranks(trainable: Trainable, ranks: Ranks) -> None:
 def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
     """Refuse to overwrite earlier work; with `resume`, return the newest intact checkpoint
     (what a killed run left is cleaned up first, damaged checkpoints moved aside)."""
+    note = recover_final(output_dir / "final")
+    if note is not None:
+        logger.warning(note)
     if resume:
         return ckpt.find_resume_checkpoint(output_dir)
-    if ckpt.list_checkpoints(output_dir) or (output_dir / "final").exists():
+    unrenamed = ckpt.complete_unrenamed_saves(output_dir)
+    if ckpt.list_checkpoints(output_dir) or (output_dir / "final").exists() or unrenamed:
+        # a save killed before its rename but verified is the run's newest checkpoint:
+        # --resume puts it in place; a new run must not remove it as a leftover
+        held = (
+            f" (its newest checkpoint, {unrenamed[-1].name}, awaits --resume)" if unrenamed else ""
+        )
         raise OutputDirError(
-            f"output_dir {str(output_dir)!r} already holds a training run; pass --resume to "
-            "continue it, or choose another output_dir"
+            f"output_dir {str(output_dir)!r} already holds a training run{held}; pass --resume "
+            "to continue it, or choose another output_dir"
         )
     for note in ckpt.clean_leftovers(output_dir, complete_saves=False):  # a new run
         logger.warning(note)

@@ -333,7 +333,7 @@ def _publish(
         ckpt._write_text(tmp / "state.json", json.dumps(state, indent=1))
         _about_to_write(ckpt.MANIFEST)
         ckpt._write_manifest(tmp, known, ckpt.SHARDED)
-        ckpt._fsync(tmp)
+        ckpt.fsync_path(tmp)
         problem = ckpt.check_sizes(tmp)
         if problem is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -342,7 +342,7 @@ def _publish(
         if final.exists():  # the same step saved again: the old copy leaves the namespace first
             ckpt._trash(final)
         tmp.rename(final)
-        ckpt._fsync(output_dir)
+        ckpt.fsync_path(output_dir)
         if save_total_limit is not None:
             for stale in ckpt.list_checkpoints(output_dir)[:-save_total_limit]:
                 if stale != final:

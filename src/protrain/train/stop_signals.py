@@ -1,4 +1,5 @@
 """SIGINT and SIGTERM during training: stop at the next step boundary, saved and resumable.
+During the export that follows the last step, they let the export finish (`finishing`).
 
 The first signal only sets `requested`; the loop sees it after the step in progress, saves
 a checkpoint, prints the command that resumes and exits with 128 + the signal's number (130
@@ -31,7 +32,10 @@ class TrainingStopped(SystemExit):
 class StopSignals:
     """Within `with`: SIGINT and SIGTERM ask the loop to stop (main thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, finishing: str | None = None) -> None:
+        """``finishing``: what the first signal lets finish instead of the step in progress
+        (the loop then sees ``requested`` after it)."""
+        self.finishing = finishing
         self.requested: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -51,10 +55,15 @@ class StopSignals:
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
         # os.write: no lock that the interrupted code may hold (as logging's)
+        what = (
+            "stopping after this step and saving a checkpoint"
+            if self.finishing is None
+            else f"finishing {self.finishing} first"
+        )
         os.write(
             2,
-            f"\n[protrain WARNING] {signal.Signals(signum).name}: stopping after this step "
-            "and saving a checkpoint; a second Ctrl-C or SIGTERM ends at once\n".encode(),
+            f"\n[protrain WARNING] {signal.Signals(signum).name}: {what}; a second Ctrl-C or "
+            "SIGTERM ends at once\n".encode(),
         )
 
 

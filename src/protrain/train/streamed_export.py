@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from protrain.train.final_dir import publish, tmp_dir
 from protrain.train.modeling import trained_adapter_names
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ def export_streamed(
     """Every rank calls it (the gathers are collectives); rank 0 writes ``final_dir``
     atomically (a temporary name, then one rename). ``write_extra(tmp)``: rank 0's further
     files (the built-in tiny base beside an adapter)."""
-    tmp = final_dir.with_name(final_dir.name + ".tmp")
+    tmp = tmp_dir(final_dir)
     if ranks.is_main:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -178,9 +179,7 @@ def export_streamed(
         tokenizer.save_pretrained(tmp)
         if write_extra is not None:
             write_extra(tmp)
-        if final_dir.exists():
-            shutil.rmtree(final_dir)
-        tmp.rename(final_dir)
+        publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
 
 
 def _export_adapter(trainable: Trainable, tmp: Path, ranks: Ranks) -> None:

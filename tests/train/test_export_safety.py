@@ -1,0 +1,229 @@
+"""The end of a run keeps the model: a signal during the export lets it finish, a failed
+export says what is kept, replacing `final` never leaves the folder without one, a new run
+does not remove a save `--resume` would complete, and every damaged checkpoint is named."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import protrain.train.checkpoint as ckpt
+import protrain.train.loop as loop
+from protrain.train import final_dir
+from protrain.train.config import validate_config
+from protrain.train.errors import ConfigError, OutputDirError
+
+from .helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1}
+
+
+@pytest.fixture
+def protrain_log():
+    """The lines the `protrain` logger writes (it does not propagate to pytest's)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("protrain")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+# A run of 4 steps whose export receives SIGTERM as it starts; save_minutes (the default)
+# never checkpoints the last step, so before the fix nothing of the run was left.
+_SIGNAL_IN_EXPORT = textwrap.dedent(
+    """
+    import os, signal, sys
+    from pathlib import Path
+    import protrain.train.loop as loop
+    from protrain.train.config import validate_config
+    from tests.train.helpers import tiny_config
+
+    real_export = loop.export
+
+    def export(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return real_export(*args, **kwargs)
+
+    loop.export = export
+    cfg = tiny_config(Path(sys.argv[1]), max_steps=4, micro_batch_size=2,
+                      gradient_accumulation_steps=1)
+    loop.train(validate_config(cfg))
+    """
+)
+
+
+def test_a_signal_during_the_export_lets_it_finish(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_IN_EXPORT, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run = tmp_path / "run"
+    assert (run / "final" / "model.safetensors").is_file()
+    assert not (run / "final.tmp").exists()
+    assert "SIGTERM: finishing the export of the trained model first" in proc.stderr
+    assert "SIGTERM came during the export; the export finished" in proc.stderr
+
+
+def _failing_export(*args, **kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("save_steps", [None, 2, 4])
+def test_a_failed_export_names_what_is_kept(tmp_path, monkeypatch, protrain_log, save_steps):
+    monkeypatch.setattr(loop, "export", _failing_export)
+    cfg = tiny_config(tmp_path, max_steps=4, save_steps=save_steps, **SMALL)
+    with pytest.raises(OSError, match="No space left"):
+        loop.train(validate_config(cfg))
+    note = [line for line in protrain_log if "the final model was not written" in line]
+    assert len(note) == 1, protrain_log
+    if save_steps is None:  # save_minutes: nothing saved in 4 steps
+        assert "no checkpoint was saved: the 4 steps trained are lost" in note[0]
+    elif save_steps == 2:
+        assert "checkpoint-4 is the newest checkpoint" in note[0] and "exports it" in note[0]
+    else:
+        assert "checkpoint-4 is the newest checkpoint" in note[0]
+
+
+def test_replacing_final_killed_at_each_rename_keeps_a_whole_model(tmp_path, monkeypatch):
+    """Killed after the old `final` moved aside, `recover` puts it back; killed after the
+    new one is in place, it removes the old one."""
+    out = tmp_path / "out"
+    final = out / "final"
+    final.mkdir(parents=True)
+    (final / "w").write_text("old")
+    real_rename = Path.rename
+
+    def write_new() -> Path:
+        tmp = final_dir.tmp_dir(final)
+        tmp.mkdir()
+        (tmp / "w").write_text("new")
+        return tmp
+
+    # 1. killed between moving the old final aside and renaming the new one in
+    def killed_before_new(self, target):
+        if self.name == "final.tmp":
+            raise SystemExit("killed")
+        return real_rename(self, target)
+
+    tmp = write_new()
+    monkeypatch.setattr(Path, "rename", killed_before_new)
+    with pytest.raises(SystemExit):
+        final_dir.publish(tmp, final)
+    monkeypatch.undo()
+    assert not final.exists() and (out / "final.old" / "w").read_text() == "old"
+    note = final_dir.recover(final)
+    assert note is not None and note.startswith("restored")
+    assert (final / "w").read_text() == "old" and not (out / "final.old").exists()
+
+    # 2. killed after the new final is in place, before the old one is removed
+    import shutil
+
+    real_rmtree = shutil.rmtree
+
+    def killed_before_removal(path, *args, **kwargs):
+        if Path(path).name == "final.old":
+            raise SystemExit("killed")
+        return real_rmtree(path, *args, **kwargs)
+
+    real_rmtree(final_dir.tmp_dir(final))
+    tmp = write_new()
+    monkeypatch.setattr(shutil, "rmtree", killed_before_removal)
+    with pytest.raises(SystemExit):
+        final_dir.publish(tmp, final)
+    monkeypatch.undo()
+    assert (final / "w").read_text() == "new" and (out / "final.old").exists()
+    note = final_dir.recover(final)
+    assert note is not None and note.startswith("removed")
+    assert (final / "w").read_text() == "new" and not (out / "final.old").exists()
+    assert final_dir.recover(final) is None
+
+
+def test_a_new_run_leaves_a_verified_unrenamed_save_for_resume(tmp_path, monkeypatch):
+    """A kill between a save's manifest and its rename leaves a verified `.tmp-checkpoint-N`:
+    a run without --resume (here with bad input) is refused and removes nothing."""
+    real_rename = Path.rename
+
+    def killed_before_rename(self, target):
+        if self.name.startswith(ckpt.TMP_PREFIX):
+            raise SystemExit("killed between the manifest and the rename")
+        return real_rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", killed_before_rename)
+    with pytest.raises(SystemExit):
+        loop.train(validate_config(tiny_config(tmp_path, max_steps=4, save_steps=2, **SMALL)))
+    monkeypatch.undo()
+    run = tmp_path / "run"
+    tmp = run / f"{ckpt.TMP_PREFIX}2"
+    assert ckpt.verify(tmp) is None and not ckpt.list_checkpoints(run)
+
+    bad = tiny_config(tmp_path, max_steps=None, num_epochs=1, gradient_accumulation_steps=10**6)
+    with pytest.raises(OutputDirError, match="checkpoint-2, awaits --resume"):
+        loop.train(validate_config(bad))
+    assert ckpt.verify(tmp) is None  # untouched
+    # --resume completes it (and then refuses the bad accumulation, keeping it)
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        loop.train(validate_config(bad), resume=True)
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["checkpoint-2"]
+
+
+def _save(out: Path, step: int) -> None:
+    w = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([w])
+    w.grad = torch.ones(4)
+    opt.step()
+    ckpt.save_checkpoint(
+        out,
+        step,
+        model_state={"w": w.detach()},
+        optimizer_state=opt.state_dict(),
+        scheduler_state={},
+        trainer_state={},
+        save_total_limit=None,
+    )
+
+
+def test_every_damaged_checkpoint_passed_over_is_named(tmp_path, protrain_log):
+    for step in (10, 20, 30):
+        _save(tmp_path, step)
+    (tmp_path / "checkpoint-30" / "state.json").write_text("{}")
+    (tmp_path / "checkpoint-20" / "model.safetensors").unlink()
+    assert ckpt.find_resume_checkpoint(tmp_path).name == "checkpoint-10"
+    warned = [line for line in protrain_log if "is damaged" in line]
+    assert len(warned) == 2
+    assert "checkpoint-30" in warned[0] and ".damaged-checkpoint-30" in warned[0]
+    assert "checkpoint-20" in warned[1] and "model.safetensors is missing" in warned[1]
+
+
+def test_the_signal_handler_says_what_it_lets_finish(tmp_path):
+    """The handler's line during the export (the loop's own is tested in test_never_lose)."""
+    script = textwrap.dedent(
+        """
+        import os, signal, time
+        from protrain.train.stop_signals import StopSignals
+        with StopSignals(finishing="the export") as s:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.1)
+        assert s.requested == signal.SIGINT
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"{signal.SIGINT.name}: finishing the export first" in proc.stderr
