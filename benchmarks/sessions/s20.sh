@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 20's GPU calls (written in session 19; PART one, qtl, pa K=1..3 and final ran in
-# session 20, PART two did not: no device time was left). Run from a clean tree at
+# session 20, PART two did not: no device time was left, nor in session 21, which had none). Run from a clean tree at
 # COMMIT (or a `git archive` of it without benchmarks/results), carrying the wheel folder
 # WHL names (see benchmarks/README.md).
 # PART=one (one GPU, WHL=.whl: bitsandbytes): the 8-bit optimizer's GPU test against
