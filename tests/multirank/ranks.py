@@ -19,6 +19,9 @@ def _entry(
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
+    # before the group: its functions' defaults would hold it (protrain/train/ranks.py)
+    import torch.distributed.nn.functional  # noqa: F401
+
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
@@ -31,7 +34,8 @@ def _entry(
     try:
         fn(rank, world, *args)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # ``fn`` may end it itself (`protrain.train.ranks.stop_ranks`)
+            dist.destroy_process_group()
     if check_group_freed:
         assert group() is None, f"rank {rank}: the process group outlived its destruction"
 
@@ -46,8 +50,9 @@ def run_ranks(
     i.e. nothing ``fn`` left behind, garbage included, holds it. gloo stops its threads only
     when the group is freed, and threads that live into interpreter exit can abort the rank
     after a passing run ([Note: the group is held weakly] in
-    ``protrain/distributed/process_group.py``). Not for FSDP2: torch's DTensor keeps the
-    meshes, and so their group, in its sharding propagation cache."""
+    ``protrain/distributed/process_group.py``). A rank of the FSDP2 engine ends with
+    ``protrain.train.ranks.stop_ranks()``, as ``protrain train`` does: its closed units are
+    garbage in reference cycles that hold the group until a collection."""
     with tempfile.TemporaryDirectory() as d:
         init = os.path.join(d, "pg")
         spawn_args = (world, init, backend, check_group_freed, fn, args)

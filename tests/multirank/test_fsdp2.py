@@ -230,6 +230,38 @@ def test_qlora_tiled_chunked_two_ranks(tmp_path):
     assert (run / "final" / "base_model" / "model.safetensors").is_file()
 
 
+def test_one_process_group_is_freed_when_the_run_ends(tmp_path):
+    """On one process the engine starts a group of one rank and ends it in `close`; the
+    closed units (garbage in reference cycles) and DTensor's caches (their mesh) would keep
+    it alive into interpreter exit ([Note: the meshes outlive the model] in
+    `protrain.distributed.fsdp2`): `stop_ranks`, the end of `protrain train`, frees it."""
+    import weakref
+
+    import torch.distributed as dist
+    from tests.engine.models import build
+
+    from protrain.train.fsdp2_trainable import FSDP2Trainable
+    from protrain.train.ranks import stop_ranks
+
+    assert not dist.is_initialized()
+    cfg = validate_config(
+        tiny_config(tmp_path, fsdp_version=2, fsdp_config={"auto_wrap_policy": "SIZE_BASED_WRAP"})
+    )
+    trainable = FSDP2Trainable(build("llama"), cfg, torch.device("cpu"), None)
+    group = weakref.ref(dist.group.WORLD)
+    ids = torch.randint(1, 95, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = trainable.forward_loss_sum({"input_ids": ids, "labels": ids.clone()})
+    trainable.backward(loss, last=True)
+    trainable.clip_grad_norm(1.0)
+    trainable.optimizer_step()  # DTensor operations: the caches hold the mesh from here
+    assert trainable.model_state()
+    trainable.close()
+    del trainable, loss
+    assert group() is not None  # held by the closed units, garbage until a collection
+    stop_ranks()
+    assert group() is None, "the group of one rank outlived the run"
+
+
 # -- size-based units: FSDP1's decisions
 
 

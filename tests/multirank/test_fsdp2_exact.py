@@ -28,7 +28,10 @@ The clipping norm is combined from the ranks' shards (`sqrt(n0^2 + n1^2)` per te
 it may differ from the one-process norm in its last bit.
 
 All cases run in one spawn of two ranks (the start-up of two processes is most of the
-time); the reference of each case runs in this process.
+time); the reference of each case runs in this process. Each rank ends as `protrain train`
+ends (`stop_ranks`), which must free its process group: the units are garbage in cycles and
+DTensor's caches keep their mesh ([Note: the meshes outlive the model] in
+`protrain.distributed.fsdp2`), and a gloo group alive at interpreter exit can abort a rank.
 """
 
 from __future__ import annotations
@@ -177,6 +180,7 @@ class _Counted:
 
 def _rank_train(rank: int, world: int, tmp: str) -> None:
     from protrain.train.fsdp2_trainable import FSDP2Trainable
+    from protrain.train.ranks import stop_ranks
 
     results = {}
     for name, (fsdp, kind, memory, ragged) in CASES.items():
@@ -205,6 +209,8 @@ def _rank_train(rank: int, world: int, tmp: str) -> None:
         }
         trainable.close()
     torch.save(results, os.path.join(tmp, f"rank{rank}.pt"))
+    del trainable, loss  # the run is over: the group ends as `protrain train` ends it
+    stop_ranks()
 
 
 @contextlib.contextmanager
@@ -260,7 +266,7 @@ def _plain(kind: str, memory: dict, ragged: bool):
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("fsdp2")
-    run_ranks(WORLD, _rank_train, str(tmp))
+    run_ranks(WORLD, _rank_train, str(tmp), check_group_freed=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -179,7 +179,7 @@ def test_final_check_reads_each_ranks_own_shards():
     from .ranks import run_ranks
 
     errors = mp.get_context("spawn").SimpleQueue()
-    run_ranks(2, _check_on_rank, 1, errors)
+    run_ranks(2, _check_on_rank, 1, errors, check_group_freed=True)
     got = []
     while not errors.empty():
         got.append(errors.get())

@@ -63,6 +63,21 @@ The `QuantState` (block scales, about 1/32 of the packed bytes with double quant
 is kept whole on every rank on the device, as in FSDP-QLoRA, and a forward pre-hook on
 each layer hands it to the weight FSDP2 has just gathered (bitsandbytes reads it from
 `weight.quant_state`).
+
+[Note: the meshes outlive the model]
+A gloo group must be freed before interpreter exit: its worker threads stop only then, and
+one still releasing a finished collective when the interpreter finalizes aborts the
+process after a passing run ([Note: the group is held weakly] in
+`protrain/distributed/process_group.py`). Two things keep an FSDP2 engine's group after
+`destroy_process_group`. The units hold it (`FSDPMeshInfo`) and, closed, are garbage in
+reference cycles: `train/ranks.py`'s `stop_ranks` collects them before it ends the group.
+And DTensor's caches keep every `DeviceMesh` they have seen (the sharding propagation's in
+`torch/distributed/tensor/_sharding_prop.py` and its C++ fast path, the redistribution
+planners of `_redistribute.py`, the mesh topology of `_collective_utils.py`), while a mesh
+holds its groups (`DeviceMesh._pg_registry`, torch 2.13). torch has no public call to
+empty those caches; `release_groups` instead empties the registry of the engine's own mesh
+when it closes, so that the caches keep a mesh without its group. Outside `torch.compile`
+a mesh finds its groups by name, so one used after that still works while the group lives.
 """
 
 from __future__ import annotations
@@ -341,6 +356,13 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
     if mesh.device_type == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device(mesh.device_type)
+
+
+def release_groups(mesh: DeviceMesh) -> None:
+    """``mesh`` no longer holds its process groups ([Note: the meshes outlive the model])."""
+    registry = getattr(mesh, "_pg_registry", None)  # private, torch 2.13
+    if registry is not None:
+        registry.clear()
 
 
 # -- 4-bit base weights ([Note: 4-bit weights under FSDP2])

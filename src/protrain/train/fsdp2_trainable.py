@@ -53,6 +53,7 @@ from protrain.distributed.fsdp2 import (
     FSDP2Settings,
     apply_fsdp2,
     prepare_4bit,
+    release_groups,
 )
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
@@ -168,8 +169,8 @@ class FSDP2Trainable(Trainable):
         # (made while 4-bit scales are still on the host: apply_fsdp2 moves them)
         self._skeleton = _without_parameters(model) if dist.get_rank() == 0 else None
         undo = self._checkpoint_blocks() if fsdp.activation_checkpointing else []
-        mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        self.units = apply_fsdp2(model, settings, mesh)
+        self._mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.units = apply_fsdp2(model, settings, self._mesh)
         if mem.tiled_mlp_tokens is not None:  # after sharding: it checks the MLPs hold no unit
             undo.append(self._tile_mlps(mem.tiled_mlp_tokens))
         self.activations = _Undo(undo) if undo else None
@@ -320,6 +321,8 @@ class FSDP2Trainable(Trainable):
         self.remove_activation_policies()
         if not self._closed:
             self._closed = True
+            # DTensor's caches keep the mesh ([Note: the meshes outlive the model])
+            release_groups(self._mesh)
             if self._own_group and dist.is_initialized():
                 dist.destroy_process_group()
 

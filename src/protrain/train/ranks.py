@@ -18,11 +18,17 @@ on a signal) are made from values reduced over ranks.
 
 from __future__ import annotations
 
+import gc
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+# imported before any group exists: the functions of torch.distributed.nn.functional take
+# `group.WORLD` as it is at import for a default, and would hold the group to the end of
+# the process (see `stop_ranks`); torch.distributed.fsdp and torch._dynamo import it
+import torch.distributed.nn.functional  # noqa: F401
 
 from protrain.distributed.agree import from_main
 from protrain.distributed.process_group import (
@@ -96,5 +102,11 @@ def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
 
 
 def stop_ranks() -> None:
+    """End the process group of the run. A closed engine lives on in reference cycles, and
+    FSDP2's units hold their group (on one process the engine's own, ended in its `close`):
+    collected here, the group is freed now, not at interpreter exit, where gloo's threads
+    can abort the process ([Note: the group is held weakly] in
+    `protrain/distributed/process_group.py`)."""
+    gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
