@@ -822,6 +822,7 @@ def trace_model(
         )
     # The backward interval of block 0 runs to the end of backward: what follows block 0's
     # own backward (embedding gradients) has no hook of its own and stays in it.
+    phase("summarize")  # the profile built from the trace: the parts then cover trace_s
     profile = ModelProfile(
         blocks=block_profiles,
         intervals=iv,
@@ -841,7 +842,7 @@ def trace_model(
         grad_order=list(tracer.grad_order),
         grad_names=list(tracer.grad_names),
         step_start_bytes=tracer.base if device.type == "cuda" else None,
-        trace_s=time.perf_counter() - t_begin,
+        trace_s=mark[0] - t_begin,
         free_pre_fwd_s=free_pre,
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
