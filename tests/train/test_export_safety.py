@@ -77,7 +77,33 @@ def test_a_signal_during_the_export_lets_it_finish(tmp_path):
     assert (run / "final" / "model.safetensors").is_file()
     assert not (run / "final.tmp").exists()
     assert "SIGTERM: finishing the export of the trained model first" in proc.stderr
-    assert "SIGTERM came during the export; the export finished" in proc.stderr
+    assert "SIGTERM came after the last step; the export finished" in proc.stderr
+
+
+_SIGNAL_AFTER_LOOP = _SIGNAL_IN_EXPORT.replace(
+    "loop.export = export",
+    # the moment between the loop's end and the export: the metrics file's close
+    "import protrain.train.metrics as metrics\n"
+    "real_close = metrics.MetricsWriter.close\n"
+    "def close(self):\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return real_close(self)\n"
+    "metrics.MetricsWriter.close = close",
+)
+
+
+def test_a_signal_between_the_loop_and_the_export_lets_it_finish(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_AFTER_LOOP, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert "SIGTERM came after the last step; the export finished" in proc.stderr
 
 
 def _failing_export(*args, **kwargs):
@@ -100,19 +126,22 @@ def test_a_failed_export_names_what_is_kept(tmp_path, monkeypatch, protrain_log,
         assert "checkpoint-4 is the newest checkpoint" in note[0]
 
 
-def test_replacing_final_killed_at_each_rename_keeps_a_whole_model(tmp_path, monkeypatch):
-    """Killed after the old `final` moved aside, `recover` puts it back; killed after the
-    new one is in place, it removes the old one."""
+def test_replacing_final_killed_at_each_point_keeps_a_whole_model(tmp_path, monkeypatch):
+    """Killed between the renames, `recover` completes the new model (whole on disk before
+    the old one moved); killed after it is in place, it removes the old one; with the new
+    one gone, it restores the old one; a partial export alone is removed."""
+    import shutil
+
     out = tmp_path / "out"
     final = out / "final"
     final.mkdir(parents=True)
     (final / "w").write_text("old")
-    real_rename = Path.rename
+    real_rename, real_rmtree = Path.rename, shutil.rmtree
 
-    def write_new() -> Path:
+    def write(text: str) -> Path:
         tmp = final_dir.tmp_dir(final)
         tmp.mkdir()
-        (tmp / "w").write_text("new")
+        (tmp / "w").write_text(text)
         return tmp
 
     # 1. killed between moving the old final aside and renaming the new one in
@@ -121,37 +150,52 @@ def test_replacing_final_killed_at_each_rename_keeps_a_whole_model(tmp_path, mon
             raise SystemExit("killed")
         return real_rename(self, target)
 
-    tmp = write_new()
+    tmp = write("new")
     monkeypatch.setattr(Path, "rename", killed_before_new)
     with pytest.raises(SystemExit):
         final_dir.publish(tmp, final)
     monkeypatch.undo()
     assert not final.exists() and (out / "final.old" / "w").read_text() == "old"
     note = final_dir.recover(final)
-    assert note is not None and note.startswith("restored")
-    assert (final / "w").read_text() == "old" and not (out / "final.old").exists()
+    assert note is not None and note.startswith("completed")
+    assert (final / "w").read_text() == "new"
+    assert sorted(p.name for p in out.iterdir()) == ["final"]
 
     # 2. killed after the new final is in place, before the old one is removed
-    import shutil
-
-    real_rmtree = shutil.rmtree
-
     def killed_before_removal(path, *args, **kwargs):
         if Path(path).name == "final.old":
             raise SystemExit("killed")
         return real_rmtree(path, *args, **kwargs)
 
-    real_rmtree(final_dir.tmp_dir(final))
-    tmp = write_new()
+    tmp = write("newer")
     monkeypatch.setattr(shutil, "rmtree", killed_before_removal)
     with pytest.raises(SystemExit):
         final_dir.publish(tmp, final)
     monkeypatch.undo()
-    assert (final / "w").read_text() == "new" and (out / "final.old").exists()
+    assert (final / "w").read_text() == "newer" and (out / "final.old").exists()
     note = final_dir.recover(final)
     assert note is not None and note.startswith("removed")
-    assert (final / "w").read_text() == "new" and not (out / "final.old").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["final"]
     assert final_dir.recover(final) is None
+
+    # 3. the new model gone (removed by hand) while the old one is aside: the old one back
+    real_rename(final, out / "final.old")
+    note = final_dir.recover(final)
+    assert note is not None and note.startswith("restored")
+    assert (final / "w").read_text() == "newer"
+
+    # 4. a partial export alone (killed while writing): removed, final untouched
+    write("partial")
+    note = final_dir.recover(final)
+    assert note is not None and "did not finish" in note
+    assert sorted(p.name for p in out.iterdir()) == ["final"]
+
+    # 5. a publish after a replacement a kill cut short (case 1's state) finishes it first
+    tmp = write("new2")
+    real_rename(final, out / "final.old")
+    final_dir.publish(tmp, final)
+    assert (final / "w").read_text() == "new2"
+    assert sorted(p.name for p in out.iterdir()) == ["final"]
 
 
 def test_a_new_run_leaves_a_verified_unrenamed_save_for_resume(tmp_path, monkeypatch):
@@ -173,7 +217,7 @@ def test_a_new_run_leaves_a_verified_unrenamed_save_for_resume(tmp_path, monkeyp
     assert ckpt.verify(tmp) is None and not ckpt.list_checkpoints(run)
 
     bad = tiny_config(tmp_path, max_steps=None, num_epochs=1, gradient_accumulation_steps=10**6)
-    with pytest.raises(OutputDirError, match="checkpoint-2, awaits --resume"):
+    with pytest.raises(OutputDirError, match=r"a checkpoint, \.tmp-checkpoint-2, awaits --resume"):
         loop.train(validate_config(bad))
     assert ckpt.verify(tmp) is None  # untouched
     # --resume completes it (and then refuses the bad accumulation, keeping it)
@@ -227,3 +271,18 @@ def test_the_signal_handler_says_what_it_lets_finish(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     assert f"{signal.SIGINT.name}: finishing the export first" in proc.stderr
+
+
+def test_an_error_after_the_export_wrote_does_not_say_it_was_not_written(
+    tmp_path, monkeypatch, protrain_log
+):
+    from protrain.train.trainable import PlainTrainable
+
+    def failing_close(self, keep_weights: bool = True) -> None:
+        raise RuntimeError("close failed")
+
+    monkeypatch.setattr(PlainTrainable, "close", failing_close)
+    with pytest.raises(RuntimeError, match="close failed"):
+        loop.train(validate_config(tiny_config(tmp_path, max_steps=2, **SMALL)))
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert not any("not written" in line for line in protrain_log)

@@ -130,14 +130,17 @@ def clean_leftovers(output_dir: Path, *, complete_saves: bool = True) -> list[st
 
 
 def complete_unrenamed_saves(output_dir: Path) -> list[Path]:
-    """The `.tmp-*` saves whose manifest verifies (a kill between the manifest and the
-    rename), oldest first: `--resume` puts them in place (`clean_leftovers`)."""
+    """The `.tmp-*` saves whose manifest verifies and whose `checkpoint-*` does not exist (a
+    kill between the manifest and the rename), oldest first: `--resume` puts them in place
+    (`clean_leftovers`)."""
     if not output_dir.is_dir():
         return []
     found = []
     for p in output_dir.iterdir():
         step = p.name.removeprefix(TMP_PREFIX)
-        if p.name.startswith(TMP_PREFIX) and step.isdigit() and verify(p) is None:
+        if not (p.name.startswith(TMP_PREFIX) and step.isdigit()):
+            continue
+        if not (output_dir / f"checkpoint-{step}").exists() and verify(p) is None:
             found.append((int(step), p))
     return [p for _, p in sorted(found)]
 

@@ -5,12 +5,13 @@ put in place without a moment where neither the old nor the new one exists.
 An export writes `final.tmp` (the single-process export and the streamed one of several
 ranks alike), flushes every file and folder of it to disk, then: the old `final`, if any, is
 renamed `final.old`; `final.tmp` is renamed `final`; `final.old` is removed. Each rename is
-atomic and flushed, so a process killed (or a machine that loses power) at any point leaves
-a whole `final`, or a whole `final.old` beside a `final.tmp` that may be partial.
-`recover` (run before anything else is done with the output_dir) puts `final.old` back
-where no `final` exists and removes it where one does; a leftover `final.tmp` is removed by
-the next export. Before, the old `final` was removed before the rename, and a kill between
-the two left no model under any name the run knew.
+flushed, so a process killed (or a machine that loses power) at any point leaves one of:
+a `final` (with a `final.old` beside it, or a partial `final.tmp` from an export that had
+not reached its renames), or a `final.old` beside a whole `final.tmp` (the new model, on
+disk before the old one was moved). `recover`, run before the output_dir is used and at
+the start of every `publish`, finishes the replacement in the second case, removes a
+leftover `final.old` in the first, and removes a `final.tmp` that no `final.old` vouches
+for (a partial export).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ def publish(tmp: Path, final: Path) -> None:
     """Put the written `tmp` in place of `final` (see [Note: replacing final])."""
     _fsync_tree(tmp)
     old = _old_dir(final)
-    if old.exists():  # a replaced final that an earlier kill left: `final` is whole
-        shutil.rmtree(old)
+    if old.exists():  # an earlier replacement a kill cut short: `final` is whole after it
+        _finish(final, old, tmp=None)
     if final.exists():
         final.rename(old)
         fsync_path(final.parent)
@@ -46,20 +47,29 @@ def publish(tmp: Path, final: Path) -> None:
 
 
 def recover(final: Path) -> str | None:
-    """Finish a replacement a killed export left (see [Note: replacing final]); a line to
-    log, or None where there was nothing to do."""
-    old = _old_dir(final)
-    if not old.exists():
-        return None
-    if final.exists():
+    """Finish what a killed export left (see [Note: replacing final]); a line to log, or
+    None where there was nothing to do."""
+    old, tmp = _old_dir(final), tmp_dir(final)
+    if old.exists():
+        return _finish(final, old, tmp if tmp.exists() else None)
+    if tmp.exists():
+        shutil.rmtree(tmp)
+        return f"removed {tmp}, an export that did not finish"
+    return None
+
+
+def _finish(final: Path, old: Path, tmp: Path | None) -> str:
+    if final.exists():  # killed after the new final was in place
         shutil.rmtree(old)
         return f"removed {old}, the model an export had already replaced"
-    old.rename(final)
+    if tmp is not None:  # killed between the renames: the new model is whole on disk
+        tmp.rename(final)
+        fsync_path(final.parent)
+        shutil.rmtree(old)
+        return f"completed {final} from {tmp.name}: its export was interrupted between renames"
+    old.rename(final)  # the new one is gone (removed by hand): the old one is kept
     fsync_path(final.parent)
-    return (
-        f"restored {final} from {old.name}: an export that was replacing it was interrupted; "
-        "that export was not completed"
-    )
+    return f"restored {final} from {old.name}"
 
 
 def _fsync_tree(root: Path) -> None:

@@ -302,8 +302,8 @@ def _train(
     last_save_s = time.monotonic()
     stops = StopSignals()
     say = progress.write if ranks.is_main else (lambda line: None)
-    try:
-        with stops:
+    with stops:  # the stop handlers: from the first step to the end of the export
+        try:
             # A stop, a save and an evaluation are decided alike on every rank: each is a
             # collective of the engine in the sharded mode.
             stopping = False
@@ -412,42 +412,50 @@ def _train(
                     resume_command(),
                 )
                 raise TrainingStopped(stops.requested)
-    except BaseException:
-        if not ranks.several:
-            trainable.close()  # the engine's threads and buffers
-        # Several ranks: closing the engine is a collective (it gathers sharded chunks),
-        # which the other ranks, stopped elsewhere, never join: this rank would wait for
-        # them until the group's timeout instead of ending the job with its message. The
-        # process is about to exit and the OS takes its memory and daemon threads back.
-        raise
-    finally:
-        progress.close()
-        metrics.close()
+        except BaseException:
+            if not ranks.several:
+                trainable.close()  # the engine's threads and buffers
+            # Several ranks: closing the engine is a collective (it gathers sharded chunks),
+            # which the other ranks, stopped elsewhere, never join: this rank would wait for
+            # them until the group's timeout instead of ending the job with its message. The
+            # process is about to exit and the OS takes its memory and daemon threads back.
+            raise
+        finally:
+            progress.close()
+            metrics.close()
 
-    # -- 6. export
-    result.steps = step
-    # A stop signal now lets the export finish (the model is the run's result; the steps
-    # since the last checkpoint exist nowhere else); a second one ends the process at once.
-    with StopSignals(finishing="the export of the trained model") as late:
+        # -- 6. export
+        result.steps = step
+        # A stop signal now lets the export finish (the model is the run's result; the
+        # steps since the last checkpoint exist nowhere else); a second one ends the
+        # process at once. The same handlers as the loop's: no moment between the two.
+        stops.finishing = "the export of the trained model"
+        written = False
         try:
-            _export_run(trainable, built, cfg, ranks, result.final_dir)
+            streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
+            written = True
+            ranks.barrier()
+            trainable.close(keep_weights=not streamed)  # streamed: nothing to gather back
+            logger.info("exported the trained model to %s", result.final_dir)
         except NonFiniteError:
             raise  # it says what is kept
         except Exception:
-            logger.error(_export_failed_note(last_saved, step, total_steps))
+            if not written and ranks.is_main:
+                logger.error(_export_failed_note(last_saved, step, total_steps))
             raise
-    if late.requested is not None:
+    if stops.requested is not None:
         logger.warning(
-            "%s came during the export; the export finished: the run is complete",
-            signal_name(late.requested),
+            "%s came after the last step; the export finished: the run is complete",
+            signal_name(stops.requested),
         )
     return result
 
 
-def _export_run(
+def _write_final(
     trainable: Trainable, built, cfg: TrainConfig, ranks: Ranks, final_dir: Path
-) -> None:
-    """Write `final_dir` from every rank's trainable (streamed where it can be)."""
+) -> bool:
+    """Write `final_dir` from every rank's trainable; True where it was streamed (every
+    rank wrote its tensors, nothing is left to gather back)."""
     if ranks.several:  # each rank checks its own shards, one verdict for all
         _check_finite_over_ranks(trainable, ranks)
         why_not = streamed_export.streamable(trainable)
@@ -456,10 +464,7 @@ def _export_run(
                 trainable, built.tokenizer, final_dir, ranks,
                 write_extra=_tiny_base_writer(cfg, built),
             )  # fmt: skip
-            ranks.barrier()
-            trainable.close(keep_weights=False)  # written: nothing to gather back
-            logger.info("exported the trained model to %s", final_dir)
-            return
+            return True
         logger.warning("export gathered on every rank (not streamed): %s", why_not)
     else:
         assert_finite(trainable.model_state(copy=False), "the final model")
@@ -467,9 +472,7 @@ def _export_run(
         export(trainable, built, cfg, final_dir)
     else:
         trainable.export_model()  # closing the engine is a collective in the sharded mode
-    ranks.barrier()
-    trainable.close()
-    logger.info("exported the trained model to %s", final_dir)
+    return False
 
 
 def _export_failed_note(last_saved: Path | None, step: int, total_steps: int) -> str:
@@ -567,11 +570,14 @@ def _check_output_dir(output_dir: Path, resume: bool) -> Path | None:
     if resume:
         return ckpt.find_resume_checkpoint(output_dir)
     unrenamed = ckpt.complete_unrenamed_saves(output_dir)
-    if ckpt.list_checkpoints(output_dir) or (output_dir / "final").exists() or unrenamed:
-        # a save killed before its rename but verified is the run's newest checkpoint:
+    listed = ckpt.list_checkpoints(output_dir)
+    if listed or (output_dir / "final").exists() or unrenamed:
+        # a save killed before its rename but verified is a checkpoint of the run:
         # --resume puts it in place; a new run must not remove it as a leftover
         held = (
-            f" (its newest checkpoint, {unrenamed[-1].name}, awaits --resume)" if unrenamed else ""
+            f" (a checkpoint, {unrenamed[-1].name}, awaits --resume)"
+            if unrenamed and not listed
+            else ""
         )
         raise OutputDirError(
             f"output_dir {str(output_dir)!r} already holds a training run{held}; pass --resume "
