@@ -5,7 +5,6 @@ does not remove a save `--resume` would complete, and every damaged checkpoint i
 from __future__ import annotations
 
 import errno
-import logging
 import signal
 import subprocess
 import sys
@@ -25,18 +24,6 @@ from .helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1}
-
-
-@pytest.fixture
-def protrain_log():
-    """The lines the `protrain` logger writes (it does not propagate to pytest's)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("protrain")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
 
 
 # A run of 4 steps whose export receives SIGTERM as it starts; save_minutes (the default)
@@ -63,15 +50,19 @@ _SIGNAL_IN_EXPORT = textwrap.dedent(
 )
 
 
-def test_a_signal_during_the_export_lets_it_finish(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_IN_EXPORT, str(tmp_path)],
+def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+def test_a_signal_during_the_export_lets_it_finish(tmp_path):
+    proc = _run(_SIGNAL_IN_EXPORT, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "run"
     assert (run / "final" / "model.safetensors").is_file()
@@ -93,14 +84,7 @@ _SIGNAL_AFTER_LOOP = _SIGNAL_IN_EXPORT.replace(
 
 
 def test_a_signal_between_the_loop_and_the_export_lets_it_finish(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_AFTER_LOOP, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = _run(_SIGNAL_AFTER_LOOP, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert "SIGTERM came after the last step; the export finished" in proc.stderr

@@ -4,7 +4,6 @@ run), so that a kill loop of 20+ runs stays within a couple of minutes on 2 core
 
 from __future__ import annotations
 
-import logging
 import os
 import random
 import shutil
@@ -36,18 +35,6 @@ def cli():
     server = CliServer()
     yield server
     server.close()
-
-
-@pytest.fixture
-def protrain_log():
-    """The lines the `protrain` logger writes (it does not propagate to pytest's)."""
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())
-    logger = logging.getLogger("protrain")
-    logger.addHandler(handler)
-    yield lines
-    logger.removeHandler(handler)
 
 
 def weights(path: Path, name: str = "model.safetensors") -> dict[str, torch.Tensor]:
