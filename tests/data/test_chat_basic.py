@@ -151,6 +151,15 @@ def test_missing_file(tmp_path, chatml_tok):
     assert "\n" not in str(e.value)
 
 
+def test_missing_relative_file_names_the_folder_it_was_looked_for_in(
+    tmp_path, chatml_tok, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(DataError) as e:
+        _build("nope.jsonl", chatml_tok)
+    assert f"does not exist (looked in the working folder {tmp_path})" in str(e.value)
+
+
 @pytest.mark.parametrize(
     "row,field,words",
     [

@@ -53,6 +53,12 @@ def test_overrides_are_parsed_as_yaml(tmp_path):
     assert cfg.adapter.type == "lora" and cfg.adapter.r == 4
 
 
+def test_an_override_into_a_list_says_so(tmp_path):
+    path = write_config(tmp_path, tiny_config(tmp_path))
+    with pytest.raises(ConfigError, match="'datasets' is a list, and --set reaches only"):
+        load_config(path, ["datasets.0.type=completion"])
+
+
 def test_bad_override_syntax(tmp_path):
     path = write_config(tmp_path, tiny_config(tmp_path))
     with pytest.raises(ConfigError, match="expected key=value"):

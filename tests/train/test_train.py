@@ -327,6 +327,9 @@ def test_resume_under_another_data_order_is_refused_and_keeps_the_run(tmp_path):
     shutil.rmtree(first.final_dir)
     with pytest.raises(OutputDirError, match="micro_batch_size: 4 -> 2"):
         train(validate_config(tiny_config(tmp_path, max_steps=4, micro_batch_size=2)), resume=True)
+    # another sequence_len changes which rows there are: the message names it with "rows"
+    with pytest.raises(OutputDirError, match=r"rows: \d+ -> \d+\) \(rows follow .*sequence_len"):
+        train(validate_config(tiny_config(tmp_path, max_steps=4, sequence_len=32)), resume=True)
     assert (first.output_dir / "config.yaml").read_text() == recorded
     assert (first.output_dir / "metrics.jsonl").read_text() == metrics
 

@@ -697,6 +697,11 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
+        if isinstance(child, list):
+            raise ConfigError(
+                f"--set {key}: {part!r} is a list, and --set reaches only the keys of sections; "
+                "edit its items in the config file"
+            )
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: {part!r} is not a section")
         node = child

@@ -762,9 +762,16 @@ def _check_data_order(
         if k not in window and saved.get(k) != now[k]
     )
     if diffs:
+        # rows: the training rows after tokenizing, truncating, holding out and packing
+        rows = (
+            " (rows follow datasets, sequence_len, val_set_size and sample_packing)"
+            if saved.get("rows") != now["rows"]
+            else ""
+        )
         raise OutputDirError(
-            f"--resume: {checkpoint} was written under another data order ({diffs}); its data "
-            "position does not carry over: restore those settings, or start a new output_dir"
+            f"--resume: {checkpoint} was written under another data order ({diffs}){rows}; its "
+            "data position does not carry over: restore those settings, or start a new "
+            "output_dir"
         )
     before = saved["gradient_accumulation_steps"] * saved["world_size"]
     after = now["gradient_accumulation_steps"] * now["world_size"]

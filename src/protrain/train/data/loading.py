@@ -150,8 +150,10 @@ def _data_files(cfg: DatasetConfig, root: Path) -> list[Path]:
 def _read_local(cfg: DatasetConfig) -> list[dict[str, Any]]:
     path = Path(cfg.path).expanduser()
     if not path.exists():
+        # a relative path is the working folder's, not the config file's: say which
+        where = "" if path.is_absolute() else f" (looked in the working folder {Path.cwd()})"
         raise DataError(
-            f"file or folder {str(path)!r} does not exist", dataset=cfg.path, field="path"
+            f"file or folder {str(path)!r} does not exist{where}", dataset=cfg.path, field="path"
         )
     if path.is_dir():
         if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists():
