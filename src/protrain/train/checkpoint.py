@@ -112,20 +112,19 @@ def clean_leftovers(output_dir: Path, *, complete_saves: bool = True) -> list[st
     notes = []
     if not output_dir.is_dir():
         return notes
+    complete = set(complete_unrenamed_saves(output_dir)) if complete_saves else set()
     for p in sorted(output_dir.iterdir()):
         if p.name.startswith(TRASH_PREFIX):
             shutil.rmtree(p, ignore_errors=True)
             notes.append(f"removed {p}, a checkpoint whose pruning was interrupted")
-        elif p.name.startswith(TMP_PREFIX):
+        elif p in complete:
             final = output_dir / f"checkpoint-{p.name.removeprefix(TMP_PREFIX)}"
-            complete = complete_saves and CHECKPOINT_RE.match(final.name) and not final.exists()
-            if complete and verify(p) is None:
-                p.rename(final)
-                fsync_path(output_dir)
-                notes.append(f"completed {final}, a save interrupted before its rename")
-            else:
-                shutil.rmtree(p, ignore_errors=True)
-                notes.append(f"removed {p}, an unfinished checkpoint save")
+            p.rename(final)
+            fsync_path(output_dir)
+            notes.append(f"completed {final}, a save interrupted before its rename")
+        elif p.name.startswith(TMP_PREFIX):
+            shutil.rmtree(p, ignore_errors=True)
+            notes.append(f"removed {p}, an unfinished checkpoint save")
     return notes
 
 

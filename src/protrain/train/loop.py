@@ -430,19 +430,17 @@ def _train(
         # steps since the last checkpoint exist nowhere else); a second one ends the
         # process at once. The same handlers as the loop's: no moment between the two.
         stops.finishing = "the export of the trained model"
-        written = False
         try:
             streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
-            written = True
-            ranks.barrier()
-            trainable.close(keep_weights=not streamed)  # streamed: nothing to gather back
-            logger.info("exported the trained model to %s", result.final_dir)
         except NonFiniteError:
             raise  # it says what is kept
         except Exception:
-            if not written and ranks.is_main:
+            if ranks.is_main:
                 logger.error(_export_failed_note(last_saved, step, total_steps))
             raise
+        ranks.barrier()
+        trainable.close(keep_weights=not streamed)  # streamed: nothing to gather back
+        logger.info("exported the trained model to %s", result.final_dir)
     if stops.requested is not None:
         logger.warning(
             "%s came after the last step; the export finished: the run is complete",
