@@ -97,6 +97,59 @@ def _check(rank: int, world: int, mode: str, adapter: bool, n: int, fp16: bool =
         assert own < whole, at
 
 
+def _train_armed(rank: int, world: int, adapter: bool, accum: int, n_device_step: int):
+    """Sharded, no clipping, ``step_in_backward()`` before each window's last backward:
+    (states after the steps, device steps counted after each backward and after each
+    step())."""
+    model = build("llama")
+    model, opt, _ = protrain.wrap(
+        lora(model, "llama") if adapter else model,
+        device="cpu",
+        n_persist=1,
+        lr=LR,
+        weight_decay=WD,
+        chunk_size_bytes=16384,
+        distributed_mode="sharded",
+        grad_reduce="sum",
+        n_device_step=n_device_step,
+    )
+    data = batches("llama", STEPS * accum * world)
+    counted = []
+    for step in range(STEPS):
+        for mb in range(accum):
+            if mb == accum - 1:
+                opt.step_in_backward()
+            i = step * accum * world + mb * world + rank
+            (model(**data[i]).loss / (accum * world)).backward()
+        before = opt.stats.get("device_steps", 0)
+        opt.step()
+        counted.append((before, opt.stats.get("device_steps", 0)))
+        opt.zero_grad()
+    out = {"model": protrain.state_dict(model), "optim": opt.state_dict(), "counted": counted}
+    protrain.close(model)
+    return out
+
+
+def _check_armed(rank: int, world: int, adapter: bool, accum: int) -> None:
+    """Armed by ``step_in_backward()`` with several ranks: with one micro-batch in the
+    window each device-stepped chunk steps inside the backward, once its reduced gradient
+    shard is on its way to the host (one DeviceStep call a chunk, none left to ``step()``);
+    with two, ``step()`` steps them (their last gradients are added on the host). The bits
+    are the host path's either way."""
+    at = (rank, world, adapter, accum)
+    host = _train_armed(rank, world, adapter, accum, 0)
+    dev = _train_armed(rank, world, adapter, accum, 2)
+    if accum == 1:  # two chunks, each its own call from inside the backward
+        assert dev["counted"] == [(2 * (k + 1), 2 * (k + 1)) for k in range(STEPS)], at
+    else:  # one call of step() for both
+        assert dev["counted"] == [(k, k + 1) for k in range(STEPS)], at
+    for name, want in host["model"].items():
+        assert torch.equal(dev["model"][name], want), (*at, name)
+    for i, st in host["optim"]["state"].items():
+        for k, v in st.items():
+            assert torch.equal(dev["optim"]["state"][i][k], v), (*at, i, k)
+
+
 def _two_ranks(rank: int, world: int) -> None:
     device_step.PIECE_NUMEL = 48  # pieces cut the shards inside (this process only)
     _check(rank, world, "replicated", False, 2)
@@ -104,12 +157,15 @@ def _two_ranks(rank: int, world: int) -> None:
         for n in (1, 2):
             _check(rank, world, "sharded", adapter, n)
     _check(rank, world, "sharded", False, 2, fp16=True)
+    for adapter, accum in ((False, 1), (True, 1), (False, 2)):
+        _check_armed(rank, world, adapter, accum)
 
 
 def _three_ranks(rank: int, world: int) -> None:
     device_step.PIECE_NUMEL = 48
     for n in (1, 2):  # full fine-tuning: norm weights own no element on two of the ranks
         _check(rank, world, "sharded", False, n)
+    _check_armed(rank, world, False, 1)
 
 
 def test_device_step_on_two_ranks_equals_the_host_step():

@@ -12,8 +12,8 @@ next gather (see [Note: write-back on the device] in ``chunks/manager.py``). The
 ``n_device_step`` offloaded chunks are stepped on the device instead, their gradients
 (accumulated on the host as every offloaded chunk's), masters and moments streamed in and
 out (``optim/device_step.py``): in ``step()`` after the host tasks are queued, or, armed by
-``step_in_backward()`` on one rank, from inside the backward once the chunk's whole
-gradient is on its way to the host.
+``step_in_backward()``, from inside the backward once the chunk's whole gradient (with
+several ranks: its reduced gradient) is on its way to the host.
 
 With ``optimizer="adamw_8bit"`` the persistent chunks' moments are bitsandbytes' blockwise
 8-bit state, stepped by its ``AdamW8bit`` instead of the fused AdamW (``optim/adamw_8bit.py``);
@@ -398,11 +398,12 @@ class HybridAdamW(torch.optim.Optimizer):
             for pi, piece in enumerate(p.slots for p in opts)
         }
         # A device-stepped chunk steps once its whole gradient is on its way to the host (its
-        # copy-in waits for the copies); with several ranks in step(), after the reductions
-        # (the reducer hands gradients over on its own stream). Not in the last backward of
-        # an accumulation window either: its gradients are then added on the host, and the
-        # step's wait for those adds would hold the backward's thread (step() steps it).
-        if self._device_step is not None and self._sink.reducer is None:
+        # copy-in waits for the copies; with several ranks the reducer delivers the reduced
+        # gradients on its own stream, which the step's streams wait for). Not in the last
+        # backward of an accumulation window with earlier micro-batches: its gradients are
+        # then added on the host, and the step's wait for those adds would hold the
+        # backward's thread (step() steps it).
+        if self._device_step is not None:
             for ci in self._device_step.chunk_ids():
                 slots = self._manager.chunks[ci].trainable_slots
                 if not any(s.has_grad for s in slots):
