@@ -145,6 +145,21 @@ def test_a_global_batch_change_is_one_error_naming_both(runs, tmp_path):
     assert saved["trainer"]["data_order"]["world_size"] == 1
 
 
+def test_a_micro_batch_change_says_how_the_global_batch_may_change(runs, tmp_path):
+    """micro_batch_size orders the rows, so even --new-global-batch refuses it; the one
+    error says what --new-global-batch does allow."""
+    run = tmp_path / "run"
+    shutil.copytree(runs / "pristine", run)
+    cfg = validate_config(
+        tiny_config(tmp_path, output_dir=str(run), **{**STEPS, "micro_batch_size": 4})
+    )
+    with pytest.raises(OutputDirError) as err:
+        train(cfg, resume=True, new_global_batch=True)
+    message = str(err.value)
+    assert "micro_batch_size: 2 -> 4" in message
+    assert "keep micro_batch_size and change gradient_accumulation_steps" in message
+
+
 def test_a_global_batch_change_continues_when_asked(runs, tmp_path):
     """`--new-global-batch`: the data goes on from the checkpoint's position, 4 micro-batches
     a step instead of 2, to max_steps; with num_epochs the steps left are recomputed."""

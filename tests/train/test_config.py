@@ -59,6 +59,22 @@ def test_an_override_into_a_list_says_so(tmp_path):
         load_config(path, ["datasets.0.type=completion"])
 
 
+def test_an_error_about_an_override_names_the_override(tmp_path):
+    """A bad value from --set is blamed on that --set, one from the file on the file, in one
+    message (before, every line named the config file)."""
+    raw = tiny_config(tmp_path)
+    raw["micro_batch_size"] = 0
+    path = write_config(tmp_path, raw)
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["learning_rate=fast", "memory.bogus=1", "adapter=3"])
+    lines = str(err.value).splitlines()
+    assert len(lines) == 4, lines
+    assert f"{path}: micro_batch_size = 0 is not allowed" in str(err.value)
+    assert "--set learning_rate=fast: learning_rate = 'fast' is not allowed" in str(err.value)
+    assert "--set memory.bogus=1: unknown key 'memory.bogus'" in str(err.value)
+    assert "--set adapter=3: adapter = 3 is not allowed" in str(err.value)
+
+
 def test_bad_override_syntax(tmp_path):
     path = write_config(tmp_path, tiny_config(tmp_path))
     with pytest.raises(ConfigError, match="expected key=value"):

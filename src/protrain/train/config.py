@@ -620,9 +620,10 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
     raw = read_yaml_mapping(path, what="config file")
     if path == QUICKSTART_CONFIG:
         _resolve_quickstart_paths(raw)
+    overridden = {}
     for item in overrides or []:
-        apply_override(raw, item)
-    return validate_config(raw, source=str(path))
+        overridden[apply_override(raw, item)] = item
+    return validate_config(raw, source=str(path), overridden=overridden)
 
 
 def read_yaml_mapping(path: Path, *, what: str) -> dict[str, Any]:
@@ -668,11 +669,17 @@ def one_line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())
 
 
-def validate_config(raw: dict[str, Any], source: str = "config") -> TrainConfig:
+def validate_config(
+    raw: dict[str, Any], source: str = "config", overridden: dict[tuple, str] | None = None
+) -> TrainConfig:
+    """``overridden``: the key paths ``--set`` gave (``apply_override``'s), with the item
+    that set each: an error about one of them names that ``--set``, not ``source``."""
     try:
         cfg = TrainConfig.model_validate(raw)
     except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc, TrainConfig, raw, source)) from None
+        raise ConfigError(
+            format_validation_error(exc, TrainConfig, raw, source, overridden)
+        ) from None
     if not cfg.datasets:
         given = "= [] is not allowed" if "datasets" in raw else "is not set"
         raise ConfigError(
@@ -682,8 +689,9 @@ def validate_config(raw: dict[str, Any], source: str = "config") -> TrainConfig:
     return cfg
 
 
-def apply_override(raw: dict[str, Any], item: str) -> None:
-    """Apply one `--set a.b.c=value`; the value is parsed as a YAML scalar or list."""
+def apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
+    """Apply one `--set a.b.c=value`; the value is parsed as a YAML scalar or list. Returns
+    the key path it set."""
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set learning_rate=1e-4")
     key, _, text = item.partition("=")
@@ -706,6 +714,7 @@ def apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"--set {key}: {part!r} is not a section")
         node = child
     node[parts[-1]] = value
+    return tuple(parts)
 
 
 def _resolve_quickstart_paths(raw: dict[str, Any]) -> None:
@@ -716,28 +725,43 @@ def _resolve_quickstart_paths(raw: dict[str, Any]) -> None:
 
 
 def format_validation_error(
-    exc: ValidationError, schema: type[BaseModel], raw: dict[str, Any], source: str
+    exc: ValidationError,
+    schema: type[BaseModel],
+    raw: dict[str, Any],
+    source: str,
+    overridden: dict[tuple, str] | None = None,
 ) -> str:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
+        where = _source_of(loc, overridden or {}, source)
         key = ".".join(loc) or "(top level)"
         if err["type"] == "extra_forbidden":
             allowed = _fields_at(schema, err["loc"][:-1])
             hint = difflib.get_close_matches(loc[-1], allowed, n=1, cutoff=0.6)
             suggestion = f"; did you mean {hint[0]!r}?" if hint else ""
             lines.append(
-                f"{source}: unknown key {key!r}{suggestion} (allowed here: {', '.join(allowed)})"
+                f"{where}: unknown key {key!r}{suggestion} (allowed here: {', '.join(allowed)})"
             )
             continue
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "value_error" and not err["loc"]:
-            lines.append(f"{source}: {message}")
+            lines.append(f"{where}: {message}")
             continue
         value = err.get("input")
         shown = f"{value!r}" if not isinstance(value, dict | list) else type(value).__name__
-        lines.append(f"{source}: {key} = {shown} is not allowed: {message}")
+        lines.append(f"{where}: {key} = {shown} is not allowed: {message}")
     return "\n".join(lines)
+
+
+def _source_of(loc: list[str], overridden: dict[tuple, str], file_source: str) -> str:
+    """Where the value an error is about came from: the ``--set`` whose key path is the
+    error's or holds it (a section set whole), else the config file."""
+    for n in range(len(loc), 0, -1):
+        item = overridden.get(tuple(loc[:n]))
+        if item is not None:
+            return f"--set {item}"
+    return file_source
 
 
 def _fields_at(schema: type[BaseModel], loc: tuple) -> list[str]:

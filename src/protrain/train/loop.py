@@ -766,10 +766,17 @@ def _check_data_order(
             if saved.get("rows") != now["rows"]
             else ""
         )
+        # micro_batch_size orders the rows; the global batch may change through the window
+        batch = (
+            "; to change the global batch, keep micro_batch_size and change "
+            "gradient_accumulation_steps or the number of ranks (--resume --new-global-batch)"
+            if saved.get("micro_batch_size") != now["micro_batch_size"]
+            else ""
+        )
         raise OutputDirError(
             f"--resume: {checkpoint} was written under another data order ({diffs}){rows}; its "
             "data position does not carry over: restore those settings, or start a new "
-            "output_dir"
+            f"output_dir{batch}"
         )
     before = saved["gradient_accumulation_steps"] * saved["world_size"]
     after = now["gradient_accumulation_steps"] * now["world_size"]
