@@ -27,7 +27,7 @@ from .ranks import run_ranks
 STEPS, ACCUM, MAX_NORM, LR, WD = 2, 2, 0.5, 1e-2, 0.01
 
 
-def _train(rank: int, world: int, mode: str, adapter: bool, n_device_step: int, fp16: bool):
+def _wrap(mode: str, adapter: bool, n_device_step: int, fp16: bool = False):
     model = build("llama")
     model, opt, _ = protrain.wrap(
         lora(model, "llama") if adapter else model,
@@ -41,6 +41,11 @@ def _train(rank: int, world: int, mode: str, adapter: bool, n_device_step: int, 
         grad_reduce="sum",
         n_device_step=n_device_step,
     )
+    return model, opt
+
+
+def _train(rank: int, world: int, mode: str, adapter: bool, n_device_step: int, fp16: bool):
+    model, opt = _wrap(mode, adapter, n_device_step, fp16)
     data = batches("llama", STEPS * ACCUM * world)
     held = []  # after each step's backwards: host accumulator elements, DeviceStep tensors
     for step in range(STEPS):
@@ -101,18 +106,7 @@ def _train_armed(rank: int, world: int, adapter: bool, accum: int, n_device_step
     """Sharded, no clipping, ``step_in_backward()`` before each window's last backward:
     (states after the steps, device steps counted after each backward and after each
     step())."""
-    model = build("llama")
-    model, opt, _ = protrain.wrap(
-        lora(model, "llama") if adapter else model,
-        device="cpu",
-        n_persist=1,
-        lr=LR,
-        weight_decay=WD,
-        chunk_size_bytes=16384,
-        distributed_mode="sharded",
-        grad_reduce="sum",
-        n_device_step=n_device_step,
-    )
+    model, opt = _wrap("sharded", adapter, n_device_step)
     data = batches("llama", STEPS * accum * world)
     counted = []
     for step in range(STEPS):
