@@ -7,8 +7,16 @@
 #   several ranks too), FSDP2 CPU offload, DeepSpeed ZeRO-3 offload. START=k continues at
 #   row k on the same warm machine with the same RID when a call runs out of time.
 #   Issue 17: 2x FSDP2 and 2.5x ZeRO-3 (session 22's first call, e8e5f71: 1.49x, 2.30x).
+# PART=host (any machine, written for the next session): the host AdamW of 1 and 2 processes
+#   at once over 1 G parameters each (host_adam_ranks.py): the floor of full-8b's step on a
+#   two-GPU host (3.75 G offloaded parameters a rank) and the ratio it allows against FSDP2.
 source benchmarks/sessions/lib.sh
 nvidia-smi -L; nproc
+if [ "${PART:-two}" = host ]; then
+  timeout $(( $(left) - 5 )) python3 benchmarks/host_adam_ranks.py --procs 1 2 \
+    --numel $((1 << 30)) --out "$OUT/host_adam.jsonl"
+  exit
+fi
 R="torchrun --standalone --nproc-per-node 2 benchmarks/run.py --commit $C --run-id $RID"
 R="$R --steps 4 --warmup 2 --max-grad-norm 0 --budget-gib 24"
 rows=("190 --workload full-8b $A")
