@@ -214,6 +214,9 @@ def test_clipping_is_the_engines_and_the_callers_arguments_stay(tmp_path):
         ({"optim": "sgd"}, "optim='sgd'"),
         ({"bf16": True}, "compute_dtype"),
         ({"gradient_checkpointing": True}, "n_checkpoint"),
+        # these cast or compile the wrapped model as a whole (it was left half cast)
+        ({"bf16_full_eval": True}, "bf16_full_eval and fp16_full_eval cast the whole model"),
+        ({"torch_compile": True}, "torch_compile is not supported"),
     ],
 )
 def test_refuses_what_the_engine_cannot_run(tmp_path, change, message):

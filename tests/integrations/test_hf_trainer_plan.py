@@ -12,7 +12,14 @@ import torch
 
 from protrain.integrations.transformers import ProTrainConfig
 
-from .test_hf_trainer import EngineTrainer, dataset, run_plain, tiny_model, trained_state
+from .test_hf_trainer import (
+    EngineTrainer,
+    PlainTrainer,
+    dataset,
+    run_plain,
+    tiny_model,
+    trained_state,
+)
 from .test_hf_trainer import arguments as trainer_arguments
 
 BUDGET = "100MiB"  # on the CPU: the engine's tensor bytes as the planner counts them
@@ -97,8 +104,40 @@ def test_resume_with_a_budget_continues_exactly(tmp_path, planned_run):
         ({"cpu_budget": "8GiB"}, "read only by the planner: set gpu_budget"),
         ({"gpu_budget": "1GiB", "offload_checkpoint": True}, "offload_checkpoint=True is not"),
         ({"gpu_budget": "1GiB", "plan_sequence_len": 0}, "plan_sequence_len=0 is not allowed"),
+        ({"gpu_budget": 0}, "gpu_budget=0 is not allowed: use a size above 0"),
+        ({"gpu_budget": -5}, "gpu_budget=-5 is not allowed"),
     ],
 )
 def test_bad_budget_settings_are_one_clear_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ProTrainConfig(**kwargs)
+
+
+def test_evaluate_before_train_plans_and_wraps_first(tmp_path):
+    """evaluate() before train() with a budget plans from the training data and wraps, as
+    train() would (unwrapped, the Trainer's evaluation places the whole model on the
+    device); training then runs under that plan to the Trainer's losses. Without a
+    train_dataset it is one clear error."""
+    runs = []
+    for trainer in (
+        PlainTrainer(model=tiny_model(False), args=trainer_arguments(tmp_path / "plain", 0.05),
+                     train_dataset=dataset()),
+        planned_trainer(tmp_path / "a", False, 0.05, CONFIG),
+    ):  # fmt: skip
+        trainer.losses = []
+        before = trainer.evaluate(eval_dataset=dataset(4))["eval_loss"]
+        assert getattr(trainer, "wrapped", True)  # the engine's: planned and wrapped by now
+        trainer.train()
+        runs.append((trainer, before))
+    (plain, plain_before), (engine, engine_before) = runs
+    assert engine.plan is not None
+    assert engine_before == pytest.approx(plain_before, rel=0, abs=1e-6)
+    torch.testing.assert_close(engine.losses, plain.losses, rtol=0, atol=1e-6)
+    engine.close()
+
+    bare = EngineTrainer(
+        model=tiny_model(False), args=trainer_arguments(tmp_path / "b", 0.05),
+        protrain_config=CONFIG,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=r"evaluate\(\) before train\(\) with ProTrainConfig"):
+        bare.evaluate(eval_dataset=dataset(4))

@@ -85,6 +85,67 @@ def test_same_losses_as_sft_trainer(tmp_path, lora, max_grad_norm):
     engine.close()
 
 
+def test_moe_router_loss_is_weighted_as_sft_trainer_does(tmp_path):
+    """A Mixture-of-Experts model's router loss: SFTTrainer adds router_aux_loss_coef x
+    aux_loss divided by the accumulation steps, the model's own loss adds it undivided; the
+    engine's trainer gives SFTTrainer's losses (accumulation 2)."""
+    from transformers import AutoTokenizer, MixtralConfig, MixtralForCausalLM
+
+    from protrain.integrations.transformers import ProTrainConfig
+    from protrain.integrations.transformers.sft import ProTrainSFTTrainer
+
+    def moe():
+        torch.manual_seed(0)
+        config = MixtralConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+            num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        )  # fmt: skip
+        return MixtralForCausalLM(config)
+
+    class PlainSFT(Recording, trl.SFTTrainer):
+        pass
+
+    class EngineSFT(Recording, ProTrainSFTTrainer):
+        pass
+
+    tokenizer = AutoTokenizer.from_pretrained(QUICKSTART / "tokenizer")
+    assert len(tokenizer) <= 512
+    runs = []
+    for cls, extra in (
+        (PlainSFT, {}),
+        (EngineSFT, {"protrain_config": ProTrainConfig(n_persist=1, chunk_size_bytes=1 << 18)}),
+    ):
+        trainer = cls(model=moe(), args=sft_args(tmp_path / cls.__name__, 0.0),
+                      train_dataset=chat_rows(), processing_class=tokenizer, **extra)  # fmt: skip
+        assert trainer.aux_loss_enabled
+        trainer.losses = []
+        trainer.train()
+        runs.append(trainer)
+    plain, engine = runs
+    assert sum(not c.persistent for c in engine.layout.chunks) >= 2
+    torch.testing.assert_close(engine.losses, plain.losses, rtol=0, atol=2e-6)
+    engine.close()
+
+
+def test_a_loss_that_reads_the_fused_head_is_refused(tmp_path):
+    from transformers import AutoTokenizer
+
+    from protrain.integrations.transformers.sft import ProTrainSFTTrainer
+
+    args = sft_args(tmp_path, 0.0)
+    args.loss_type = "dft"
+    model = tiny_model()
+    with pytest.raises(ValueError, match="loss_type='dft' is not supported"):
+        ProTrainSFTTrainer(
+            model=model, args=args, train_dataset=chat_rows(),
+            processing_class=AutoTokenizer.from_pretrained(QUICKSTART / "tokenizer"),
+            protrain_config=ENGINE,
+        )  # fmt: skip
+    assert not hasattr(model, "_protrain_engine")
+
+
 def test_example_runs(tmp_path):
     out = subprocess.run(
         [sys.executable, str(REPO / "examples/trl_sft.py"), "--max-steps", "2",

@@ -60,9 +60,14 @@ class ProTrainConfig:
             value = getattr(self, name)
             if value is not None:
                 try:
-                    parse_bytes(value)
+                    size = parse_bytes(value)
                 except ValueError as exc:
                     raise ValueError(f"ProTrainConfig.{name}: {exc}") from None
+                if size <= 0:
+                    raise ValueError(
+                        f"ProTrainConfig.{name}={value!r} is not allowed: use a size above "
+                        "0, in bytes or such as '24GiB'"
+                    )
         if self.gpu_budget is None and (
             self.cpu_budget is not None or self.plan_sequence_len is not None
         ):

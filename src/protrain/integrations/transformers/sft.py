@@ -12,7 +12,11 @@ chunk's weights in the hooks of the modules that use them, so the head would rea
 that is not resident. ``compute_loss`` therefore computes the loss the Trainer's way (the
 model's own forward with ``labels``: the same token-mean cross-entropy, normalized over the
 accumulated batch by ``num_items_in_batch``); SFTTrainer's extra metrics (entropy, token
-accuracy), which come from the fused head, are not logged.
+accuracy), which come from the fused head, are not logged. Two of SFTTrainer's loss terms
+are kept its way: a Mixture-of-Experts model's router loss, which SFTTrainer weights by its
+``router_aux_loss_coef`` and divides by the accumulation steps (the model's own loss adds it
+undivided), and ``loss_type="dft"``, which needs the fused head's per-token probabilities
+and is refused.
 """
 
 from __future__ import annotations
@@ -37,6 +41,14 @@ class ProTrainSFTTrainer(SFTTrainer, ProTrainTrainer):
     ``fp16=False`` (``ProTrainConfig.compute_dtype``)."""
 
     def __init__(self, *args: Any, protrain_config: ProTrainConfig | None = None, **kwargs: Any):
+        sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        loss_type = getattr(sft_args, "loss_type", "nll")
+        if loss_type != "nll":
+            raise ValueError(
+                f"ProTrainSFTTrainer: loss_type={loss_type!r} is not supported: it reads the "
+                "fused LM head's per-token probabilities, which the engine's chunked head does "
+                "not give; use loss_type='nll'"
+            )
         # Read by ProTrainTrainer.__init__, which SFTTrainer.__init__ reaches through super().
         self.protrain_config = protrain_config
         super().__init__(*args, **kwargs)
@@ -49,10 +61,23 @@ class ProTrainSFTTrainer(SFTTrainer, ProTrainTrainer):
         num_items_in_batch: torch.Tensor | int | None = None,
     ):
         inputs = {**inputs, "use_cache": False}  # as SFTTrainer.compute_loss
-        return Trainer.compute_loss(
-            self,
-            model,
-            inputs,
-            return_outputs=return_outputs,
-            num_items_in_batch=num_items_in_batch,
+        if not self.aux_loss_enabled:
+            return Trainer.compute_loss(
+                self,
+                model,
+                inputs,
+                return_outputs=return_outputs,
+                num_items_in_batch=num_items_in_batch,
+            )
+        inputs["output_router_logits"] = True
+        loss, outputs = Trainer.compute_loss(
+            self, model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch
         )
+        # The model's loss holds coef * aux_loss once; SFTTrainer adds it divided by the
+        # accumulation steps when the Trainer normalizes the loss over the accumulated batch.
+        steps = self.current_gradient_accumulation_steps if num_items_in_batch is not None else 1
+        aux = getattr(outputs, "aux_loss", None)
+        if aux is not None and steps != 1:
+            weighted = self.router_aux_loss_coef * aux.to(loss.device)
+            loss = loss - weighted + weighted / steps
+        return (loss, outputs) if return_outputs else loss

@@ -191,6 +191,27 @@ class ProTrainTrainer(Trainer):
                 self._resume_dir = None
         return loader
 
+    def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        self._wrap_before("evaluate()")
+        return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        self._wrap_before("predict()")
+        return super().predict(*args, **kwargs)
+
+    def _wrap_before(self, what: str) -> None:
+        """With ``ProTrainConfig.gpu_budget``, the plan and wrap ``train()`` makes, made now:
+        unwrapped, the Trainer's evaluation would place the whole model on the device."""
+        if self.wrapped:
+            return
+        if self.train_dataset is None:
+            raise ValueError(
+                f"ProTrainTrainer: {what} before train() with ProTrainConfig.gpu_budget plans "
+                "from the training data, and this trainer has no train_dataset: pass one, or "
+                "fix the knobs (n_persist, n_buffer) without a budget"
+            )
+        self.get_train_dataloader()  # plans for its heaviest micro-batch and wraps
+
     # ---- optimizer and step -------------------------------------------------------------
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -318,6 +339,19 @@ def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str
         )
     if args.load_best_model_at_end:
         raise ValueError("ProTrainTrainer: load_best_model_at_end is not supported yet")
+    # Both cast the wrapped model as a whole, which the engine's chunked parameters refuse
+    # midway (the model is left half cast, and a save then records the wrong dtype).
+    if args.bf16_full_eval or args.fp16_full_eval:
+        raise ValueError(
+            "ProTrainTrainer: bf16_full_eval and fp16_full_eval cast the whole model, whose "
+            "parameters live in the engine's chunks; leave them False (evaluation runs in "
+            "ProTrainConfig.compute_dtype)"
+        )
+    if args.torch_compile:
+        raise ValueError(
+            "ProTrainTrainer: torch_compile is not supported: compiled code reads offloaded "
+            "parameters outside the hooks that bring them in; leave it False"
+        )
     if args.deepspeed or args.fsdp:
         raise ValueError("ProTrainTrainer: DeepSpeed and FSDP are other engines; leave them off")
     if args.world_size > 1:
