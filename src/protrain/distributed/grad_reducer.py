@@ -91,6 +91,19 @@ class GradReducer:
             self._reduce(self._order[self._next], bucket, bucket.landed)
             self._next += 1
 
+    def abandon_backward(self) -> None:
+        """Forget a backward that raised before its end: its end-of-backward callback never
+        ran, so its unreduced buckets, its place in the reduction order and its landed set
+        would carry into the next backward, which then reduced nothing and delivered no
+        gradient (a step that changed no weight, or a false "second gradient" error). The
+        hooks call this at every forward that begins outside a backward; after a backward
+        that ended, there is nothing to forget. Every rank must have raised at the same
+        point (otherwise the collectives have already diverged)."""
+        self._pending.clear()
+        self._next = 0
+        self._landed = set()
+        self._end_queued = False
+
     def _new_bucket(self, ci: int, dtype: torch.dtype, device: torch.device) -> _Bucket:
         flat = torch.zeros(self.manager.layout.chunk_size_bytes // dtype.itemsize, dtype=dtype,
                            device=device)  # fmt: skip

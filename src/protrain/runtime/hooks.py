@@ -123,6 +123,7 @@ class RuntimeHooks:
         (``protrain.model.readers.direct_reads``; computed here when not given). See
         [Note: parameters read without a call]."""
         self.manager = manager
+        self._sink = sink
         self.handles: list = []
         self._pinned_calls: dict[int, list[_Call]] = {}  # id(module) -> calls pinned in backward
         self._stacks: list[list[_Call]] = []  # per module: calls between pre- and post-hook
@@ -183,6 +184,9 @@ class RuntimeHooks:
                     )
 
     def _root_pre_forward(self, module, args):
+        reducer = self._sink.reducer
+        if reducer is not None and torch._C._current_graph_task_id() < 0:
+            reducer.abandon_backward()  # a backward that raised left its state behind
         self.manager.begin_forward()
         self._pinned_calls.clear()
         self._params_done.clear()
