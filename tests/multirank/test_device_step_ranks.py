@@ -102,11 +102,13 @@ def _check(rank: int, world: int, mode: str, adapter: bool, n: int, fp16: bool =
         assert own < whole, at
 
 
-def _train_armed(rank: int, world: int, adapter: bool, accum: int, n_device_step: int):
-    """Sharded, no clipping, ``step_in_backward()`` before each window's last backward:
+def _train_armed(
+    rank: int, world: int, adapter: bool, accum: int, n_device_step: int, mode: str = "sharded"
+):
+    """No clipping, ``step_in_backward()`` before each window's last backward:
     (states after the steps, device steps counted after each backward and after each
     step())."""
-    model, opt = _wrap("sharded", adapter, n_device_step)
+    model, opt = _wrap(mode, adapter, n_device_step)
     data = batches("llama", STEPS * accum * world)
     counted = []
     for step in range(STEPS):
@@ -124,15 +126,15 @@ def _train_armed(rank: int, world: int, adapter: bool, accum: int, n_device_step
     return out
 
 
-def _check_armed(rank: int, world: int, adapter: bool, accum: int) -> None:
+def _check_armed(rank: int, world: int, adapter: bool, accum: int, mode: str = "sharded") -> None:
     """Armed by ``step_in_backward()`` with several ranks: with one micro-batch in the
     window each device-stepped chunk steps inside the backward, once its reduced gradient
     shard is on its way to the host (one DeviceStep call a chunk, none left to ``step()``);
     with two, ``step()`` steps them (their last gradients are added on the host). The bits
     are the host path's either way."""
-    at = (rank, world, adapter, accum)
-    host = _train_armed(rank, world, adapter, accum, 0)
-    dev = _train_armed(rank, world, adapter, accum, 2)
+    at = (rank, world, adapter, accum, mode)
+    host = _train_armed(rank, world, adapter, accum, 0, mode)
+    dev = _train_armed(rank, world, adapter, accum, 2, mode)
     if accum == 1:  # two chunks, each its own call from inside the backward
         assert dev["counted"] == [(2 * (k + 1), 2 * (k + 1)) for k in range(STEPS)], at
     else:  # one call of step() for both
@@ -153,6 +155,7 @@ def _two_ranks(rank: int, world: int) -> None:
     _check(rank, world, "sharded", False, 2, fp16=True)
     for adapter, accum in ((False, 1), (True, 1), (False, 2)):
         _check_armed(rank, world, adapter, accum)
+    _check_armed(rank, world, False, 1, "replicated")
 
 
 def _three_ranks(rank: int, world: int) -> None:
