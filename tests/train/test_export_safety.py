@@ -90,6 +90,26 @@ def test_a_signal_between_the_loop_and_the_export_lets_it_finish(tmp_path):
     assert "SIGTERM came after the last step; the export finished" in proc.stderr
 
 
+# The export's SIGTERM comes twice, the second 0.3 s after the first (torchrun's or srun's
+# copy of a signal SLURM sent to every process): one request, the export still finishes.
+_TWO_SIGNALS_IN_EXPORT = _SIGNAL_IN_EXPORT.replace(
+    "    os.kill(os.getpid(), signal.SIGTERM)\n",
+    "    import threading\n"
+    "    threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n",
+)
+
+
+def test_a_signal_repeated_by_a_launcher_during_the_export_lets_it_finish(tmp_path):
+    assert _TWO_SIGNALS_IN_EXPORT != _SIGNAL_IN_EXPORT
+    proc = _run(_TWO_SIGNALS_IN_EXPORT, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
+    assert not (tmp_path / "run" / "final.tmp").exists()
+    assert proc.stderr.count("SIGTERM again within") == 1, proc.stderr[-2000:]
+    assert "SIGTERM came after the last step; the export finished" in proc.stderr
+
+
 def _failing_export(*args, **kwargs):
     raise OSError(errno.ENOSPC, "No space left on device")
 

@@ -9,6 +9,8 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -467,17 +469,49 @@ def test_signal_saves_prints_the_resume_command_and_resumes_exactly(tmp_path, cl
     assert_bit_equal(weights(tmp_path / "b" / "run" / "final"), weights(straight.final_dir))
 
 
-def test_a_second_signal_ends_at_once_leaving_nothing_half_written(tmp_path, cli):
-    path = write_config(tmp_path, tiny_config(tmp_path, max_steps=400, save_steps=1))
-    log = tmp_path / "log"
-    pid = cli.start(["train", str(path)], log)
+# The first SIGTERM comes during the save of checkpoint-3, which then hangs; the second comes
+# after the repeat window (one within it is the same request: test_stop_signals_ranks).
+_SECOND_SIGNAL_MID_SAVE = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from pathlib import Path
+    import protrain.train.checkpoint as ckpt
+    import protrain.train.loop as loop
+    from protrain.train.config import validate_config
+    from protrain.train.stop_signals import REPEAT_WINDOW_S
+    from tests.train.helpers import tiny_config
+
+    real_save_tensors = ckpt._save_tensors
+
+    def save_tensors(path, tensors):
+        real_save_tensors(path, tensors)
+        if path.parent.name.endswith("-3") and path.name == "model.safetensors":
+            pid = os.getpid()
+            threading.Timer(REPEAT_WINDOW_S + 1, os.kill, (pid, signal.SIGTERM)).start()
+            os.kill(pid, signal.SIGTERM)
+            time.sleep(60)  # a save that hangs: only the second signal ends it
+
+    ckpt._save_tensors = save_tensors
+    cfg = tiny_config(Path(sys.argv[1]), max_steps=10, save_steps=1, micro_batch_size=2,
+                      gradient_accumulation_steps=1)
+    loop.train(validate_config(cfg))
+    """
+)
+
+
+def test_a_second_signal_ends_at_once_leaving_nothing_half_written(tmp_path):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _SECOND_SIGNAL_MID_SAVE, str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-3000:]
+    assert time.monotonic() - t0 < 50  # not the hung save's 60 s
     run = tmp_path / "run"
-    deadline = time.monotonic() + 120
-    while not (run.exists() and len(checkpoint_dirs(run)) >= 2):
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGTERM)
-    os.kill(pid, signal.SIGTERM)
-    assert cli.wait(pid) in (-signal.SIGTERM, 128 + signal.SIGTERM)
+    assert [p.name for p in checkpoint_dirs(run)] == ["checkpoint-1", "checkpoint-2"]
     assert_only_intact_checkpoints(run)
     assert not (run / "final").exists()

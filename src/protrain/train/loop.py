@@ -389,6 +389,8 @@ def _train(
                     eval_loss = evaluate(trainable, eval_data, collate, cfg)
                     metrics.write(step, {"eval_loss": eval_loss})
                     say(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
+                    # a signal that came during the evaluation stops the run here, saved
+                    stopping = ranks.any(stops.requested is not None)
 
                 if ranks.any(_save_due(cfg, step, total_steps, last_save_s)) or stopping:
                     last_saved = save(step)
