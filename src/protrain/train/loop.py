@@ -429,8 +429,9 @@ def _train(
         # -- 6. export
         result.steps = step
         # A stop signal now lets the export finish (the model is the run's result; the
-        # steps since the last checkpoint exist nowhere else); a second one ends the
-        # process at once. The same handlers as the loop's: no moment between the two.
+        # steps since the last checkpoint exist nowhere else); another one, past the
+        # repeat window ([Note: repeated signals] in stop_signals.py), ends the process at
+        # once. The same handlers as the loop's: no moment between the two.
         stops.finishing = "the export of the trained model"
         try:
             streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
