@@ -290,3 +290,18 @@ def test_an_error_after_the_export_wrote_does_not_say_it_was_not_written(
         loop.train(validate_config(tiny_config(tmp_path, max_steps=2, **SMALL)))
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert not any("not written" in line for line in protrain_log)
+
+
+def test_resuming_a_finished_run_says_final_is_trained_again(tmp_path, protrain_log):
+    """--resume after the run finished starts from its last checkpoint, older than final:
+    one warning says the steps after it are trained again and final replaced (r2's review:
+    a run extended this way silently repeated its last steps)."""
+    loop.train(validate_config(tiny_config(tmp_path, max_steps=4, save_steps=4, **SMALL)))
+    # extended to 6 steps: no checkpoint after step 4 (save_minutes, the default, is far off)
+    cfg = validate_config(tiny_config(tmp_path, max_steps=6, save_steps=None, **SMALL))
+    loop.train(cfg, resume=True)
+    assert not [line for line in protrain_log if "are trained again" in line]
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-4"]
+    loop.train(cfg, resume=True)  # again: from checkpoint-4, while final holds step 6
+    said = [line for line in protrain_log if "are trained again" in line]
+    assert len(said) == 1 and "checkpoint-4" in said[0] and "step 4" in said[0], said

@@ -234,6 +234,15 @@ def _train(
                     step,
                     output_dir / "metrics.superseded.jsonl",
                 )
+                if (output_dir / "final").is_dir():  # a finished run resumed again
+                    logger.warning(
+                        "%s holds a model trained past %s (the metrics went on past step "
+                        "%d): those steps are trained again, and the export at the end "
+                        "replaces it",
+                        output_dir / "final",
+                        resume_from.name,
+                        step,
+                    )
             _note_config_changes(output_dir / "config.yaml", cfg)
     elif ranks.is_main:
         if set_aside_metrics(output_dir):
