@@ -137,10 +137,14 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_resumes(tmp_path):
             assert len(workers) == 2, workers
             for pid in workers:  # as SLURM or systemd: every process, torchrun last
                 os.kill(pid, signal.SIGTERM)
-            # torchrun's copy after the workers' handlers ran: what a signal that comes
-            # in the middle of a kernel makes likely (both at once merge into one)
+            # torchrun's copy once a worker's handler ran (both at once merge into one),
+            # at once, as torchrun forwards it. Not after both: the first handler's wait
+            # holds that rank's collectives, so the other rank's handler runs only once
+            # that wait is over, and on a loaded host the first window could end before
+            # the second line appeared (a fresh clone's suite: 1 of 1; which no launcher's
+            # copy waits for).
             deadline = time.monotonic() + 30
-            while log.read_text().count("SIGTERM: stopping after this step") < 2:
+            while log.read_text().count("SIGTERM: stopping after this step") < 1:
                 assert time.monotonic() < deadline, log.read_text()[-3000:]
                 time.sleep(0.01)
             os.kill(proc.pid, signal.SIGTERM)
@@ -151,7 +155,9 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_resumes(tmp_path):
     text = log.read_text()
     stopped = [line for line in text.splitlines() if "stopped by SIGTERM at step" in line]
     assert stopped and set(stopped) == {stopped[0]}, text[-4000:]  # each rank logs it
-    assert text.count("SIGTERM again within 2 s: the same stop") == 2, text[-4000:]
+    # at least the rank whose handler ran saw the copy as a repeat (on the other it may
+    # merge with its own signal, still pending behind the first rank's wait)
+    assert text.count("SIGTERM again within 2 s: the same stop") >= 1, text[-4000:]
     step = int(stopped[0].split(" at step ")[1].split("/")[0])
     assert 2 <= step < 30
     checkpoint = run / f"checkpoint-{step}"
