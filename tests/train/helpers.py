@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +38,41 @@ def write_config(tmp_path: Path, cfg: dict[str, Any], name: str = "config.yaml")
     path = tmp_path / name
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def signal_inside(function: str, **config: Any) -> str:
+    """A script (for ``python -c SCRIPT TMP_PATH``) that trains ``tiny_config(TMP_PATH,
+    **config)`` and sends itself SIGTERM as the loop's ``function`` (``loop.export``,
+    ``loop.evaluate``) starts; tests edit it with ``str.replace`` for other moments."""
+    return textwrap.dedent(
+        f"""
+        import os, signal, sys
+        from pathlib import Path
+        import protrain.train.loop as loop
+        from protrain.train.config import validate_config
+        from tests.train.helpers import tiny_config
+
+        real_{function} = loop.{function}
+
+        def {function}(*args, **kwargs):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return real_{function}(*args, **kwargs)
+
+        loop.{function} = {function}
+        cfg = tiny_config(Path(sys.argv[1]), **{config!r})
+        loop.train(validate_config(cfg))
+        """
+    )
+
+
+def run_script(script: str, tmp_path: Path, env: dict[str, str] | None = None):
+    """``python -c script tmp_path`` from the repository root, output captured."""
+    return subprocess.run(
+        [sys.executable, "-c", script, str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )

@@ -20,7 +20,7 @@ from protrain.train import final_dir
 from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError, OutputDirError
 
-from .helpers import tiny_config
+from .helpers import run_script, signal_inside, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1}
@@ -28,41 +28,11 @@ SMALL = {"micro_batch_size": 2, "gradient_accumulation_steps": 1}
 
 # A run of 4 steps whose export receives SIGTERM as it starts; save_minutes (the default)
 # never checkpoints the last step, so before the fix nothing of the run was left.
-_SIGNAL_IN_EXPORT = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pathlib import Path
-    import protrain.train.loop as loop
-    from protrain.train.config import validate_config
-    from tests.train.helpers import tiny_config
-
-    real_export = loop.export
-
-    def export(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real_export(*args, **kwargs)
-
-    loop.export = export
-    cfg = tiny_config(Path(sys.argv[1]), max_steps=4, micro_batch_size=2,
-                      gradient_accumulation_steps=1)
-    loop.train(validate_config(cfg))
-    """
-)
-
-
-def _run(script: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", script, str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+_SIGNAL_IN_EXPORT = signal_inside("export", max_steps=4, **SMALL)
 
 
 def test_a_signal_during_the_export_lets_it_finish(tmp_path):
-    proc = _run(_SIGNAL_IN_EXPORT, tmp_path)
+    proc = run_script(_SIGNAL_IN_EXPORT, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     run = tmp_path / "run"
     assert (run / "final" / "model.safetensors").is_file()
@@ -84,7 +54,7 @@ _SIGNAL_AFTER_LOOP = _SIGNAL_IN_EXPORT.replace(
 
 
 def test_a_signal_between_the_loop_and_the_export_lets_it_finish(tmp_path):
-    proc = _run(_SIGNAL_AFTER_LOOP, tmp_path)
+    proc = run_script(_SIGNAL_AFTER_LOOP, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert "SIGTERM came after the last step; the export finished" in proc.stderr
@@ -102,7 +72,7 @@ _TWO_SIGNALS_IN_EXPORT = _SIGNAL_IN_EXPORT.replace(
 
 def test_a_signal_repeated_by_a_launcher_during_the_export_lets_it_finish(tmp_path):
     assert _TWO_SIGNALS_IN_EXPORT != _SIGNAL_IN_EXPORT
-    proc = _run(_TWO_SIGNALS_IN_EXPORT, tmp_path)
+    proc = run_script(_TWO_SIGNALS_IN_EXPORT, tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
     assert not (tmp_path / "run" / "final.tmp").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 import protrain.train.checkpoint as ckpt
 from protrain.train.stop_signals import REPEAT_WINDOW_S, resume_command
 
-from .helpers import tiny_config, write_config
+from .helpers import run_script, signal_inside, tiny_config, write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -180,39 +180,14 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_resumes(tmp_path):
 
 # -- 4. a signal during an evaluation stops the run at that step --------------------------
 
-_SIGNAL_IN_EVAL = textwrap.dedent(
-    """
-    import os, signal, sys
-    from pathlib import Path
-    import protrain.train.loop as loop
-    from protrain.train.config import validate_config
-    from tests.train.helpers import tiny_config
-
-    real_evaluate = loop.evaluate
-
-    def evaluate(*args, **kwargs):
-        os.kill(os.getpid(), signal.SIGTERM)
-        return real_evaluate(*args, **kwargs)
-
-    loop.evaluate = evaluate
-    cfg = tiny_config(Path(sys.argv[1]), max_steps=6, micro_batch_size=2,
-                      gradient_accumulation_steps=1, val_set_size=0.05, eval={"steps": 2},
-                      save_minutes=None)
-    loop.train(validate_config(cfg))
-    """
-)
+_SIGNAL_IN_EVAL = signal_inside(
+    "evaluate", max_steps=6, micro_batch_size=2, gradient_accumulation_steps=1,
+    val_set_size=0.05, eval={"steps": 2}, save_minutes=None,
+)  # fmt: skip
 
 
 def test_a_signal_during_an_evaluation_stops_at_that_step(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_IN_EVAL, str(tmp_path)],
-        cwd=ROOT,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    proc = run_script(_SIGNAL_IN_EVAL, tmp_path, env=ENV)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
     assert "stopped by SIGTERM at step 2/6" in proc.stderr, proc.stderr[-3000:]
     run = tmp_path / "run"
