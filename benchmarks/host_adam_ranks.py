@@ -10,6 +10,12 @@ Read beside a training row: a rank's offloaded parameters divided by the rate of
 = local ranks is the step's host floor; FSDP2 CPU offload's step is about its GPU compute
 plus the same AdamW, so (compute + floor) / floor bounds a ratio against it (session 22).
 
+Beside it, the same processes time an in-place add over the same fp32 tensor, together, as
+a memory roof: it reads 8 bytes and writes 4 an element, while the fused AdamW reads 16
+(master, gradient, two moments) and writes 12; both are in place, so no write-allocate
+traffic. ``adam_gbps_total`` against ``add_gbps_total`` says whether the AdamW runs at the
+host's memory bandwidth (then no kernel with the same fp32 state is much faster) or below it.
+
 Usage: ``python benchmarks/host_adam_ranks.py --procs 1 2 --numel 268435456 --out x.jsonl``
 (``--threads`` default: the engine's share of the cores per process).
 """
@@ -27,6 +33,10 @@ import torch.multiprocessing as mp
 
 from protrain.runtime.host_worker import default_host_threads
 
+# Bytes an element: the fused AdamW reads master, gradient and moments and writes three back
+_ADAM_BYTES = 28
+_ADD_BYTES = 12  # a.add_(b): reads two, writes one
+
 
 def _worker(rank: int, numel: int, steps: int, threads: int, barrier, out) -> None:
     torch.set_num_threads(threads)
@@ -37,13 +47,19 @@ def _worker(rank: int, numel: int, steps: int, threads: int, barrier, out) -> No
     p.grad = g
     opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
     opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": m, "exp_avg_sq": v}
-    times = []
+    times, adds = [], []
     for _ in range(steps):
         barrier.wait()  # every process steps at once, as ranks do
         t0 = time.perf_counter()
         opt.step()
         times.append(time.perf_counter() - t0)
-    out.put((rank, times))
+    with torch.no_grad():
+        for _ in range(steps):
+            barrier.wait()
+            t0 = time.perf_counter()
+            m.add_(g)
+            adds.append(time.perf_counter() - t0)
+    out.put((rank, (times, adds)))
 
 
 def rates(procs: int, numel: int, steps: int, threads: int) -> dict:
@@ -59,7 +75,8 @@ def rates(procs: int, numel: int, steps: int, threads: int) -> dict:
         p.join()
         if p.exitcode != 0:
             raise RuntimeError(f"a process exited with {p.exitcode}")
-    each = [numel / statistics.median(got[r][1:]) / 1e9 for r in range(procs)]
+    each = [numel / statistics.median(got[r][0][1:]) / 1e9 for r in range(procs)]
+    add_each = [numel / statistics.median(got[r][1][1:]) / 1e9 for r in range(procs)]
     return {
         "procs": procs,
         "threads": threads,
@@ -68,6 +85,8 @@ def rates(procs: int, numel: int, steps: int, threads: int) -> dict:
         "params_per_s_each": [round(x, 3) for x in each],
         "params_per_s_total": round(sum(each), 3),
         "unit": "G params/s (median step)",
+        "adam_gbps_total": round(_ADAM_BYTES * sum(each), 1),
+        "add_gbps_total": round(_ADD_BYTES * sum(add_each), 1),
     }
 
 
