@@ -21,6 +21,7 @@ from protrain.train.config import validate_config
 from protrain.train.convert_checkpoint import convert_checkpoint
 from protrain.train.errors import OutputDirError
 from protrain.train.loop import train
+from protrain.train.run_lock import RunLock
 
 from .helpers import tiny_config
 
@@ -68,6 +69,11 @@ def test_convert_refuses_what_it_cannot_do(runs, tmp_path, capsys):
         convert_checkpoint(runs / "straight" / "checkpoint-2", runs / "sharded")
     with pytest.raises(OutputDirError, match="is not a checkpoint-<step> folder"):
         convert_checkpoint(runs / "straight", tmp_path)
+    live = tmp_path / "live"
+    in_use = pytest.raises(OutputDirError, match="convert-checkpoint: output_dir .* is in use")
+    with RunLock(live), in_use:  # a run trains there: it would prune what the conversion writes
+        convert_checkpoint(runs / "straight" / "checkpoint-2", live)
+    assert not (live / "checkpoint-2").exists()
     damaged = tmp_path / "checkpoint-2"
     shutil.copytree(runs / "pristine" / "checkpoint-2", damaged)
     data = damaged / "__0_0.distcp"
@@ -75,6 +81,7 @@ def test_convert_refuses_what_it_cannot_do(runs, tmp_path, capsys):
     assert main(["convert-checkpoint", str(damaged), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: convert-checkpoint:") and "__0_0.distcp has" in err
+    assert not (tmp_path / "out").exists()  # refused before anything was made
 
 
 def _resume_dir(tmp_path: Path, runs: Path) -> Path:

@@ -6,6 +6,8 @@
 Either way `OUTPUT_DIR/checkpoint-<step>` holds the same step, weights, optimizer and
 scheduler state, data position and (rank 0's) RNG states, written atomically and verified
 as a save is; `protrain train --resume` with `output_dir: OUTPUT_DIR` continues from it.
+`OUTPUT_DIR` is held with the run lock while the conversion writes (`run_lock.py`): a
+run training there, which saves and prunes checkpoints, refuses it and is refused by it.
 Both formats already resume at any world size, so a conversion is for the reader of the
 files: the plain format is three safetensors files that any tool reads whole (one process
 holds the whole state while converting), the sharded format lets each rank read only its
@@ -27,6 +29,7 @@ from protrain.train import sharded_checkpoint as sharded
 from protrain.train.errors import OutputDirError
 from protrain.train.log import logger
 from protrain.train.ranks import Ranks
+from protrain.train.run_lock import RunLock
 
 
 def convert_checkpoint(src: Path, output_dir: Path) -> Path:
@@ -38,14 +41,21 @@ def convert_checkpoint(src: Path, output_dir: Path) -> Path:
     problem = ckpt.verify(src)
     if problem is not None:
         raise OutputDirError(f"convert-checkpoint: {src} is damaged ({problem}); nothing written")
-    dst = output_dir / src.name
-    if dst.exists():
-        raise OutputDirError(
-            f"convert-checkpoint: {dst} already exists; choose another output directory"
-        )
-    if ckpt.checkpoint_format(src) == ckpt.SHARDED:
-        return _to_plain(src, output_dir)
-    return _to_sharded(src, output_dir)
+    try:
+        lock = RunLock(output_dir).acquire()
+    except OutputDirError as exc:
+        raise OutputDirError(f"convert-checkpoint: {exc}") from None
+    try:
+        dst = output_dir / src.name
+        if dst.exists():
+            raise OutputDirError(
+                f"convert-checkpoint: {dst} already exists; choose another output directory"
+            )
+        if ckpt.checkpoint_format(src) == ckpt.SHARDED:
+            return _to_plain(src, output_dir)
+        return _to_sharded(src, output_dir)
+    finally:
+        lock.release()
 
 
 def _to_plain(src: Path, output_dir: Path) -> Path:
