@@ -128,11 +128,12 @@ def _train(
     device: torch.device,
     new_global_batch: bool = False,
 ) -> TrainResult:
-    resume_from = None
-    if ranks.is_main:
-        resume_from = _check_output_dir(output_dir, resume)
-        check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, resume_from), "a checkpoint")
-    resume_from = ranks.from_main(resume_from)
+    def check_output_dir() -> Path | None:  # rank 0 alone reads, hashes and moves files
+        found = _check_output_dir(output_dir, resume)
+        check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, found), "a checkpoint")
+        return found
+
+    resume_from = ranks.on_main_patiently(check_output_dir)
     logger.info("resolved config:\n%s", _yaml(cfg))
     if ranks.several:
         logger.info(

@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -30,13 +33,16 @@ import torch.distributed as dist
 # the process (see `stop_ranks`); torch.distributed.fsdp and torch._dynamo import it
 import torch.distributed.nn.functional  # noqa: F401
 
-from protrain.distributed.agree import from_main
+from protrain.distributed.agree import from_main, on_main
 from protrain.distributed.process_group import (
     SINGLE,
     DistContext,
     init_from_env,
     launched_distributed,
 )
+
+T = TypeVar("T")
+PATIENT_POLL_S = 30.0  # well inside the group's collective timeout (600 s)
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,39 @@ class Ranks:
     def from_main(self, obj):
         """Rank 0's ``obj`` on every rank."""
         return from_main(self.ctx, obj)
+
+    def on_main_patiently(self, fn: Callable[[], T], poll_s: float = PATIENT_POLL_S) -> T:
+        """``fn()`` run by rank 0, its result (or its exception) on every rank, for work
+        that may outlast the group's collective timeout: at resume, rank 0 hashes every
+        file of the newest checkpoint, hundreds of GB on slow storage for a large model.
+        Waiting for it in one collective would end the job at the timeout, every time
+        that checkpoint is resumed. Rank 0 runs ``fn`` on a thread and meets the others
+        every ``poll_s`` in a one-number all-reduce that says whether it is done."""
+        if not self.several:
+            return fn()
+        box: dict[str, object] = {}
+        done = threading.Event()
+        if self.is_main:
+
+            def run() -> None:
+                try:
+                    box["value"] = fn()
+                except Exception as exc:  # raised on every rank below
+                    box["error"] = exc
+                finally:
+                    done.set()
+
+            # a daemon: a rank interrupted meanwhile exits without waiting for the work
+            threading.Thread(target=run, name="protrain-on-main", daemon=True).start()
+        while not self.any(done.wait(poll_s) if self.is_main else False):
+            pass
+
+        def result():
+            if "error" in box:
+                raise box["error"]  # type: ignore[misc]
+            return box["value"]
+
+        return on_main(self.ctx, result)
 
 
 def launched_with_ranks() -> bool:
