@@ -136,23 +136,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _user_errors() as exc:
         if debug:
             raise
-        return _error(str(exc))
+        return _error(str(exc), exc)
     except UnicodeDecodeError as exc:  # the readers name their file; this one was not caught
         if debug:
             raise
-        return _error(f"a file is not UTF-8 text ({exc}); --debug shows which")
+        return _error(f"a file is not UTF-8 text ({exc}); --debug shows which", exc)
     except OSError as exc:
         if debug:
             raise
-        return _error(os_error_line(exc))
+        return _error(os_error_line(exc), exc)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
 
 
-def _error(message: str) -> int:
-    print(f"error: {message}", file=sys.stderr)
+def _error(message: str, exc: BaseException) -> int:
+    if _reports(exc):
+        print(f"error: {message}", file=sys.stderr)
     return EXIT_USER_ERROR
+
+
+def _reports(exc: BaseException) -> bool:
+    """Whether this process prints ``exc``. Under `torchrun` an error that every rank has
+    alike is printed once a node, by its local rank 0: one raised before the ranks were
+    started (every rank read the same config and files) or rank 0's, agreed to every rank
+    (``distributed/agree.py``). Any other error is this rank's own and always printed."""
+    from protrain.train.ranks import joined_ranks
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("LOCAL_RANK", "0") == "0":
+        return True
+    return not (getattr(exc, "protrain_agreed", False) or not joined_ranks())
 
 
 def os_error_line(exc: OSError) -> str:

@@ -25,12 +25,12 @@ from tests.train.helpers import tiny_config, write_config
 STEPS = 4
 
 
-def _torchrun(n: int, config: Path, *extra: str, script: str | None = None, **kw):
+def _torchrun(n: int, config: Path, *extra: str, script: str | None = None, env_extra=None, **kw):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(n)]
     cmd += ["--master-port", str(_free_port())]
     cmd += [script] if script else ["-m", "protrain"]
     cmd += ["train", str(config), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     return subprocess.Popen(cmd, env=env, text=True, **kw)
 
 
@@ -139,12 +139,16 @@ def test_a_killed_rank_ends_the_job(tmp_path):
     assert "Signal 9 (SIGKILL)" in text or "exitcode  : -9" in text, text[-3000:]
 
 
-def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path):
+@pytest.mark.parametrize("kind", ["runtime", "data"])
+def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path, kind):
+    """A traceback, or for a user error one `error:` line, from the rank that failed (here
+    rank 1, not a node's local rank 0: its own error is printed all the same)."""
     config = _config(tmp_path, "raises", 1, n_persist=1, n_buffer=2)
     config.write_text(config.read_text().replace("max_steps: 4", "max_steps: 100000"))
     script = str(Path(__file__).with_name("raise_on_rank.py"))
     t0 = time.monotonic()
-    proc = _torchrun(2, config, script=script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = _torchrun(2, config, script=script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     env_extra={"RAISE_ON_RANK": kind})  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=240)
     finally:
@@ -152,8 +156,32 @@ def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path):
             proc.kill()
     assert proc.returncode != 0
     assert "rank 1 failed on purpose at step 3" in out, out[-3000:]
+    if kind == "data":
+        assert out.count("error: rank 1 failed on purpose at step 3") == 1, out[-3000:]
     assert "step 3/" not in out  # rank 0 did not go on without it
     assert time.monotonic() - t0 < 240
+
+
+@pytest.mark.parametrize("problem", ["config", "output_dir"])
+def test_an_error_every_rank_has_is_printed_once(tmp_path, problem):
+    """A bad config (every rank reads it alike, before the ranks start) and rank 0's verdict
+    on output_dir (agreed to every rank): one `error:` line for the job, not one a rank."""
+    config = _config(tmp_path, "alike", 1)
+    if problem == "config":
+        config.write_text(config.read_text().replace("micro_batch_size: ", "micro_batch_size: -"))
+        expect = "micro_batch_size = -"
+    else:
+        (tmp_path / "alike" / "final").mkdir(parents=True)  # a finished run is there
+        expect = "already holds a training run"
+    proc = _torchrun(2, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    errors = [line for line in out.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and expect in errors[0], out[-3000:]
 
 
 def _children(pid: int) -> list[int]:

@@ -154,7 +154,7 @@ def test_sigterm_to_every_process_of_a_torchrun_job_saves_and_resumes(tmp_path):
                 proc.kill()
     text = log.read_text()
     stopped = [line for line in text.splitlines() if "stopped by SIGTERM at step" in line]
-    assert stopped and set(stopped) == {stopped[0]}, text[-4000:]  # each rank logs it
+    assert len(stopped) == 1, text[-4000:]  # rank 0 says it for the job
     # at least the rank whose handler ran saw the copy as a repeat (on the other it may
     # merge with its own signal, still pending behind the first rank's wait)
     assert text.count("SIGTERM again within 2 s: the same stop") >= 1, text[-4000:]

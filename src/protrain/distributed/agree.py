@@ -3,7 +3,9 @@
 The planner profiles and searches on the first rank only (the other ranks would repeat the
 same work and hold the model's host copies once more each); every rank must then run the
 same plan, since their collectives must match. An error on the deciding rank is raised on
-every rank, with its message, instead of leaving the others waiting in a collective.
+every rank, with its message, instead of leaving the others waiting in a collective; the
+copies raised on the other ranks carry ``protrain_agreed = True``, so that the application
+prints it once (`protrain/cli.py`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ def on_main(ctx: DistContext, fn: Callable[[], T]) -> T:
     except Exception as exc:  # an exception that does not pickle: its message still does
         raise RuntimeError(f"protrain: the first rank failed: {result[1]}") from exc
     if not ok:
-        raise value  # type: ignore[misc]
+        raise agreed(ctx, value)  # type: ignore[arg-type]
     return value  # type: ignore[return-value]
+
+
+def agreed(ctx: DistContext, exc: BaseException) -> BaseException:
+    """``exc``, rank 0's verdict about to be raised alike on every rank: marked
+    ``protrain_agreed`` on the other ranks, where it is a copy rank 0 reports."""
+    if not ctx.is_main:
+        exc.protrain_agreed = True  # type: ignore[attr-defined]
+    return exc
 
 
 def max_over_ranks(ctx: DistContext, values: list[float], device: torch.device) -> list[float]:

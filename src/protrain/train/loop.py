@@ -36,6 +36,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
+from protrain.distributed.agree import agreed
 from protrain.train import checkpoint as ckpt
 from protrain.train import sharded_checkpoint as sharded
 from protrain.train import streamed_export
@@ -415,14 +416,15 @@ def _train(
                 if last_saved != output_dir / f"checkpoint-{step}":
                     last_saved = save(step)
                 name = signal_name(stops.requested)
-                logger.warning(
-                    "stopped by %s at step %d/%d, saved in %s; resume with: %s",
-                    name,
-                    step,
-                    total_steps,
-                    last_saved,
-                    resume_command(),
-                )
+                if ranks.is_main:  # the job's stop, said once
+                    logger.warning(
+                        "stopped by %s at step %d/%d, saved in %s; resume with: %s",
+                        name,
+                        step,
+                        total_steps,
+                        last_saved,
+                        resume_command(),
+                    )
                 raise TrainingStopped(stops.requested)
         except BaseException:
             if not ranks.several:
@@ -650,7 +652,7 @@ def _check_host_memory(cfg: TrainConfig, ranks: Ranks) -> None:
             message = str(exc)
     message = ranks.from_main(message)
     if message is not None:
-        raise ConfigError(message)
+        raise agreed(ranks.ctx, ConfigError(message))
 
 
 def _save_due(cfg: TrainConfig, step: int, total_steps: int, last_save_s: float) -> bool:

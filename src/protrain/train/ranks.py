@@ -124,6 +124,15 @@ class Ranks:
         return on_main(self.ctx, result)
 
 
+_joined = False  # start_ranks ran under a launcher: errors after it may be this rank's own
+
+
+def joined_ranks() -> bool:
+    """Whether this process started (or tried to start) the ranks of a `torchrun` launch;
+    an error before that is every rank's alike (the same config and files)."""
+    return _joined
+
+
 def launched_with_ranks() -> bool:
     """More than one process under a launcher (`torchrun`)."""
     return launched_distributed()
@@ -134,6 +143,8 @@ def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
     rank's device (GPU `LOCAL_RANK`); one process: nothing to start."""
     if not launched_distributed():
         return Ranks(), device
+    global _joined
+    _joined = True
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     ctx = init_from_env(device.type)

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from protrain.distributed.agree import agreed
 from protrain.distributed.dcp_flat import (
     CheckpointMismatch,
     FlatPiece,
@@ -267,7 +268,7 @@ def _raise_on_every_rank(ranks: Ranks, problem: str | None) -> None:
     left."""
     problem = ranks.from_main(problem)
     if problem is not None:
-        raise OutputDirError(problem)
+        raise agreed(ranks.ctx, OutputDirError(problem))
 
 
 def _prepare(output_dir: Path, final: Path, tmp: Path, total_bytes: int) -> str | None:
