@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from protrain.train.data import (
@@ -195,6 +197,24 @@ def test_skip_bad_rows_counts_and_warns_once(tmp_path, chatml_tok, caplog):
     assert len(ds) == 2
     warnings = [r for r in caplog.records if "skipped" in r.getMessage()]
     assert len(warnings) == 1 and "skipped 2 bad row(s) of 4" in warnings[0].getMessage()
+
+
+def test_skip_bad_rows_skips_unreadable_lines(tmp_path, chatml_tok, caplog):
+    """A line that is not JSON, or not a JSON object, is a bad row like the others: named
+    by its row without skip_bad_rows, counted and skipped with it."""
+    good = json.dumps({"messages": CONVO})
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join([good, "{not json", good, "[1, 2]", '"text"', good]) + "\n")
+    with pytest.raises(DataError, match=r"row 1: line 2 of .* is not valid JSON"):
+        _build(path, chatml_tok)
+    with caplog.at_level("WARNING", logger="protrain.train.data"):
+        ds = _build(path, chatml_tok, skip_bad_rows=True)
+    assert len(ds) == 3
+    warnings = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(warnings) == 1 and "skipped 3 bad row(s) of 6" in warnings[0], warnings
+    path.write_text(good + "\n[1, 2]\n")
+    with pytest.raises(DataError, match="row 1: expected a JSON object, got list"):
+        _build(path, chatml_tok)
 
 
 def test_no_chat_template(tmp_path):

@@ -13,7 +13,7 @@ from protrain.train.data import (
     DataSettings,
     build_train_dataset,
 )
-from protrain.train.data.loading import read_rows, select_rows
+from protrain.train.data.loading import UnreadableRow, read_rows, select_rows
 
 from .helpers import byte_tokenizer, expected_labels, write_jsonl
 
@@ -68,11 +68,15 @@ def test_saved_dataset_folder(tmp_path):
         read_rows(DatasetConfig(path=str(tmp_path / "saved"), split="test"))
 
 
-def test_broken_json_line_names_the_row(tmp_path):
+def test_broken_json_line_keeps_its_place(tmp_path):
+    """Its row is an UnreadableRow saying why (encoding it raises, naming the row: see
+    tests/data/test_chat_basic.py), so that skip_bad_rows can skip it."""
     path = tmp_path / "x.jsonl"
-    path.write_text(json.dumps(_chat(0)) + "\n{not json\n")
-    with pytest.raises(DataError, match=r"row 1: line 2 of .* is not valid JSON"):
-        read_rows(DatasetConfig(path=str(path)))
+    path.write_text(json.dumps(_chat(0)) + "\n{not json\n" + json.dumps(_chat(1)) + "\n")
+    rows = read_rows(DatasetConfig(path=str(path)))
+    assert rows[0] == _chat(0) and rows[2] == _chat(1)
+    assert isinstance(rows[1], UnreadableRow)
+    assert rows[1].problem.startswith(f"line 2 of {path} is not valid JSON")
 
 
 def test_shuffle_and_max_samples_are_seeded(tmp_path):

@@ -20,7 +20,7 @@ from protrain.train.data.encoding import Encoded, encode_sample
 from protrain.train.data.errors import DataError
 from protrain.train.data.formats import ChatSample, parse_row
 from protrain.train.data.items import TokenizedDataset
-from protrain.train.data.loading import read_rows, select_rows
+from protrain.train.data.loading import UnreadableRow, read_rows, select_rows
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
 from protrain.train.data.prepared import fingerprint, load_prepared
 from protrain.train.data.rendering import (
@@ -122,6 +122,8 @@ class DatasetEncoder:
                 self.never_trained = media_token_ids(tokenizer)
 
     def encode_row(self, row: dict[str, Any], row_index: int) -> Encoded:
+        if isinstance(row, UnreadableRow):
+            raise DataError(row.problem, dataset=self.cfg.path, row=row_index)
         variables = self.renderer.variables if self.renderer is not None else frozenset()
         sample = parse_row(row, self.cfg, row_index, variables)
         if isinstance(sample, ChatSample) and self.template_kwargs:

@@ -2,7 +2,9 @@
 
 Rows come back as plain dicts in file order; `select_rows` then applies `shuffle` (seeded)
 and `max_samples`. JSON and JSONL are parsed here, line by line, so that a broken line is
-reported with its row index; Parquet, CSV and hub datasets go through `datasets`.
+reported with its row index; Parquet, CSV and hub datasets go through `datasets`. A line
+that is not JSON, or not a JSON object, is an `UnreadableRow` in its place: encoding it
+raises its `DataError`, which `skip_bad_rows` counts and skips as any other bad row's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ _FORMAT_BY_SUFFIX = {
     ".parquet": "parquet",
     ".csv": "csv",
 }
+
+
+class UnreadableRow(dict):
+    """A row's place whose line could not be read as a JSON object; ``problem`` says why."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__()
+        self.problem = problem
 
 
 def _looks_local(path: str) -> bool:
@@ -74,12 +84,12 @@ def _read_json_file(path: Path, dataset: str) -> list[dict[str, Any]]:
             rows = _read_json_lines(text, path, dataset)
     else:
         rows = _read_json_lines(text, path, dataset)
-    for i, row in enumerate(rows):
-        if not isinstance(row, dict):
-            raise DataError(
-                f"expected a JSON object, got {type(row).__name__}", dataset=dataset, row=i
-            )
-    return rows
+    return [
+        row
+        if isinstance(row, dict)
+        else UnreadableRow(f"expected a JSON object, got {type(row).__name__}")
+        for row in rows
+    ]
 
 
 def _read_json_lines(text: str, path: Path, dataset: str) -> list[Any]:
@@ -90,11 +100,7 @@ def _read_json_lines(text: str, path: Path, dataset: str) -> list[Any]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as e:
-            raise DataError(
-                f"line {line_no + 1} of {path} is not valid JSON: {e}",
-                dataset=dataset,
-                row=len(rows),
-            ) from e
+            rows.append(UnreadableRow(f"line {line_no + 1} of {path} is not valid JSON: {e}"))
     return rows
 
 
