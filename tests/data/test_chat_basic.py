@@ -217,6 +217,35 @@ def test_skip_bad_rows_skips_unreadable_lines(tmp_path, chatml_tok, caplog):
         _build(path, chatml_tok)
 
 
+def test_text_only_model_joins_text_parts_and_refuses_media(tmp_path, chatml_tok):
+    """Content given as parts trains as its text (a template without parts support would
+    write the list's repr); media parts or columns are refused for a model without a
+    processor, naming the field."""
+    parts = [
+        {**m, "content": [{"type": "text", "text": m["content"][:3]},
+                          {"type": "text", "text": m["content"][3:]}]}
+        for m in CONVO
+    ]  # fmt: skip
+    plain = _build(write_jsonl(tmp_path / "plain.jsonl", [{"messages": CONVO}]), chatml_tok)
+    split = _build(write_jsonl(tmp_path / "parts.jsonl", [{"messages": parts}]), chatml_tok)
+    assert split[0]["input_ids"] == plain[0]["input_ids"]
+    assert split[0]["labels"] == plain[0]["labels"]
+    image = [{"type": "image", "image": "cat.png"}, {"type": "text", "text": "What is it?"}]
+    media = [
+        ({"messages": [{"role": "user", "content": image}, *CONVO[2:]]},
+         "field 'messages[0].content[0]': an image part, but the model reads text only"),
+        ({"messages": CONVO, "images": ["cat.png"]},
+         "field 'images': 1 item(s) here, but the model reads text only"),
+    ]  # fmt: skip
+    for row, words in media:
+        with pytest.raises(DataError) as e:
+            _build(write_jsonl(tmp_path / "media.jsonl", [row]), chatml_tok)
+        assert words in str(e.value), str(e.value)
+    ds = _build(write_jsonl(tmp_path / "mixed.jsonl", [media[1][0], {"messages": CONVO}]),
+                chatml_tok, skip_bad_rows=True)  # fmt: skip
+    assert len(ds) == 1
+
+
 def test_no_chat_template(tmp_path):
     tok = byte_tokenizer(CHATML_SPECIALS, eos="<|im_end|>")
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO}])

@@ -125,7 +125,7 @@ class DatasetEncoder:
         if isinstance(row, UnreadableRow):
             raise DataError(row.problem, dataset=self.cfg.path, row=row_index)
         variables = self.renderer.variables if self.renderer is not None else frozenset()
-        sample = parse_row(row, self.cfg, row_index, variables)
+        sample = parse_row(row, self.cfg, row_index, variables, text_only=self.vision is None)
         if isinstance(sample, ChatSample) and self.template_kwargs:
             sample.template_kwargs = {**self.template_kwargs, **sample.template_kwargs}
         if row.get("tools") and "tools" not in variables and not self._warned_tools:

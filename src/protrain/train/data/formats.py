@@ -161,9 +161,11 @@ def parse_chat(
     cfg: DatasetConfig,
     row_index: int,
     template_vars: frozenset[str] = frozenset({"tools"}),
+    text_only: bool = False,
 ) -> ChatSample:
     """A chat row; `template_vars` are the names the chat template reads (row columns of those
-    names are passed to it)."""
+    names are passed to it). `text_only`: for a model without a processor, see
+    `_text_content`; media columns are refused."""
     dataset = cfg.path
     if cfg.field_messages is not None:
         column = cfg.field_messages
@@ -224,6 +226,8 @@ def parse_chat(
             content = ""
         if content is not None or role != "assistant":
             content = _check_content(content, dataset, row_index, f"{where}.{content_key}")
+        if text_only and isinstance(content, list):
+            content = _text_content(content, dataset, row_index, f"{where}.{content_key}")
         # A null content stays None beside tool calls: templates branch on it.
         message: dict[str, Any] = {"role": role, "content": content}
         if calls:
@@ -260,9 +264,41 @@ def parse_chat(
     audios = row.get(cfg.field_audios) or []
     if not isinstance(audios, list):
         audios = [audios]
+    for key, media in ((cfg.field_images, images), (cfg.field_audios, audios)):
+        if text_only and media:
+            raise DataError(
+                f"{len(media)} item(s) here, but the model reads text only (it has no "
+                "processor) and would train on the text around media it never sees; allowed "
+                "for it: rows without media, or use a vision-language model",
+                dataset=dataset,
+                row=row_index,
+                field=key,
+            )
     skip = {column, cfg.field_images, cfg.field_audios}
     kwargs = _template_kwargs(row, template_vars, skip, dataset, row_index)
     return ChatSample(messages=messages, images=images, audios=audios, template_kwargs=kwargs)
+
+
+def _text_content(parts: list[dict[str, Any]], dataset: str, row: int, where: str) -> str:
+    """A content of parts for a text-only model: its text parts joined without a separator,
+    as the chat templates that take parts write them (a template without that support
+    would write the list's Python repr). A media part is refused: the model has no
+    processor to read it."""
+    for j, part in enumerate(parts):
+        if part["type"] != "text":
+            raise DataError(
+                f"{_article(part['type'])} {part['type']} part, but the model reads text only "
+                "(it has no processor); "
+                "allowed for it: text parts, or use a vision-language model",
+                dataset=dataset,
+                row=row,
+                field=f"{where}[{j}]",
+            )
+    return "".join(part["text"] for part in parts)
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1] in "aeiou" else "a"
 
 
 def _string_field(row: dict[str, Any], key: str, cfg: DatasetConfig, row_index: int) -> str:
@@ -286,10 +322,12 @@ def parse_row(
     cfg: DatasetConfig,
     row_index: int,
     template_vars: frozenset[str] = frozenset({"tools"}),
+    text_only: bool = False,
 ) -> Sample:
-    """Parse one raw row in the format `cfg.type` names; raises `DataError` on a bad row."""
+    """Parse one raw row in the format `cfg.type` names; raises `DataError` on a bad row.
+    `text_only`: the model has no processor (see `parse_chat`)."""
     if cfg.type == "chat":
-        return parse_chat(row, cfg, row_index, template_vars)
+        return parse_chat(row, cfg, row_index, template_vars, text_only)
     if cfg.type == "completion":
         system = row.get(cfg.field_system)
         return CompletionSample(
