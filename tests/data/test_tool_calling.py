@@ -714,6 +714,43 @@ def test_llama_role_boundaries_end_a_tool_call_at_eom(tmp_path):
     assert labels_by_boundaries(item["input_ids"], boundaries, mask, set()) == item["labels"]
 
 
+QWEN_BOUNDARIES = [
+    {"role": "assistant", "start": "<|im_start|>assistant\n", "end": "<|im_end|>"},
+    {"role": "user", "start": "<|im_start|>user\n", "end": "<|im_end|>"},
+]
+
+
+@pytest.mark.parametrize("train_on_tool_calls", [True, False])
+def test_role_boundaries_follow_train_on_tool_calls(tmp_path, train_on_tool_calls):
+    """Masks from role boundaries train what the template-placed masks train, with
+    train_on_tool_calls off too (it trained the calling turns regardless)."""
+    tok = byte_tokenizer(**SPECIALS["qwen"])
+    row = {"messages": QWEN_CONVO, "tools": [WEATHER]}
+    knobs = {"train_on_tool_calls": train_on_tool_calls}
+    placed = _encode(tmp_path, tok, [row], "qwen2_5", **knobs)[0]
+    by_bounds = _encode(tmp_path, tok, [row], "qwen2_5", role_boundaries=QWEN_BOUNDARIES, **knobs)
+    assert by_bounds[0]["input_ids"] == placed["input_ids"]
+    assert by_bounds[0]["labels"] == placed["labels"]
+    calls = tok.decode([t for t in placed["labels"] if t != IGNORE_INDEX]).count("<tool_call>")
+    assert calls == (2 if train_on_tool_calls else 0)
+
+
+def test_role_boundaries_refuse_a_template_that_drops_tool_calls(tmp_path):
+    """A template that writes no tool call would leave the calling turn empty, and role
+    boundaries would train it: the row is refused, naming the message, as the
+    template-placed masks refuse it."""
+    tok = byte_tokenizer(**SPECIALS["qwen"])
+    no_calls = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}<|im_end|>\n"
+        "{% endfor %}"
+    )
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": QWEN_CONVO}])
+    for extra in ({}, {"role_boundaries": QWEN_BOUNDARIES}):
+        s = DataSettings(datasets=[{"path": str(path)}], chat_template=no_calls, **extra)
+        with pytest.raises(DataError, match=r"messages\[2\].*does not render this message's tool"):
+            build_train_dataset(s, tok, sequence_len=4096, seed=0)
+
+
 # --- inspect-data -----------------------------------------------------------------------------
 
 

@@ -90,6 +90,34 @@ def test_qwen2_vl_train_on_inputs_never_trains_media_tokens(tmp_path):
     assert item["labels"] == expected_labels(proc.tokenizer, pieces)[2]
 
 
+def test_vl_tool_calls_follow_the_template(tmp_path):
+    """With a vision-language model's role boundaries: a template that does not write a
+    tool call refuses the row (Qwen2-VL's own; it trained the empty turn), and one that
+    does honours train_on_tool_calls."""
+    write_image(tmp_path / "cat.png")
+    proc = qwen2_vl_processor()
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    row = _row("cat.png", "Weather here?", "Sunny.")
+    row["messages"][1:] = [
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "Sunny."},
+    ]
+    with pytest.raises(DataError, match=r"messages\[1\].*does not render this message's tool"):
+        _build(tmp_path, proc, [row])
+    with_tools = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}"
+        "{{ m.content }}{% elif m.content %}{% for p in m.content %}{% if p.type == 'image' %}"
+        "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ p.text }}{% endif %}{% endfor %}"
+        "{% endif %}{% for c in m.tool_calls or [] %}<tool_call>{{ c.function.name }}"
+        "</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+    )
+    for on in (True, False):
+        item = _build(tmp_path, proc, [row], chat_template=with_tools, train_on_tool_calls=on)[0]
+        trained = proc.tokenizer.decode([t for t in item["labels"] if t != -100])
+        assert ("get_weather" in trained) is on and "Sunny." in trained, trained
+
+
 def test_qwen2_vl_roles_to_train_user_and_eos_none(tmp_path):
     write_image(tmp_path / "cat.png")
     proc = qwen2_vl_processor()

@@ -32,7 +32,7 @@ from protrain.train.data.rendering import (
 )
 from protrain.train.data.role_boundaries import (
     Boundary,
-    labels_by_boundaries,
+    boundary_labels,
     media_token_ids,
     resolve_boundaries,
 )
@@ -157,7 +157,10 @@ class DatasetEncoder:
         except TemplateRenderError as e:
             raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
+        labels = boundary_labels(
+            self.renderer, sample, text, ids, self.boundaries, self.mask, self.never_trained,
+            dataset=self.cfg.path, row=row_index,
+        )  # fmt: skip
         return Encoded(ids, labels, text)
 
 

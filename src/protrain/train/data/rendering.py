@@ -320,6 +320,29 @@ class ChatRenderer:
             )
         return emptied, text
 
+    def check_tool_calls_rendered(
+        self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, text: str
+    ) -> None:
+        """Raise `TemplateMismatch` for the first message whose tool calls the template does
+        not write: the conversation, `text`, renders the same without them. For masks from
+        role boundaries, which never look at the messages: such a turn would be trained
+        empty (the rendering's own placement checks this per turn, `_turn`)."""
+        for i, message in enumerate(messages):
+            names = _tool_call_names(message)
+            if not names:
+                continue
+            bare = {k: v for k, v in message.items() if k != "tool_calls"}
+            try:
+                _, without = self.prepare([*messages[:i], bare, *messages[i + 1 :]], kwargs)
+            except TemplateRenderError:
+                continue  # it cannot render the message without them: they are written
+            if without == text:
+                raise TemplateMismatch(
+                    i,
+                    f"the chat template does not render this message's tool call(s) {list(names)}; "
+                    "use a chat template with tool support",
+                )
+
     @property
     def tool_call_form(self) -> ToolCallForm:
         """The form in which this template writes tool calls and their arguments (probed once)."""

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 from protrain.train.data.config import RoleBoundary
 from protrain.train.data.errors import DataError
+from protrain.train.data.formats import ChatSample
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings
+from protrain.train.data.rendering import ChatRenderer, TemplateMismatch
 
 logger = logging.getLogger("protrain.train.data")
 
@@ -361,12 +363,26 @@ def find_turns(
     return turns
 
 
+def calls_per_assistant(messages: Sequence[dict]) -> list[bool]:
+    """For `labels_by_boundaries`: whether each assistant message, in order, calls tools."""
+    return [bool(m.get("tool_calls")) for m in messages if m.get("role") == "assistant"]
+
+
+class TurnCountMismatch(ValueError):
+    """The assistant turns the boundaries found are not one a message."""
+
+
 def labels_by_boundaries(
     ids: Sequence[int],
     boundaries: Sequence[Boundary],
     mask: MaskSettings,
     never_trained: set[int],
+    calls: Sequence[bool] | None = None,
 ) -> list[int]:
+    """Labels of `ids` from role boundaries. `calls`: per assistant message in order,
+    whether it calls tools; with `train_on_tool_calls` off, the assistant turn of each
+    such message is not trained (the k-th assistant turn found is the k-th assistant
+    message's: a template that writes them otherwise is a `TurnCountMismatch`)."""
     labels = [IGNORE_INDEX] * len(ids)
 
     def train(span):
@@ -378,6 +394,16 @@ def labels_by_boundaries(
     else:
         turns = find_turns(ids, boundaries)
         trained = [(b, t) for b, t in turns if t.role in mask.roles_to_train]
+        if not mask.train_on_tool_calls and calls is not None and any(calls):
+            assistant = [t for _, t in turns if t.role == "assistant"]
+            if len(assistant) != len(calls):
+                raise TurnCountMismatch(
+                    f"the role boundaries find {len(assistant)} assistant turn(s) for "
+                    f"{len(calls)} assistant message(s), so train_on_tool_calls: false cannot "
+                    "tell which turns call tools"
+                )
+            calling = {id(t) for t, c in zip(assistant, calls) if c}
+            trained = [(b, t) for b, t in trained if id(t) not in calling]
         for b, t in trained:
             train(t.body)
             if b.include_start:
@@ -395,3 +421,34 @@ def labels_by_boundaries(
                 if t.end and b.include_end:
                     train(t.end)
     return [IGNORE_INDEX if tok in never_trained else lab for tok, lab in zip(ids, labels)]
+
+
+def boundary_labels(
+    renderer: ChatRenderer,
+    sample: ChatSample,
+    text: str,
+    ids: list[int],
+    boundaries,
+    mask: MaskSettings,
+    never_trained: set[int],
+    *,
+    dataset: str,
+    row: int,
+) -> list[int]:
+    """Labels from role boundaries for a chat rendered as `text` (tokens `ids`, which a
+    processor may have expanded), after checking that the template wrote every tool call
+    (else that turn would be trained empty); `train_on_tool_calls` applied per turn."""
+    try:
+        renderer.check_tool_calls_rendered(sample.messages, sample.template_kwargs, text)
+        return labels_by_boundaries(
+            ids, boundaries, mask, never_trained, calls_per_assistant(sample.messages)
+        )
+    except TemplateMismatch as e:
+        raise DataError(
+            f"{e.reason}; the loss mask cannot be placed",
+            dataset=dataset,
+            row=row,
+            field=f"messages[{e.index}]",
+        ) from e
+    except TurnCountMismatch as e:
+        raise DataError(str(e), dataset=dataset, row=row, field="messages") from e

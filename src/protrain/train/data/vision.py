@@ -38,7 +38,7 @@ from protrain.train.data.masks import IGNORE_INDEX, MaskSettings
 from protrain.train.data.rendering import ChatRenderer, TemplateMismatch, TemplateRenderError
 from protrain.train.data.role_boundaries import (
     boundaries_for,
-    labels_by_boundaries,
+    boundary_labels,
     media_token_ids,
 )
 from protrain.train.data.video import Video, VideoReader
@@ -395,7 +395,11 @@ class VisionEncoder:
         replacements = out.pop("text_replacement_offsets", None)
         ids = out["input_ids"][0].tolist()
         if self.boundaries is not None:
-            labels = labels_by_boundaries(ids, self.boundaries, self.mask, self.never_trained)
+            placed = ChatSample(messages, [], template_kwargs=sample.template_kwargs)
+            labels = boundary_labels(
+                self.renderer, placed, text, ids, self.boundaries, self.mask,
+                self.never_trained, dataset=self.cfg.path, row=row,
+            )  # fmt: skip
         else:
             sample = ChatSample(messages, [], template_kwargs=sample.template_kwargs)
             labels = self._aligned_labels(sample, ids, row)
