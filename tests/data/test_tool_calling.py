@@ -638,6 +638,28 @@ def test_template_without_tool_support_is_a_data_error(tmp_path):
             {"messages": [{"role": "user", "content": "a", "tool_calls": [call("f", {})]}]},
             r"only assistant messages make tool calls",
         ),
+        (
+            {"messages": [{"role": "tool", "content": "sunny"}, *QWEN_CONVO[1:3]]},
+            r"field 'messages\[0\]': a tool result before any assistant message",
+        ),
+        (
+            {"messages": [*QWEN_CONVO[1:3], *[{"role": "tool", "content": "x"}] * 3]},
+            r"field 'messages\[4\]': more tool results than the calls",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [call("get_weather", {"city": "Oslo"}, "c1")],
+                    },
+                    {"role": "tool", "content": "x", "tool_call_id": "c2"},
+                ]
+            },  # fmt: skip
+            r"field 'messages\[2\].tool_call_id': tool_call_id 'c2' is none of the calls.*\['c1'\]",
+        ),
     ],
 )
 def test_bad_tool_rows(tmp_path, row, match):

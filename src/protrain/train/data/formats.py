@@ -276,7 +276,56 @@ def parse_chat(
             )
     skip = {column, cfg.field_images, cfg.field_audios}
     kwargs = _template_kwargs(row, template_vars, skip, dataset, row_index)
+    _check_tool_turns(messages, dataset, row_index, column)
     return ChatSample(messages=messages, images=images, audios=audios, template_kwargs=kwargs)
+
+
+def _check_tool_turns(messages: list[dict[str, Any]], dataset: str, row: int, column: str) -> None:
+    """Tool results answer calls: none before the first assistant message, and after an
+    assistant message with structured `tool_calls`, at most one result a call, each
+    `tool_call_id` one of those calls' ids. Results after an assistant message without
+    structured calls are taken as they are: datasets write calls as text too (Hermes,
+    Llama's `<|python_tag|>`). A call's name is not checked against `tools`: templates
+    declare tools elsewhere too (Llama 3.1's `builtin_tools`)."""
+    answered: tuple[set[str], int] | None = None  # the last calls' ids, results left
+    seen_assistant = False
+    for i, m in enumerate(messages):
+        where = f"{column}[{i}]"
+        if m["role"] == "assistant":
+            seen_assistant = True
+            calls = m.get("tool_calls") or []
+            ids = {c["id"] for c in calls if isinstance(c.get("id"), str)}
+            answered = (ids if len(ids) == len(calls) else set(), len(calls)) if calls else None
+        elif m["role"] == "tool":
+            if not seen_assistant:
+                raise DataError(
+                    "a tool result before any assistant message: it answers no call",
+                    dataset=dataset,
+                    row=row,
+                    field=where,
+                )
+            if answered is None:
+                continue
+            ids, left = answered
+            if left == 0:
+                raise DataError(
+                    "more tool results than the calls of the assistant message before them",
+                    dataset=dataset,
+                    row=row,
+                    field=where,
+                )
+            call_id = m.get("tool_call_id")
+            if ids and call_id is not None and call_id not in ids:
+                raise DataError(
+                    f"tool_call_id {call_id!r} is none of the calls of the assistant message "
+                    f"before it; their ids: {sorted(ids)}",
+                    dataset=dataset,
+                    row=row,
+                    field=f"{where}.tool_call_id",
+                )
+            answered = (ids, left - 1)
+        else:
+            answered = None
 
 
 def _text_content(parts: list[dict[str, Any]], dataset: str, row: int, where: str) -> str:
