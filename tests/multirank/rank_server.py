@@ -9,7 +9,8 @@ A rank whose environment holds `KILL_AT="<file>:<n>"` SIGKILLs itself just befor
 after the nth checkpoint leaves the namespace while pruning (`checkpoint._trash`). With
 `EXPORT_TWICE="<max_shard_size>"` the final export of several ranks is written twice:
 streamed (`final/`) and gathered as before streaming (`final-gathered/`), both split into
-files of at most that size.
+files of at most that size. With `EXPORT_GATHERED=1` it is never streamed (as for a model
+whose names transformers converts on save): rank 0 writes the gathered model.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ def child(request):
         install_kill(os.environ["KILL_AT"])
     if os.environ.get("EXPORT_TWICE"):
         install_export_twice(os.environ["EXPORT_TWICE"])
+    if os.environ.get("EXPORT_GATHERED"):
+        import protrain.train.streamed_export as streamed
+        streamed.streamable = lambda trainable: "forced by the test"
     try:
         code = main(request["argv"])
     except SystemExit as exc:

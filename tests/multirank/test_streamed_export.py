@@ -191,3 +191,27 @@ def _message(what: str) -> str:
         f"the final model not written: {what} is not finite (NaN or inf); the checkpoints "
         "already written are kept. Try a lower learning_rate, or set max_grad_norm"
     )
+
+
+def test_gathered_export_of_several_ranks(runs, tmp_path):
+    """The export that is not streamed (rank 0 writes the gathered model while the others
+    wait for it, `Ranks.on_main_patiently`): the streamed export's weights."""
+    config = _config(tmp_path, 2, "sharded", "full")
+    logs = config.with_suffix("")
+    server = RankServer()
+    try:
+        status = server.run(2, ["train", str(config)], logs, env={"EXPORT_GATHERED": "1"})
+    finally:
+        server.close()
+    log = logs.with_name(f"{logs.name}.rank0.log").read_text()
+    assert status == [0, 0], log[-3000:]
+    assert "export gathered on every rank (not streamed): forced by the test" in log
+    got = load_file(tmp_path / logs.name / "final" / "model.safetensors")
+    streamed = runs[(2, "sharded", "full")] / "final"
+    index = json.loads((streamed / INDEX).read_text())
+    want = {
+        k: v for f in set(index["weight_map"].values()) for k, v in load_file(streamed / f).items()
+    }
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name

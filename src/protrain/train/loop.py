@@ -481,10 +481,14 @@ def _write_final(
         logger.warning("export gathered on every rank (not streamed): %s", why_not)
     else:
         assert_finite(trainable.model_state(copy=False), "the final model")
-    if ranks.is_main:
+    if not ranks.several:
         export(trainable, built, cfg, final_dir)
-    else:
-        trainable.export_model()  # closing the engine is a collective in the sharded mode
+        return False
+    model = trainable.export_model()  # every rank: closing the engine is a collective
+    # Rank 0 writes the whole model while the others wait: a large one on slow storage
+    # outlasts the group's collective timeout, which would end every rank, rank 0's write
+    # included, and lose the steps after the last checkpoint.
+    ranks.on_main_patiently(lambda: export(trainable, built, cfg, final_dir, model=model))
     return False
 
 
@@ -522,13 +526,15 @@ def evaluate(trainable: Trainable, data, collate, cfg: TrainConfig) -> float:
     return total / max(n_tokens, 1)
 
 
-def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path) -> None:
+def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path, model=None) -> None:
     """Write the model atomically: Hugging Face format, or the trained PEFT adapters (frozen
-    ones stay where they were loaded from)."""
+    ones stay where they were loaded from). ``model``: ``trainable.export_model()``'s, where
+    it was already taken."""
     tmp = tmp_dir(final_dir)
     if tmp.exists():
         shutil.rmtree(tmp)
-    model = trainable.export_model()
+    if model is None:
+        model = trainable.export_model()
     adapters = trained_adapter_names(model, trainable.names)
     if adapters is None:
         model.save_pretrained(tmp, safe_serialization=True)
