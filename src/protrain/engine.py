@@ -38,7 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from protrain.chunks.buffers import min_resident_chunks
+from protrain.chunks.buffers import (
+    min_resident_chunks,
+    recompute_extra_chunks,
+    tied_head_chunk,
+)
 from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
@@ -282,8 +286,9 @@ def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> lis
     return groups
 
 
-def _buffers_needed(model: nn.Module, layout: ChunkLayout) -> int:
-    """Most offloaded chunks one module or one block needs resident at once."""
+def _buffers_needed(model: nn.Module, layout: ChunkLayout, recompute: bool) -> int:
+    """Most offloaded chunks one module or one block needs resident at once; with
+    ``recompute`` (checkpointed blocks), what their recompute holds besides."""
     chunk_of = {
         n: c.index
         for c in layout.chunks
@@ -291,7 +296,8 @@ def _buffers_needed(model: nn.Module, layout: ChunkLayout) -> int:
         for pl in c.placements
         for n in pl.names
     }
-    return min_resident_chunks(model, chunk_of)
+    extra = recompute_extra_chunks(tied_head_chunk(model, chunk_of) is not None)
+    return min_resident_chunks(model, chunk_of, recompute_extra=extra if recompute else 0)
 
 
 def _refuse_uncovered(reads: DirectReads, layout: ChunkLayout) -> None:
@@ -460,12 +466,14 @@ def wrap(
     )
     reads = direct_reads(model)
     _refuse_uncovered(reads, layout)
-    need = _buffers_needed(model, layout)
+    recompute = bool(n_checkpoint)
+    need = min(_buffers_needed(model, layout, recompute), layout.n_chunks - layout.n_persist)
     if need > layout.n_buffer:
         if n_buffer is not None:
+            what = " (recomputed blocks hold more)" if recompute else ""
             raise ValueError(
                 f"n_buffer={n_buffer} is not allowed: a module or block of this model needs "
-                f"{need} offloaded chunks resident at once; use n_buffer >= {need}"
+                f"{need} offloaded chunks resident at once{what}; use n_buffer >= {need}"
             )
         layout.n_buffer = need
 

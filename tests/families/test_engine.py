@@ -96,3 +96,26 @@ def test_modules_reading_their_childrens_weights_bring_them_in():
     head = "model.vision_tower.head.attention"
     assert f"{head}.out_proj.weight" in groups[head]
     assert direct_reads(build("llama")).groups == {}
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_recomputed_blocks_get_the_buffers_they_hold(name):
+    """Every chunk offloaded, every block checkpointed, chunks the size of the largest
+    parameter: whatever n_buffer wrap accepts (picked, or 2) carries the steps, and what it
+    refuses it refuses up front. A recompute holds one chunk beyond a module's, two with an
+    offloaded tied head: Pegasus, Marian and the MoE families ran out of buffers in their
+    first backward with buffers wrap had accepted."""
+    base = build(name)
+    n_blocks = len(discover_blocks(base).blocks)
+    knobs = dict(n_persist=0, chunk_size_bytes=largest_param_bytes(base), n_checkpoint=n_blocks,
+                 lr=LR, device="cpu")  # fmt: skip
+    for n_buffer in (None, 2):
+        try:
+            model, optimizer, _ = protrain.wrap(copy.deepcopy(base), n_buffer=n_buffer, **knobs)
+        except ValueError as exc:
+            assert n_buffer == 2 and "recomputed blocks hold more" in str(exc), exc
+            continue
+        try:
+            train_engine(model, batches(name, STEPS * ACCUM), optimizer)
+        finally:
+            protrain.close(model)

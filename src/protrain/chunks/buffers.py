@@ -10,6 +10,14 @@ that holds frozen parameters, the chunks the whole block spans (its projections 
 the same input gradients, so their chunks are held together). A buffer pool smaller than
 this fails in the middle of a step; `protrain.wrap` and the planner check it before
 anything moves.
+
+A recomputed (checkpointed) block needs more: its recompute runs while the module whose
+backward started it still holds its chunk, and a head tied to the input embedding keeps the
+embedding's chunk held until the embedding's own gradient arrives at the end of backward.
+So with recompute a module's group needs one chunk more, and one more again for a tied
+head (:func:`recompute_extra_chunks`; found by a review on Pegasus, Marian, Qwen3-MoE,
+Mixtral and OLMoE, which the module rule let fail in the first backward); a block group
+holds its whole block already.
 """
 
 from __future__ import annotations
@@ -48,16 +56,61 @@ def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[
             blocks = []
     for block in blocks:
         if not all(p.requires_grad for p in block.module.parameters()):
-            groups.append(tuple(block.param_names))
+            groups.append(BlockGroup(block.param_names))
     return groups
 
 
+class BlockGroup(tuple):
+    """A block's parameter names held together (the block holds frozen parameters): a
+    recompute of the block needs no chunk beyond them, unlike a module's group."""
+
+
 def min_resident_chunks(
-    model: nn.Module, chunk_of: dict[str, int], groups: Sequence[Sequence[str]] | None = None
+    model: nn.Module,
+    chunk_of: dict[str, int],
+    groups: Sequence[Sequence[str]] | None = None,
+    recompute_extra: int = 0,
 ) -> int:
     """Most chunks of `chunk_of` (parameter name -> chunk index, offloaded chunks only)
     that one module, or one block holding frozen parameters, needs resident at once.
-    ``groups``: :func:`resident_groups` of ``model``, when the caller has it already."""
+    ``groups``: :func:`resident_groups` of ``model``, when the caller has it already.
+    ``recompute_extra``: chunks a recompute holds besides a module's own
+    (:func:`recompute_extra_chunks`); a block group already holds its whole block."""
+
+    def need(g) -> int:
+        n = len({chunk_of[name] for name in g if name in chunk_of})
+        return n if isinstance(g, BlockGroup) or n == 0 else n + recompute_extra
+
     if groups is None:
         groups = resident_groups(model)
-    return max((len({chunk_of[n] for n in g if n in chunk_of}) for g in groups), default=0)
+    return max((need(g) for g in groups), default=0)
+
+
+def recompute_extra_chunks(tied_head: bool) -> int:
+    """Chunks a recompute holds besides a module's own: the module whose backward started
+    it, and a tied head's embedding chunk (where offloaded), held through backward."""
+    return 1 + (1 if tied_head else 0)
+
+
+def output_head(model: nn.Module) -> nn.Module | None:
+    """The model's output head (``get_output_embeddings()``), None where it has none:
+    transformers' base class raises NotImplementedError for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if get is not None else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return head if isinstance(head, nn.Module) else None
+
+
+def tied_head_chunk(model: nn.Module, chunk_of: dict[str, int]) -> int | None:
+    """The chunk of the output head's weight (``get_output_embeddings()``) where that
+    weight is one parameter under several names (tied to the input embedding, as small
+    Llama-3.2 and Qwen2.5 models are); None for an untied head or a model without one."""
+    weight = getattr(output_head(model), "weight", None)
+    if not isinstance(weight, nn.Parameter):
+        return None
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    if len(names) < 2:
+        return None
+    return next((chunk_of[n] for n in names if n in chunk_of), None)

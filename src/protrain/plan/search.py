@@ -170,12 +170,21 @@ class PlanProblem:
             return np.asarray([self.fixed["n_persist"]], dtype=np.int64)
         return np.arange(n + 1, dtype=np.int64)
 
-    def buffer_bounds(self, n_persist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def buffer_bounds(
+        self, n_persist: np.ndarray, recompute: bool | np.ndarray = False
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Least and most ``n_buffer`` the runtime runs with, for each ``n_persist``: what the
-        engine checks: the chunks one module or one block needs at once, and at least 2."""
+        engine checks: the chunks one module or one block needs at once (``recompute``:
+        with checkpointed blocks, what their recompute holds besides), and at least 2."""
         n_off = self.memory.n_chunks - n_persist
         t = self.profile.chunks
-        least = np.minimum(n_off, max(t.min_buffers, 2))
+        if t.min_buffers_recompute is None:  # a profile saved before it was recorded
+            with_recompute = t.min_buffers
+        else:  # a tied head's chunk is held through backward where it is offloaded
+            tied = t.tied_head_chunk is not None and t.tied_head_chunk >= n_persist
+            with_recompute = np.where(tied, t.min_buffers_recompute_tied, t.min_buffers_recompute)
+        need = np.where(recompute, with_recompute, t.min_buffers)
+        least = np.minimum(n_off, np.maximum(need, 2))
         return least, n_off
 
     # ---- evaluation -------------------------------------------------------------------
@@ -212,7 +221,7 @@ class PlanProblem:
 
     def allowed(self, n_persist: int, n_buffer: int, n_swap: int, n_checkpoint: int) -> bool:
         """The engine accepts these knobs and they respect the fixed ones."""
-        least, most = self.buffer_bounds(np.asarray(n_persist))
+        least, most = self.buffer_bounds(np.asarray(n_persist), n_checkpoint > 0)
         knobs = dict(zip(KNOBS, (n_persist, n_buffer, n_swap, n_checkpoint)))
         return (
             0 <= n_persist <= self.memory.n_chunks
@@ -222,10 +231,11 @@ class PlanProblem:
         )
 
 
-def _fit_buffers(problem: PlanProblem, room: np.ndarray, n_p: np.ndarray):
-    """(n_buffer, fits) for each entry of ``room`` (bytes left for the pool) and ``n_p``."""
+def _fit_buffers(problem: PlanProblem, room: np.ndarray, n_p: np.ndarray, recompute):
+    """(n_buffer, fits) for each entry of ``room`` (bytes left for the pool) and ``n_p``;
+    ``recompute``: whether the pair (or each pair, broadcast) checkpoints blocks."""
     mem = problem.memory
-    least, most = problem.buffer_bounds(n_p)
+    least, most = problem.buffer_bounds(n_p, recompute)
     fixed_nb = problem.fixed.get("n_buffer")
     if fixed_nb is not None:
         nb = np.broadcast_to(np.minimum(fixed_nb, most), room.shape)  # the engine clamps it
@@ -256,7 +266,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     # its best time with that peak is a lower bound of its true best time.
     act_low = _peak_lower_bound(mem, seg, n_p)
     room = problem.gpu_budget_bytes - constant[None, :] - act_low
-    nb, gpu_ok = _fit_buffers(problem, room, n_p[None, :])
+    nb, gpu_ok = _fit_buffers(problem, room, n_p[None, :], (c > 0)[:, None])
     ok = gpu_ok & host_ok
     t_low = rt.step_s(n_p[None, :], nb, compute[:, None], swap[:, None], fwd_wait[:, None])
     t_low = np.where(ok, t_low, np.inf).min(axis=1)
@@ -271,12 +281,14 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
             break
         exact += 1
         act = mem.peak_over_persist(seg[i], n_p)
-        nb_i, ok_i = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p)
+        room_i = problem.gpu_budget_bytes - constant - act
+        nb_i, ok_i = _fit_buffers(problem, room_i, n_p, c[i] > 0)
         ok_i = ok_i & host_ok[i]
         if not ok_i.any():
             continue
         t = np.where(ok_i, rt.step_s(n_p, nb_i, compute[i], swap[i], fwd_wait[i]), np.inf)
-        found = _pair_rows(problem, n_p, nb_i, t, (compute[i], swap[i], fwd_wait[i]), k, kth)
+        terms = (compute[i], swap[i], fwd_wait[i])
+        found = _pair_rows(problem, n_p, nb_i, t, terms, k, kth, c[i] > 0)
         rows += len(found)
         best += [((tj, rank, -pj, -bj), (pj, bj, int(s[i]), int(c[i]))) for tj, pj, bj in found]
         best.sort(key=lambda r: r[0])
@@ -285,8 +297,8 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
     if not best:
         raise _no_fit(
             problem,
-            _smallest_budget(problem, seg, constant, n_p),
-            _least_host(problem, seg, constant, n_p, host_swap, gpu_ok),
+            _smallest_budget(problem, seg, constant, n_p, c > 0),
+            _least_host(problem, seg, constant, n_p, host_swap, gpu_ok, c > 0),
         )
     rows_ = [list(knobs) for _, knobs in best]
     plain = _plain_layout(problem, best[0][0][0])
@@ -356,7 +368,7 @@ def _plain_layout(problem: PlanProblem, best_s: float) -> tuple[list[int], str] 
     )
 
 
-def _pair_rows(problem: PlanProblem, n_p, nb, t, pair_terms, k: int, kth: float):
+def _pair_rows(problem: PlanProblem, n_p, nb, t, pair_terms, k: int, kth: float, recompute):
     """One pair's best rows ``(step_s, n_persist, n_buffer)``: its ``k`` best ``n_persist``
     values (ties: the most persistent) at their largest fitting ``n_buffer``, and for those,
     each smaller ``n_buffer`` that makes the step slower (time is non-increasing in
@@ -367,7 +379,7 @@ def _pair_rows(problem: PlanProblem, n_p, nb, t, pair_terms, k: int, kth: float)
     out = [(float(t[j]), int(n_p[j]), int(nb[j])) for j in top]
     if "n_buffer" in problem.fixed:
         return out
-    least, _ = problem.buffer_bounds(n_p[top])
+    least, _ = problem.buffer_bounds(n_p[top], recompute)
     for j, lo in zip(top, least):
         below = np.arange(int(lo), int(nb[j]) + 1)
         if len(below) < 2:
@@ -401,24 +413,31 @@ def _peak_lower_bound(mem, seg: np.ndarray, n_p: np.ndarray) -> np.ndarray:
     return low
 
 
-def _smallest_budget(problem: PlanProblem, seg, constant, n_p) -> int:
-    """The least predicted peak of any allowed plan (same bound-then-exact scheme)."""
+def _smallest_budget(problem: PlanProblem, seg, constant, n_p, recompute) -> int:
+    """The least predicted peak of any allowed plan (same bound-then-exact scheme);
+    ``recompute``: per pair, whether it checkpoints blocks."""
     mem = problem.memory
-    least, most = problem.buffer_bounds(n_p)
     fixed_nb = problem.fixed.get("n_buffer")
-    nb = np.minimum(fixed_nb, most) if fixed_nb is not None else least
-    static = np.where(nb >= least, constant + nb * mem.chunk_bytes, np.iinfo(np.int64).max // 4)
-    low = (seg + mem.seg_base[None, :]).max(axis=1) + static.min()
+
+    def static_bytes(rec: bool) -> np.ndarray:
+        least, most = problem.buffer_bounds(n_p, rec)
+        nb = np.minimum(fixed_nb, most) if fixed_nb is not None else least
+        return np.where(nb >= least, constant + nb * mem.chunk_bytes, np.iinfo(np.int64).max // 4)
+
+    static = {False: static_bytes(False), True: static_bytes(True)}
+    low = (seg + mem.seg_base[None, :]).max(axis=1) + np.where(
+        recompute, static[True].min(), static[False].min()
+    )
     smallest = None
     for i in np.argsort(low):
         if smallest is not None and low[i] >= smallest:
             break
-        need = int((static + mem.peak_over_persist(seg[i], n_p)).min())
+        need = int((static[bool(recompute[i])] + mem.peak_over_persist(seg[i], n_p)).min())
         smallest = need if smallest is None else min(smallest, need)
     return smallest
 
 
-def _least_host(problem: PlanProblem, seg, constant, n_p, host_swap, gpu_ok) -> float:
+def _least_host(problem: PlanProblem, seg, constant, n_p, host_swap, gpu_ok, recompute) -> float:
     """The least host memory of the plans that fit the GPU budget (inf if none does): pairs
     checked exactly in the order of their least host need among those the lower bound lets
     fit, until the next one's need passes the least found."""
@@ -431,7 +450,7 @@ def _least_host(problem: PlanProblem, seg, constant, n_p, host_swap, gpu_ok) -> 
         if not np.isfinite(pair_least[i]) or pair_least[i] >= least:
             break
         act = mem.peak_over_persist(seg[i], n_p)
-        _, fit = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p)
+        _, fit = _fit_buffers(problem, problem.gpu_budget_bytes - constant - act, n_p, recompute[i])
         if fit.any():
             least = min(least, float(need[i][fit].min()))
     return least

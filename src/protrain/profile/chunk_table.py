@@ -15,7 +15,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from protrain.chunks.buffers import min_resident_chunks
+from protrain.chunks.buffers import (
+    min_resident_chunks,
+    recompute_extra_chunks,
+    tied_head_chunk,
+)
 from protrain.chunks.layout import choose_chunk_size, pack_arrays
 from protrain.profile.param_index import ParamIndex, param_index
 
@@ -36,6 +40,11 @@ class ChunkTable:
     # that chunk again for the head ([Note: a tied head] in plan/runtime.py). Saved
     # profiles without it load as untied.
     tied_head_chunk: int | None = None
+    # The same with recomputed blocks, which plans with n_checkpoint > 0 need
+    # (chunks.buffers.recompute_extra_chunks), and with a tied head's chunk offloaded
+    # besides (tied_head_chunk >= n_persist). Saved profiles without them: min_buffers.
+    min_buffers_recompute: int | None = None
+    min_buffers_recompute_tied: int | None = None
 
     @property
     def n_chunks(self) -> int:
@@ -103,29 +112,11 @@ def chunk_table_and_index(
         max_trainable_numel=per_chunk(tr_numel, np.maximum),
         min_buffers=max(need, 1),
         tied_head_chunk=tied_head_chunk(model, chunk_of),
+        min_buffers_recompute=max(
+            min_resident_chunks(model, chunk_of, index.groups, recompute_extra_chunks(False)), 1
+        ),
+        min_buffers_recompute_tied=max(
+            min_resident_chunks(model, chunk_of, index.groups, recompute_extra_chunks(True)), 1
+        ),
     )
     return table, chunk_of
-
-
-def output_head(model: nn.Module) -> nn.Module | None:
-    """The model's output head (``get_output_embeddings()``), None where it has none:
-    transformers' base class raises NotImplementedError for a model without one."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if get is not None else None
-    except (NotImplementedError, AttributeError):
-        return None
-    return head if isinstance(head, nn.Module) else None
-
-
-def tied_head_chunk(model: nn.Module, chunk_of: dict[str, int]) -> int | None:
-    """The chunk of the output head's weight (``get_output_embeddings()``) where that
-    weight is one parameter under several names (tied to the input embedding, as small
-    Llama-3.2 and Qwen2.5 models are); None for an untied head or a model without one."""
-    weight = getattr(output_head(model), "weight", None)
-    if not isinstance(weight, nn.Parameter):
-        return None
-    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
-    if len(names) < 2:
-        return None
-    return next((chunk_of[n] for n in names if n in chunk_of), None)

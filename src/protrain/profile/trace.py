@@ -73,9 +73,10 @@ import torch
 from torch import nn
 
 from protrain.activations.swap import is_parameter_like
+from protrain.chunks.buffers import output_head
 from protrain.distributed.process_group import NO_GROUP
 from protrain.model.blocks import discover_blocks
-from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index, output_head
+from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
 from protrain.profile.memory_clock import MemoryClock
 from protrain.profile.param_index import block_param_names, param_index
 
