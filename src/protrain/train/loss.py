@@ -3,9 +3,21 @@
 Each micro-batch contributes `sum of token losses / tokens in the window`, so that the
 accumulated gradient equals the gradient of the mean token loss over every micro-batch of
 the optimizer step, however the trained tokens are spread over them.
+
+[Note: the router loss]
+A Mixture-of-Experts model whose config sets `output_router_logits` adds its load-balancing
+loss to its own loss (`loss + router_aux_loss_coef * aux_loss`, per forward). The loop
+builds the cross-entropy itself, so it adds the same term: `coef * aux_loss` of the
+micro-batch, weighted by the micro-batch's trained tokens, so that one micro-batch's loss is
+the model's own, and a window's is the token-weighted mean over its micro-batches. The aux
+loss is transformers' own `load_balancing_loss_func` of the family, over the router logits
+the body returns (also where the head runs in chunks).
 """
 
 from __future__ import annotations
+
+import sys
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,18 +64,54 @@ def loss_sum(
         batch = encoder_decoder_batch(batch, decoder_start_token_id(causal_lm))
     labels = batch["labels"]
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
+    router = router_aux_loss(causal_lm)
     if chunked_loss_tokens is None:
-        return causal_lm_loss_sum(model(**inputs).logits, labels)
+        out = model(**inputs)
+        total = causal_lm_loss_sum(out.logits, labels)
+        if router is not None:
+            total = total + router[0] * out.aux_loss.to(total.device) * count_trained_tokens(labels)
+        return total
     # Full-sequence logits never exist: the body gives hidden states and the head runs
     # chunk by chunk inside the loss, with the family's logit transform.
     from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
 
     head, transform = causal_lm_head(causal_lm)
-    hidden = causal_lm.base_model(**inputs).last_hidden_state
-    return chunked_causal_lm_loss_sum(
+    body = causal_lm.base_model(**inputs)
+    hidden = body.last_hidden_state
+    total = chunked_causal_lm_loss_sum(
         hidden,
         head,
         labels.to(hidden.device),
         chunk_tokens=chunked_loss_tokens,
         logit_transform=transform,
     )
+    if router is not None:
+        aux = router[1](body.router_logits, inputs.get("attention_mask"))
+        total = total + router[0] * aux.to(total.device) * count_trained_tokens(labels)
+    return total
+
+
+def router_aux_loss(causal_lm: nn.Module) -> tuple[float, Callable] | None:
+    """``(router_aux_loss_coef, aux(router_logits, attention_mask))`` of a Mixture-of-Experts
+    model whose config asks for its load-balancing loss, else None ([Note: the router
+    loss]). A model that asks for it without transformers' usual attributes is refused:
+    its loss cannot be built as its own forward builds it."""
+    if not getattr(getattr(causal_lm, "config", None), "output_router_logits", False):
+        return None
+    module = sys.modules.get(type(causal_lm).__module__)
+    balance = getattr(module, "load_balancing_loss_func", None)
+    names = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
+    if balance is None or not all(hasattr(causal_lm, n) for n in names):
+        raise ValueError(
+            f"{type(causal_lm).__name__} has output_router_logits set, but not the "
+            "load_balancing_loss_func and router_aux_loss_coef / num_experts / "
+            "num_experts_per_tok of transformers' MoE models, so its router loss cannot be "
+            "added as its own forward adds it; set output_router_logits: false"
+        )
+
+    def aux(router_logits, attention_mask) -> torch.Tensor:
+        return balance(
+            router_logits, causal_lm.num_experts, causal_lm.num_experts_per_tok, attention_mask
+        )
+
+    return float(causal_lm.router_aux_loss_coef), aux
