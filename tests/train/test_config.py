@@ -129,3 +129,32 @@ def test_unknown_sdpa_backend_lists_the_allowed_ones(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate_config(raw)
     assert "model.sdpa_backend" in str(err.value) and "'cudnn'" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"adapter": {"type": "lora", "r": 4}},
+        {"adapter": {"type": "qlora", "bits": 8, "int8_threshold": 4.0}},
+        {
+            "adapter": {
+                "type": "lora",
+                "extra": [{"name": "style", "path": "/x/style"}, {"name": "new", "r": 2}],
+            }
+        },  # fmt: skip
+        {"memory": {"auto": True, "gpu_budget": "24GiB"}},
+        {"fsdp_version": 2, "fsdp_config": {"auto_wrap_policy": "SIZE_BASED_WRAP"}},
+    ],
+)
+def test_the_recorded_config_loads_back(tmp_path, extra):
+    """What a run records in output_dir/config.yaml (every key, defaults included) loads
+    back as the same config: a default written out is not a key set (it was refused, e.g.
+    adapter.int8_threshold beside type none, or an extra adapter's r beside its path)."""
+    import yaml
+
+    from protrain.train.loop import _yaml
+
+    cfg = validate_config(tiny_config(tmp_path, **extra))
+    again = validate_config(yaml.safe_load(_yaml(cfg)))
+    assert again.model_dump() == cfg.model_dump()

@@ -114,6 +114,18 @@ def _check_adapter_name(name: str) -> str:
     return name
 
 
+def _set_off_default(model: BaseModel, names: set[str]) -> set[str]:
+    """The fields of ``names`` set to a value other than their default. A key written with
+    its default value says nothing: the config a run records (every key, defaults included)
+    must load back as it was."""
+    fields = type(model).model_fields
+    return {
+        n
+        for n in names & model.model_fields_set
+        if getattr(model, n) != fields[n].get_default(call_default_factory=True)
+    }
+
+
 class ExtraAdapterConfig(StrictModel):
     """One more adapter on the same model, active in every forward next to the main one:
     a new LoRA/DoRA adapter (type, r, ...) or one loaded from a PEFT adapter directory
@@ -140,7 +152,7 @@ class ExtraAdapterConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_source(self) -> ExtraAdapterConfig:
-        shape = sorted(self.model_fields_set & {"type", "r", "alpha", "dropout", "target_modules"})
+        shape = sorted(_set_off_default(self, {"type", "r", "alpha", "dropout", "target_modules"}))
         if self.path is not None and shape:
             raise ValueError(
                 f"adapter {self.name!r}: path and {', '.join(shape)} both set: an adapter loaded "
@@ -554,7 +566,7 @@ class TrainConfig(DataSettings):
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
         adapter = self.adapter
         is_int8 = (adapter.type, adapter.bits) == ("qlora", 8)
-        if "int8_threshold" in adapter.model_fields_set and not is_int8:
+        if _set_off_default(adapter, {"int8_threshold"}) and not is_int8:
             raise ValueError(
                 f"adapter.int8_threshold = {adapter.int8_threshold!r} set with adapter.type = "
                 f"{adapter.type!r} and adapter.bits = {adapter.bits}: it is LLM.int8's outlier "
