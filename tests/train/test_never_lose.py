@@ -4,6 +4,8 @@ run), so that a kill loop of 20+ runs stays within a couple of minutes on 2 core
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import shutil
@@ -147,6 +149,16 @@ def test_skip_policy_drops_a_nonfinite_step_without_touching_anything(
     )
     for t in weights(run / "final").values():
         assert torch.isfinite(t).all()
+    # metrics.jsonl stays strict JSON, and the skipped step is counted, not averaged in
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=_no_constant) for line in lines]
+    logged = [r for r in records if "loss" in r]
+    assert sum(r.get("skipped_steps", 0) for r in logged) == 1
+    assert all(r["loss"] is None or math.isfinite(r["loss"]) for r in logged)
+
+
+def _no_constant(name: str):
+    raise AssertionError(f"metrics.jsonl holds {name}, which is not JSON")
 
 
 def test_skip_policy_stops_after_too_many_in_a_row(tmp_path, monkeypatch):

@@ -309,6 +309,7 @@ def _train(
     )
     # Throughput counts training time only, not evaluation or checkpoint saves.
     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
+    window_skipped = 0  # steps of the window whose loss was not finite
     tokens_logged = 0  # tokens of the current window already added to tokens_seen
     last_save_s = time.monotonic()
     stops = StopSignals()
@@ -349,8 +350,11 @@ def _train(
                 scheduler.step()
                 step += 1
                 result.losses.append(loss)
-                window_loss += loss
-                window_steps += 1
+                if math.isfinite(loss):  # a skipped step's loss is no part of the mean
+                    window_loss += loss
+                    window_steps += 1
+                else:
+                    window_skipped += 1
                 window_time += time.perf_counter() - step_start
                 tokens_seen += window_tokens - tokens_logged
                 tokens_logged = window_tokens
@@ -369,17 +373,20 @@ def _train(
                         window_tokens = int(ranks.sum(window_tokens)[0])
                     record = {
                         "epoch": round(stream.fractional_epoch(position), 4),
-                        "loss": window_loss / window_steps,
+                        # the mean over the window's finite steps (None: none was)
+                        "loss": window_loss / window_steps if window_steps else None,
                         "lr": scheduler.get_last_lr()[0],
                         "grad_norm": grad_norm,
                         "tokens_per_s": window_tokens / max(window_time, 1e-9),
                         "tokens_seen": tokens_seen,
                     }
+                    if window_skipped:
+                        record["skipped_steps"] = window_skipped
                     if device.type == "cuda":
                         record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                     metrics.write(step, record)
                     postfix = {
-                        "loss": f"{record['loss']:.4f}",
+                        "loss": "-" if record["loss"] is None else f"{record['loss']:.4f}",
                         "lr": f"{record['lr']:.2e}",
                         "tok_s": f"{record['tokens_per_s']:.0f}",
                     }
@@ -388,7 +395,7 @@ def _train(
                     progress.set_postfix(postfix)
                     say(_format_log(step, total_steps, record))
                     window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-                    tokens_logged = 0
+                    window_skipped = tokens_logged = 0
 
                 stopping = ranks.any(stops.requested is not None)
                 if (
@@ -860,9 +867,10 @@ def _n_tokens(batch: dict[str, torch.Tensor]) -> int:
 def _format_log(step: int, total: int, record: dict[str, Any]) -> str:
     parts = [
         f"step {step}/{total}",
-        f"loss {record['loss']:.4f}",
+        f"loss {record['loss']:.4f}" if record["loss"] is not None else "",
         f"lr {record['lr']:.3e}",
         f"grad_norm {record['grad_norm']:.3f}" if record["grad_norm"] is not None else "",
+        f"{record['skipped_steps']} skipped" if record.get("skipped_steps") else "",
         f"{record['tokens_per_s']:.0f} tok/s",
     ]
     if "gpu_peak_gib" in record:

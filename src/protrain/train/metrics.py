@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,10 @@ class MetricsWriter:
             self._tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
 
     def write(self, step: int, values: dict[str, Any]) -> None:
+        # strict JSON: a NaN or inf (a skipped step's gradient norm) is written null
+        values = {k: None if _non_finite(v) else v for k, v in values.items()}
         record = {"step": step, **values}
-        self._file.write(json.dumps(record) + "\n")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
         if self._tensorboard is not None:
             for key, value in values.items():
@@ -35,6 +38,10 @@ class MetricsWriter:
         self._file.close()
         if self._tensorboard is not None:
             self._tensorboard.close()
+
+
+def _non_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def read_metrics(output_dir: Path) -> list[dict[str, Any]]:
