@@ -223,7 +223,8 @@ class Engine:
         try:
             self.optimizer.check_between_steps("close()")
         except RuntimeError as exc:  # closing still gives everything back
-            log.warning("%s; the model is left half stepped", exc)
+            if originals is None:  # weights given back half stepped; else not given back
+                log.warning("%s; the model is left half stepped", exc)
             self.optimizer._abandon_started_updates(stale=False)
         try:
             self.optimizer.synchronize()

@@ -435,7 +435,10 @@ def _train(
                 raise TrainingStopped(stops.requested)
         except BaseException:
             if not ranks.several:
-                trainable.close()  # the engine's threads and buffers
+                # the engine's threads and buffers; the weights are not needed again (what
+                # the run keeps is saved), and may be half stepped (a step refused as not
+                # finite after its update began inside the backward)
+                trainable.close(keep_weights=False)
             # Several ranks: closing the engine is a collective (it gathers sharded chunks),
             # which the other ranks, stopped elsewhere, never join: this rank would wait for
             # them until the group's timeout instead of ending the job with its message. The

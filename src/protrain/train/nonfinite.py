@@ -58,7 +58,7 @@ class NonFiniteGuard:
             return True
         if self.cfg.policy == "stop":
             raise NonFiniteError(
-                f"step {step}: {what}; the weights were not updated and the run stops here "
+                f"step {step}: {what}; the run stops here and keeps nothing of this step "
                 f"({last_saved}). {self._advice()}"
             )
         self.consecutive += 1
