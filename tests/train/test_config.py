@@ -158,3 +158,27 @@ def test_the_recorded_config_loads_back(tmp_path, extra):
     cfg = validate_config(tiny_config(tmp_path, **extra))
     again = validate_config(yaml.safe_load(_yaml(cfg)))
     assert again.model_dump() == cfg.model_dump()
+
+
+def test_fsdp_config_in_axolotls_forms(tmp_path):
+    """axolotl takes the version inside fsdp_config too and moves it up, as here; FSDP1's
+    keys are named as written with what FSDP2 has instead; unknown keys keep the user's
+    spelling."""
+    fsdp = {"fsdp_version": 2, "fsdp_offload_params": False, "auto_wrap_policy": "SIZE_BASED_WRAP"}
+    cfg = validate_config(tiny_config(tmp_path, fsdp_config=fsdp))
+    assert cfg.fsdp_version == 2 and cfg.fsdp.auto_wrap_policy == "SIZE_BASED_WRAP"
+    assert validate_config(tiny_config(tmp_path, fsdp_config={"version": 2})).fsdp_version == 2
+
+    def error(**raw) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate_config(tiny_config(tmp_path, **raw))
+        return str(err.value)
+
+    message = error(fsdp_version=2, fsdp_config={"fsdp_version": 1})
+    assert message.startswith("config: fsdp_config.fsdp_version = 1 and fsdp_version = 2 disagree")
+    message = error(fsdp_version=2, fsdp_config={"fsdp_sharding_strategy": "FULL_SHARD"})
+    assert message.startswith("config: fsdp_config.fsdp_sharding_strategy is FSDP1's;")
+    assert "reshard_after_forward" in message
+    assert "unknown key 'fsdp_config.fsdp_limit_all_gathers'" in error(
+        fsdp_version=2, fsdp_config={"fsdp_limit_all_gathers": True}
+    )

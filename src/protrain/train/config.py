@@ -374,6 +374,15 @@ class MemoryConfig(StrictModel):
 FSDP2_MEMORY_KEYS = ("tiled_mlp_tokens", "chunked_loss_tokens")
 
 
+# FSDP1 keys that axolotl configs carry, and what FSDP2 (fully_shard) has instead
+_FSDP1_KEYS = {
+    "sharding_strategy": "FSDP2 shards every unit; reshard_after_forward: false keeps the "
+    "gathered parameters between forward and backward (SHARD_GRAD_OP's behaviour)",
+    "use_orig_params": "FSDP2 always keeps the original parameters: remove it",
+    "sync_module_states": "every rank builds the same model here: remove it",
+}
+
+
 class FSDPConfig(StrictModel):
     """The FSDP2 engine (`fsdp_version: 2`), in axolotl's `fsdp_config` vocabulary.
 
@@ -430,12 +439,19 @@ class FSDPConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _without_prefix(cls, value: Any) -> Any:
-        # axolotl's older spelling: fsdp_offload_params, fsdp_auto_wrap_policy, ...
+        # axolotl's older spelling: fsdp_offload_params, fsdp_auto_wrap_policy, ...; a key
+        # that is not one of ours keeps the user's spelling for the unknown-key error
         if not isinstance(value, dict):
             return value
         out = {}
         for key, item in value.items():
-            name = key.removeprefix("fsdp_") if isinstance(key, str) else key
+            name = key
+            if isinstance(key, str) and key.removeprefix("fsdp_") in cls.model_fields:
+                name = key.removeprefix("fsdp_")
+            if isinstance(key, str) and key.removeprefix("fsdp_") in _FSDP1_KEYS:
+                raise ValueError(
+                    f"fsdp_config.{key} is FSDP1's; {_FSDP1_KEYS[key.removeprefix('fsdp_')]}"
+                )
             if name in out:
                 raise ValueError(f"fsdp_config.{name} is set twice (as {name} and fsdp_{name})")
             out[name] = item
@@ -531,6 +547,27 @@ class TrainConfig(DataSettings):
     fsdp_config: FSDPConfig | None = Field(
         None, description="The FSDP2 engine's settings (fsdp_version: 2)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fsdp_version_in_fsdp_config(cls, value: Any) -> Any:
+        # axolotl also takes the version inside fsdp_config (fsdp_version or version) and
+        # moves it to the top level: so does this
+        if not isinstance(value, dict) or not isinstance(value.get("fsdp_config"), dict):
+            return value
+        inner = dict(value["fsdp_config"])
+        found = {k: inner.pop(k) for k in ("fsdp_version", "version") if k in inner}
+        if not found:
+            return value
+        versions = set(found.values()) | (
+            {value["fsdp_version"]} if value.get("fsdp_version") is not None else set()
+        )
+        if len(versions) > 1:
+            where = ", ".join(f"fsdp_config.{k} = {v!r}" for k, v in found.items())
+            raise ValueError(
+                f"{where} and fsdp_version = {value.get('fsdp_version')!r} disagree; set one"
+            )
+        return {**value, "fsdp_config": inner, "fsdp_version": versions.pop()}
 
     @field_validator("fsdp_version")
     @classmethod
@@ -757,10 +794,11 @@ def format_validation_error(
             )
             continue
         message = err["msg"].removeprefix("Value error, ")
-        if err["type"] == "value_error" and not err["loc"]:
+        value = err.get("input")
+        if err["type"] == "value_error" and (not err["loc"] or isinstance(value, dict)):
+            # a section's own check (its message names its keys), not one value's
             lines.append(f"{where}: {message}")
             continue
-        value = err.get("input")
         shown = f"{value!r}" if not isinstance(value, dict | list) else type(value).__name__
         lines.append(f"{where}: {key} = {shown} is not allowed: {message}")
     return "\n".join(lines)
