@@ -159,8 +159,9 @@ def _error(message: str, exc: BaseException) -> int:
 def _reports(exc: BaseException) -> bool:
     """Whether this process prints ``exc``. Under `torchrun` an error that every rank has
     alike is printed once a node, by its local rank 0: one raised before the ranks were
-    started (every rank read the same config and files) or rank 0's, agreed to every rank
-    (``distributed/agree.py``). Any other error is this rank's own and always printed."""
+    started (every rank read the same config and files), rank 0's, agreed to every rank, or
+    one every rank raises alike from the same check (``agreed`` / ``alike`` in
+    ``distributed/agree.py``). Any other error is this rank's own and always printed."""
     from protrain.train.ranks import joined_ranks
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("LOCAL_RANK", "0") == "0":

@@ -162,14 +162,19 @@ def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path, kind):
     assert time.monotonic() - t0 < 240
 
 
-@pytest.mark.parametrize("problem", ["config", "output_dir"])
+@pytest.mark.parametrize("problem", ["config", "output_dir", "wrap_class"])
 def test_an_error_every_rank_has_is_printed_once(tmp_path, problem):
-    """A bad config (every rank reads it alike, before the ranks start) and rank 0's verdict
-    on output_dir (agreed to every rank): one `error:` line for the job, not one a rank."""
+    """A bad config (every rank reads it alike, before the ranks start), rank 0's verdict
+    on output_dir (agreed to every rank), and a check every rank makes alike of the same
+    model (an FSDP2 wrap class it lacks): one `error:` line for the job, not one a rank."""
     config = _config(tmp_path, "alike", 1)
     if problem == "config":
         config.write_text(config.read_text().replace("micro_batch_size: ", "micro_batch_size: -"))
         expect = "micro_batch_size = -"
+    elif problem == "wrap_class":
+        fsdp = "fsdp_version: 2\nfsdp_config:\n  transformer_layer_cls_to_wrap: NoSuchLayer\n"
+        config.write_text(config.read_text() + fsdp)
+        expect = "no module of class NoSuchLayer in LlamaForCausalLM; its layer class: "
     else:
         (tmp_path / "alike" / "final").mkdir(parents=True)  # a finished run is there
         expect = "already holds a training run"

@@ -65,3 +65,10 @@ def max_over_ranks(ctx: DistContext, values: list[float], device: torch.device) 
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.group)
     return t.tolist()
+
+
+def alike(exc: BaseException) -> BaseException:
+    """``exc``, raised alike on every rank by the same check of the same config, checkpoint
+    or model: marked as an agreed error is, so that it is printed once (`protrain/cli.py`)."""
+    exc.protrain_agreed = True  # type: ignore[attr-defined]
+    return exc

@@ -46,6 +46,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from protrain.activations.forward_wrap import wrap_forward
+from protrain.distributed.agree import alike
 from protrain.distributed.fsdp2 import (
     DEFAULT_MIN_NUM_PARAMS,
     SIZE_BASED_WRAP,
@@ -382,23 +383,34 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
 
 def _layer_classes(model: nn.Module, listed: list[str] | None) -> list[str]:
     """The class names of TRANSFORMER_BASED_WRAP: as listed, or the discovered blocks'."""
+    from protrain.model import BlockDiscoveryError, discover_blocks
+
     present = {type(m).__name__ for m in model.modules()}
     if listed:
         missing = [name for name in listed if name not in present]
         if missing:
-            raise ConfigError(
-                f"fsdp_config.transformer_layer_cls_to_wrap = {listed!r} is not allowed: "
-                f"no module of class {', '.join(missing)} in {type(model).__name__}"
+            try:
+                layers = sorted({type(b.module).__name__ for b in discover_blocks(model).blocks})
+            except BlockDiscoveryError:
+                layers = []
+            hint = f"; its layer class: {', '.join(layers)}" if layers else ""
+            raise alike(
+                ConfigError(
+                    f"fsdp_config.transformer_layer_cls_to_wrap = {listed!r} is not allowed: "
+                    f"no module of class {', '.join(missing)} in {type(model).__name__}{hint} "
+                    "(or leave the key out: the discovered layers are the units)"
+                )
             )
         return list(listed)
-    from protrain.model import BlockDiscoveryError, discover_blocks
 
     try:
         layout = discover_blocks(model)
     except BlockDiscoveryError as exc:
-        raise ConfigError(
-            f"fsdp_config.transformer_layer_cls_to_wrap is not set and {exc}: name the layer "
-            "classes, or use auto_wrap_policy = SIZE_BASED_WRAP"
+        raise alike(
+            ConfigError(
+                f"fsdp_config.transformer_layer_cls_to_wrap is not set and {exc}: name the layer "
+                "classes, or use auto_wrap_policy = SIZE_BASED_WRAP"
+            )
         ) from None
     return sorted({type(b.module).__name__ for b in layout.blocks})
 

@@ -36,7 +36,7 @@ import torch
 import yaml
 from tqdm.auto import tqdm
 
-from protrain.distributed.agree import agreed
+from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
 from protrain.train import sharded_checkpoint as sharded
 from protrain.train import streamed_export
@@ -804,10 +804,12 @@ def _check_data_order(
             if saved.get("micro_batch_size") != now["micro_batch_size"]
             else ""
         )
-        raise OutputDirError(
-            f"--resume: {checkpoint} was written under another data order ({diffs}){rows}; its "
-            "data position does not carry over: restore those settings, or start a new "
-            f"output_dir{batch}"
+        raise alike(
+            OutputDirError(
+                f"--resume: {checkpoint} was written under another data order ({diffs}){rows}; its "
+                "data position does not carry over: restore those settings, or start a new "
+                f"output_dir{batch}"
+            )
         )
     before = saved["gradient_accumulation_steps"] * saved["world_size"]
     after = now["gradient_accumulation_steps"] * now["world_size"]
@@ -819,13 +821,15 @@ def _check_data_order(
         if before % now["world_size"] == 0
         else f"run on a number of ranks that divides {before}"
     )
-    raise OutputDirError(
-        f"--resume: {checkpoint} was written with a global batch of {mbs} x "
-        f"{saved['gradient_accumulation_steps']} x {saved['world_size']} = {mbs * before} rows "
-        f"per step (micro_batch_size x gradient_accumulation_steps x ranks); this run's is "
-        f"{mbs} x {now['gradient_accumulation_steps']} x {now['world_size']} = {mbs * after}: "
-        f"{hint}, continue with the new one (--resume --new-global-batch), or start a new "
-        "output_dir"
+    raise alike(
+        OutputDirError(
+            f"--resume: {checkpoint} was written with a global batch of {mbs} x "
+            f"{saved['gradient_accumulation_steps']} x {saved['world_size']} = {mbs * before} rows "
+            f"per step (micro_batch_size x gradient_accumulation_steps x ranks); this run's is "
+            f"{mbs} x {now['gradient_accumulation_steps']} x {now['world_size']} = {mbs * after}: "
+            f"{hint}, continue with the new one (--resume --new-global-batch), or start a new "
+            "output_dir"
+        )
     )
 
 
