@@ -182,3 +182,9 @@ def test_fsdp_config_in_axolotls_forms(tmp_path):
     assert "unknown key 'fsdp_config.fsdp_limit_all_gathers'" in error(
         fsdp_version=2, fsdp_config={"fsdp_limit_all_gathers": True}
     )
+    size = {"auto_wrap_policy": "SIZE_BASED_WRAP"}
+    assert "not true or false" in error(
+        fsdp_version=2, fsdp_config={**size, "min_num_params": True}
+    )
+    message = error(fsdp_version=2, fsdp_config={"state_dict_type": "LOCAL_STATE_DICT"})
+    assert message.count("LOCAL_STATE_DICT") == 1

@@ -457,6 +457,13 @@ class FSDPConfig(StrictModel):
             out[name] = item
         return out
 
+    @field_validator("min_num_params", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # pydantic would take true for 1
+            raise ValueError("a number of parameters, e.g. 100000000, not true or false")
+        return value
+
     @field_validator("transformer_layer_cls_to_wrap", mode="before")
     @classmethod
     def _one_or_more(cls, value: Any) -> Any:
@@ -469,7 +476,7 @@ class FSDPConfig(StrictModel):
     def _full_only(cls, value: str) -> str:
         if value not in ("FULL_STATE_DICT", "SHARDED_STATE_DICT"):
             raise ValueError(
-                f"{value!r} is not allowed: use FULL_STATE_DICT or SHARDED_STATE_DICT (several "
+                "use FULL_STATE_DICT or SHARDED_STATE_DICT (several "
                 "ranks write sharded checkpoints either way; one process writes whole tensors)"
             )
         return value
