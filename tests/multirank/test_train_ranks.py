@@ -34,6 +34,18 @@ def _torchrun(n: int, config: Path, *extra: str, script: str | None = None, env_
     return subprocess.Popen(cmd, env=env, text=True, **kw)
 
 
+def _output(n: int, config: Path, timeout_s: float, **kw) -> tuple[int, str]:
+    """The exit status and the combined output of a `torchrun` of `n` ranks (killed past
+    `timeout_s`)."""
+    proc = _torchrun(n, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out
+
+
 def _free_port() -> int:
     import socket
 
@@ -147,14 +159,8 @@ def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path, kind):
     config.write_text(config.read_text().replace("max_steps: 4", "max_steps: 100000"))
     script = str(Path(__file__).with_name("raise_on_rank.py"))
     t0 = time.monotonic()
-    proc = _torchrun(2, config, script=script, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                     env_extra={"RAISE_ON_RANK": kind})  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+    code, out = _output(2, config, 240, script=script, env_extra={"RAISE_ON_RANK": kind})
+    assert code != 0
     assert "rank 1 failed on purpose at step 3" in out, out[-3000:]
     if kind == "data":
         assert out.count("error: rank 1 failed on purpose at step 3") == 1, out[-3000:]
@@ -178,13 +184,8 @@ def test_an_error_every_rank_has_is_printed_once(tmp_path, problem):
     else:
         (tmp_path / "alike" / "final").mkdir(parents=True)  # a finished run is there
         expect = "already holds a training run"
-    proc = _torchrun(2, config, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        out, _ = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
+    code, out = _output(2, config, 180)
+    assert code != 0
     errors = [line for line in out.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and expect in errors[0], out[-3000:]
 

@@ -142,12 +142,7 @@ class DatasetEncoder:
         try:
             return encode_sample(sample, self.tokenizer, self.renderer, self.mask)
         except TemplateMismatch as e:
-            raise DataError(
-                f"{e.reason}; the loss mask cannot be placed",
-                dataset=self.cfg.path,
-                row=row_index,
-                field=f"messages[{e.index}]",
-            ) from e
+            raise e.data_error(self.cfg.path, row_index) from e
         except TemplateRenderError as e:
             raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
 

@@ -41,6 +41,7 @@ from typing import Any
 import jinja2
 import jinja2.meta
 
+from protrain.train.data.errors import DataError
 from protrain.train.data.tool_call_form import (
     ToolCallForm,
     probe_tool_call_form,
@@ -99,6 +100,15 @@ class TemplateMismatch(Exception):
         super().__init__(reason)
         self.index = index
         self.reason = reason
+
+    def data_error(self, dataset: str, row: int) -> DataError:
+        """The row's `DataError`, naming the message."""
+        return DataError(
+            f"{self.reason}; the loss mask cannot be placed",
+            dataset=dataset,
+            row=row,
+            field=f"messages[{self.index}]",
+        )
 
 
 @dataclass(frozen=True)

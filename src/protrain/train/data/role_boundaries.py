@@ -444,11 +444,6 @@ def boundary_labels(
             ids, boundaries, mask, never_trained, calls_per_assistant(sample.messages)
         )
     except TemplateMismatch as e:
-        raise DataError(
-            f"{e.reason}; the loss mask cannot be placed",
-            dataset=dataset,
-            row=row,
-            field=f"messages[{e.index}]",
-        ) from e
+        raise e.data_error(dataset, row) from e
     except TurnCountMismatch as e:
         raise DataError(str(e), dataset=dataset, row=row, field="messages") from e

@@ -446,12 +446,7 @@ class VisionEncoder:
         try:
             text_enc = encode_chat(sample, self.tokenizer, self.renderer, self.mask)
         except TemplateMismatch as e:
-            raise DataError(
-                f"{e.reason}; the loss mask cannot be placed",
-                dataset=self.cfg.path,
-                row=row,
-                field=f"messages[{e.index}]",
-            ) from e
+            raise e.data_error(self.cfg.path, row) from e
         labels = [IGNORE_INDEX] * len(ids)
         matcher = difflib.SequenceMatcher(None, text_enc.input_ids, ids, autojunk=False)
         for a, b, size in matcher.get_matching_blocks():
