@@ -77,7 +77,7 @@ def test_in_process_and_transformers_8bit_layers_share_the_threshold(tmp_path, t
         ({**ADAPTER, "int8_threshold": float("nan")}, r"int8_threshold = nan is not allowed"),
         ({**ADAPTER, "int8_threshold": "high"}, r"int8_threshold = 'high' is not allowed"),
         (
-            {"type": "qlora", "int8_threshold": 6.0},
+            {"type": "qlora", "int8_threshold": 5.0},
             "type = 'qlora' and adapter.bits = 4: it is LLM.int8's",
         ),
         (
@@ -89,3 +89,10 @@ def test_in_process_and_transformers_8bit_layers_share_the_threshold(tmp_path, t
 def test_int8_threshold_refusals(tmp_path, adapter, message):
     with pytest.raises(ConfigError, match=message):
         validate_config(tiny_config(tmp_path, adapter=adapter))
+
+
+def test_int8_threshold_at_its_default_says_nothing(tmp_path):
+    """The default written out (as every run's recorded config.yaml has it) is not a
+    setting: accepted beside 4-bit QLoRA, as without it."""
+    cfg = validate_config(tiny_config(tmp_path, adapter={"type": "qlora", "int8_threshold": 6.0}))
+    assert cfg.adapter.bits == 4
