@@ -297,8 +297,10 @@ def _buffers_needed(model: nn.Module, layout: ChunkLayout, recompute: bool) -> i
         for pl in c.placements
         for n in pl.names
     }
+    if not recompute:
+        return min_resident_chunks(model, chunk_of)
     extra = recompute_extra_chunks(tied_head_chunk(model, chunk_of) is not None)
-    return min_resident_chunks(model, chunk_of, recompute_extra=extra if recompute else 0)
+    return min_resident_chunks(model, chunk_of, recompute_extra=extra)
 
 
 def _refuse_uncovered(reads: DirectReads, layout: ChunkLayout) -> None:
