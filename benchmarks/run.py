@@ -95,6 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "(<workload>-b<batch>-s<seq>-<budget>g-w<world>.profile.json.gz, .hardware.json; "
              "the first rank writes) to re-plan the row offline",
     )  # fmt: skip
+    p.add_argument(
+        "--grad-accum", type=int, default=1,
+        help="micro-batches of --batch rows per optimizer step (every system accumulates)",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -158,6 +162,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         world_size=_world_size(),
         checkpointing=not args.no_checkpointing,
         profiles=args.profiles,
+        grad_accum=args.grad_accum,
     )
 
 
@@ -218,14 +223,17 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
         vocab = MODEL_SHAPES[spec.model]["vocab_size"]
         rank = int(os.environ.get("RANK", "0"))  # each rank its own batch
         gen = torch.Generator(device=spec.device).manual_seed(rank)
-        input_ids = torch.randint(vocab, (spec.batch, spec.seq), device=spec.device, generator=gen)
+        micro_batches = [
+            torch.randint(vocab, (spec.batch, spec.seq), device=spec.device, generator=gen)
+            for _ in range(spec.grad_accum)
+        ]
         extras_sum: dict[str, float] = {}
         for i in range(warmup + steps):
             if i == warmup:
                 _sync(spec.device)
                 t0 = time.perf_counter()
                 retries0 = _alloc_retries(spec.device)
-            loss = trainer.step(input_ids)
+            loss = trainer.step(micro_batches)
             if i == 0:
                 _sync(spec.device)
                 out["time_to_first_step_s"] = round(time.perf_counter() - _START, 2)
@@ -236,7 +244,7 @@ def measure(spec: systems.RowSpec, steps: int, warmup: int) -> dict:
         _sync(spec.device)
         step_s = (time.perf_counter() - t0) / steps
         step_s = _max_over_ranks(step_s)
-        job_tokens = spec.batch * spec.seq * spec.world_size
+        job_tokens = spec.batch * spec.seq * spec.grad_accum * spec.world_size
         out.update(step_s=round(step_s, 4), tokens_per_s=round(job_tokens / step_s, 1))
         out["loss"] = round(float(loss.detach()), 4)
         if spec.device.type == "cuda":  # cache flushes at the budget: a slow step's first suspect
@@ -319,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpointing": "plan" if spec.auto else ("every-layer" if spec.checkpointing else "none"),
         **result,  # extras: loss, error, and what the system reports per step
         "max_grad_norm": spec.max_grad_norm,
+        "grad_accum": spec.grad_accum,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
         "steps": args.steps,
         "warmup": args.warmup,

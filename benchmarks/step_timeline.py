@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = run_mod.MODEL_SHAPES[spec.model]["vocab_size"]
     ids = torch.randint(vocab, (spec.batch, spec.seq), device=spec.device)
     for _ in range(args.warmup):
-        trainer.step(ids)
+        trainer.step([ids])
         trainer.extras()
     sync = torch.cuda.synchronize if spec.device.type == "cuda" else lambda: None
     sync()
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.profiler.profile(activities=activities, record_shapes=True) as prof:
         for _ in range(args.steps + 1):  # the last one only marks where the previous ends
             with torch.profiler.record_function("step"):
-                trainer.step(ids)
+                trainer.step([ids])
         sync()
     wall = (time.perf_counter() - t0) / (args.steps + 1)
     retries = (run_mod._alloc_retries(spec.device) - retries0) / (args.steps + 1)

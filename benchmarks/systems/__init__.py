@@ -42,13 +42,15 @@ class RowSpec:
     world_size: int = 1  # ranks under torchrun; batch is per rank
     checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer
     profiles: Path | None = None  # protrain --auto: write the planner's profiles here
+    grad_accum: int = 1  # micro-batches of `batch` rows per optimizer step
 
 
 @dataclass
 class Trainer:
     """One training step of a system, and what the system says about itself."""
 
-    step: Callable[[torch.Tensor], torch.Tensor]  # input_ids (also labels) -> loss
+    # one optimizer step over micro-batches: input_ids (also labels) of each -> last loss
+    step: Callable[[list[torch.Tensor]], torch.Tensor]
     plan: dict | None = None
     predicted_peak_gib: float | None = None
     predicted_step_s: float | None = None

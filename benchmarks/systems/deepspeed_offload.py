@@ -26,7 +26,7 @@ def ds_config(spec: RowSpec) -> dict:
     zero.update(overlap_comm=True, contiguous_gradients=True)
     return {
         "train_micro_batch_size_per_gpu": spec.batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": spec.grad_accum,
         "gradient_clipping": spec.max_grad_norm or 0.0,
         "bf16": {"enabled": True},
         "zero_optimization": zero,
@@ -81,11 +81,12 @@ def setup(spec: RowSpec) -> Trainer:
     params = [p for p in model.parameters() if p.requires_grad]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=params, config=config)
 
-    def step(input_ids: torch.Tensor) -> torch.Tensor:
+    def step(micro_batches: list[torch.Tensor]) -> torch.Tensor:
         _ = keep_alive
-        loss = engine(input_ids=input_ids, labels=input_ids).loss
-        engine.backward(loss)
-        engine.step()
+        for input_ids in micro_batches:  # DeepSpeed scales the loss and steps at the boundary
+            loss = engine(input_ids=input_ids, labels=input_ids).loss
+            engine.backward(loss)
+            engine.step()
         return loss
 
     return Trainer(step)

@@ -26,10 +26,11 @@ def adamw_trainer(model: torch.nn.Module, spec: RowSpec, *, autocast: bool) -> T
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
 
-    def step(input_ids: torch.Tensor) -> torch.Tensor:
-        with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=input_ids, labels=input_ids).loss
-        loss.backward()
+    def step(micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        for input_ids in micro_batches:  # the mean over micro-batches, as the app's loop
+            with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=autocast):
+                loss = model(input_ids=input_ids, labels=input_ids).loss
+            (loss / len(micro_batches)).backward()
         if spec.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
         optimizer.step()

@@ -66,11 +66,12 @@ def setup(spec: RowSpec) -> Trainer:
             compute_dtype=torch.bfloat16,
         )
 
-    def step(input_ids: torch.Tensor) -> torch.Tensor:
-        if spec.max_grad_norm is None:  # host AdamW of each chunk starts inside backward
-            optimizer.step_in_backward()
-        loss = loss_fn(model, {"input_ids": input_ids, "labels": input_ids})
-        loss.backward()
+    def step(micro_batches: list[torch.Tensor]) -> torch.Tensor:
+        for i, input_ids in enumerate(micro_batches):
+            if spec.max_grad_norm is None and i == len(micro_batches) - 1:
+                optimizer.step_in_backward()  # each chunk's host AdamW starts inside backward
+            loss = loss_fn(model, {"input_ids": input_ids, "labels": input_ids})
+            (loss / len(micro_batches)).backward()
         if spec.max_grad_norm is not None:
             optimizer.clip_grad_norm_(spec.max_grad_norm)
         optimizer.step()

@@ -49,16 +49,18 @@ def setup(spec: RowSpec) -> Trainer:
     trainable = FSDP2Trainable(model, cfg, spec.device, compute)
     world = dist.get_world_size()
 
-    def step(input_ids: torch.Tensor) -> torch.Tensor:
-        batch = {"input_ids": input_ids, "labels": input_ids}
+    def step(micro_batches: list[torch.Tensor]) -> torch.Tensor:
         # as the app: each rank divides by the tokens of the whole job's step (every rank's
-        # batch has the same shape) and the engine sums gradients over ranks
-        n_tokens = count_trained_tokens(input_ids)
-        loss_sum = trainable.forward_loss_sum(batch)
-        trainable.backward(loss_sum / (n_tokens * world), last=True)
+        # micro-batches have the same shape) and the engine sums gradients over ranks
+        n_tokens = sum(count_trained_tokens(ids) for ids in micro_batches)
+        for i, input_ids in enumerate(micro_batches):
+            batch = {"input_ids": input_ids, "labels": input_ids}
+            loss_sum = trainable.forward_loss_sum(batch)
+            last = i == len(micro_batches) - 1
+            trainable.backward(loss_sum / (n_tokens * world), last=last)
         trainable.clip_grad_norm(spec.max_grad_norm)  # the norm is taken either way (logged)
         trainable.optimizer_step()
-        return loss_sum.detach() / n_tokens
+        return loss_sum.detach() * len(micro_batches) / n_tokens
 
     plan = {
         "engine": "fsdp2",

@@ -52,6 +52,18 @@ def test_plain_row_has_the_results_format(plain_row: tuple[dict, Path]) -> None:
     assert row["tokens_per_s"] == pytest.approx(row["batch"] * row["seq"] / row["step_s"], 1e-2)
 
 
+@pytest.mark.parametrize("system", ["plain", "protrain"])
+def test_accumulation_rows_count_every_micro_batch(tmp_path: Path, system: str) -> None:
+    """--grad-accum 3: one step is three micro-batches, each a backward, and the row's
+    tokens are all of them; the loss is the last micro-batch's, a finite number."""
+    proc = _run(tmp_path, "--workload", "fits", "--system", system, "--grad-accum", "3")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "rows.jsonl").read_text())
+    assert row["status"] == "ok" and row["grad_accum"] == 3
+    tokens = 3 * row["batch"] * row["seq"]
+    assert row["tokens_per_s"] == pytest.approx(tokens / row["step_s"], 1e-2)
+
+
 def test_missing_deepspeed_or_engine_is_an_error_row(tmp_path: Path) -> None:
     try:
         import deepspeed  # noqa: F401
