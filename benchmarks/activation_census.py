@@ -5,7 +5,7 @@ small), LoRA r=16 on every linear, bf16, through ``protrain.wrap`` on the CPU wi
 block offload-checkpointed and the MLP tiled (``--tile`` tokens). A ``TorchDispatchMode``
 books every new storage an op returns (dtype, shape, op) and frees it with the storage; at
 the step's peak the live storages are grouped by (op, dtype, shape) and printed per token.
-``--no-norm-tiling`` leaves the norms whole (the tiled-MLP knob tiles them since 2026-11-22).
+``--no-norm-tiling`` leaves the norms whole (the tiled-MLP knob tiles them).
 On the CPU the host copies of offloaded block inputs are counted too (the ``uint8`` rows);
 on a GPU they are host memory.
 

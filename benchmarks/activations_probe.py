@@ -1,7 +1,7 @@
 """Activation policies on a GPU: peak memory and tokens/s per policy, saved bytes per block
 (formula next to measurement), swap overlap, and the longest sequence that trains.
 
-Ready to run on the GPU machine (one GPU), e.g. for issue 4's acceptance::
+Ready to run on the GPU machine (one GPU)::
 
     # policies against keep, Llama-3-8B shape, LoRA r=16, batch 1 x 8192, bf16, sdpa
     python benchmarks/activations_probe.py policies --model llama8b --mode lora --seq 8192 \
@@ -71,7 +71,7 @@ LORA_RANK = 16
 
 
 def _commit() -> str:
-    if os.environ.get("COMMIT"):  # the session scripts name it: the device copy's .git is stale
+    if os.environ.get("COMMIT"):  # the suites name it: the device copy's .git is stale
         return os.environ["COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()

@@ -8,7 +8,7 @@ fp32 tensor per state, ``threads`` intra-op threads) in ``procs`` processes star
 together, each over ``numel`` parameters, and reports each process's rate and their sum.
 Read beside a training row: a rank's offloaded parameters divided by the rate of ``procs``
 = local ranks is the step's host floor; FSDP2 CPU offload's step is about its GPU compute
-plus the same AdamW, so (compute + floor) / floor bounds a ratio against it (session 22).
+plus the same AdamW, so (compute + floor) / floor bounds a ratio against it.
 
 Beside it, the same processes time an in-place add over the same fp32 tensor, together, as
 a memory roof: it reads 8 bytes and writes 4 an element, while the fused AdamW reads 16

@@ -1,8 +1,8 @@
 """torch's fused CPU AdamW over many small tensors against one flat tensor, with and without
 busy neighbours: the suspected cause of qlora-70b's slow host step.
 
-qlora-70b's host AdamW took 0.55-0.59 s a step for its ~0.2 B LoRA parameters (sessions 7
-and 9), 7x what the measured rate predicts, while full fine-tuning's host step runs near it.
+qlora-70b's host AdamW took 0.55-0.59 s a step for its ~0.2 B LoRA parameters (on H100
+hosts), 7x what the measured rate predicts, while full fine-tuning's host step runs near it.
 The fused CPU kernel runs one parallel region per tensor. With the worker's threads filling
 the cores (the engine's default leaves two for the threads that feed the GPU), a region's
 barrier waits for whichever of its threads the scheduler put aside, and with a thousand

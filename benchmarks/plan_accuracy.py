@@ -23,11 +23,11 @@ plus ``plan_s``, ``trace_s``, ``search_s``, ``peak_error``, ``step_error`` and
 ``closed_loop_corrected``). The summary at the end gives the median and worst peak error
 (against reserved bytes, the memory the budget limits) and the median step-time error.
 
-    python benchmarks/plan_accuracy.py --out benchmarks/results/2026-11-22-plan-accuracy.jsonl
+    python benchmarks/plan_accuracy.py --out benchmarks/results/2026-11-22_h200_plan-accuracy.jsonl
     python benchmarks/plan_accuracy.py --only full-3b,extra-8b-lora-24-b2-s4096
     python benchmarks/plan_accuracy.py --tiny     # CPU smoke test of the script, no budget
 
-Groups and calls (issue 21's acceptance matrix): ``--group`` picks configurations
+Groups and calls (the acceptance matrix): ``--group`` picks configurations
 (``matrix``: the tuned ones a one-GPU host runs; ``holdout``: held-out families and settings;
 ``big``: full fine-tuning of 7-8B shapes, which needs a host of >= 200 GiB, i.e. a 2-GPU
 kind with one GPU used; ``all``). ``--part K/N`` runs the K-th of N parts of equal estimated
@@ -39,7 +39,7 @@ rows apart, against the acceptance targets):
 
     python benchmarks/plan_accuracy.py --group matrix,holdout --list --call-s 540
     python benchmarks/plan_accuracy.py --group matrix,holdout --part 1/5 --time-limit 540 --out $OUT/pa.jsonl
-    python benchmarks/plan_accuracy.py --summarize benchmarks/results/*-pa-*.jsonl
+    python benchmarks/plan_accuracy.py --summarize benchmarks/results/*_plan-accuracy*.jsonl
 """
 
 from __future__ import annotations
@@ -83,16 +83,16 @@ CONFIGS: dict[str, tuple[str, str, float, int, int, str]] = {
     "extra-8b-lora-40-b4-s2048": ("llama8b", "lora", 40, 4, 2048, "extra"),
     "extra-14b-lora-40-b2-s2048": ("qwen14b", "lora", 40, 2, 2048, "extra"),
     "extra-14b-lora-80-b8-s512": ("qwen14b", "lora", 80, 8, 512, "extra"),
-    # session 6: the 8B full fine-tuning rows above need more host memory than the GPU
+    # the 8B full fine-tuning rows above need more host memory than the GPU
     # machine's 125 GiB (about 20 bytes per offloaded parameter, plus the fp32 model)
     "extra-1b-full-40-b8-s2048": ("llama1b", "full", 40, 8, 2048, "extra"),
     "extra-3b-full-24-b8-s1024": ("llama3b", "full", 24, 8, 1024, "extra"),
     "extra-3b-lora-80-b2-s4096": ("llama3b", "lora", 80, 2, 4096, "extra"),
-    # session 8: the matrix's long-8b shape (LoRA, batch 1, 80 GiB) at a sequence one GPU
+    # the matrix's long-8b shape (LoRA, batch 1, 80 GiB) at a sequence one GPU
     # call can trace and time (its longest that trains, 393,216, takes ~400 s a step)
     "long-8b-s65536": ("llama8b", "lora", 80, 1, 65536, "long-8b"),
 }
-# Held out (issue 21): families, budgets, batch and sequence the models were never tuned on.
+# Held out: families, budgets, batch and sequence the models were never tuned on.
 # Full fine-tuning of a 7B shape needs ~20 bytes a parameter on the host plus the fp32
 # model (~180 GB): in HOLDOUT_BIG, for a host of >= 200 GiB.
 HOLDOUT: dict[str, tuple[str, str, float, int, int, str]] = {
@@ -118,8 +118,8 @@ GROUPS: dict[str, list[str]] = {
     "big": [*BIG_HOST, *HOLDOUT_BIG],
 }
 GROUPS["all"] = GROUPS["matrix"] + GROUPS["holdout"] + GROUPS["big"]
-# Issue 21's smallest run: 20 configurations, the 8 held out and the 12 tuned ones of least
-# estimated time (~18 min on one H100 host from the rows up to session 15).
+# The smallest acceptance run: 20 configurations, the 8 held out and the 12 tuned ones of
+# least estimated time (~18 min on one H100 host).
 GROUPS["acceptance"] = [
     "fits-b1", "fits-b8", "full-3b", "extra-1b-full-16-b2-s1024", "extra-1b-full-24-b4-s4096",
     "extra-1b-lora-16-b8-s2048", "extra-1b-full-40-b8-s2048", "extra-3b-lora-80-b2-s4096",
@@ -137,7 +137,7 @@ TINY_GROUPS["all"] = TINY_GROUPS["acceptance"] = TINY_GROUPS["matrix"] + TINY_GR
 # LOSS_CHUNK_FLOOR_TOKENS, is above their 128-144 positions): their search has chunks too.
 TINY_LOSS_CHUNK_FLOOR_TOKENS = 32
 
-# Issue 21's acceptance targets: |error| median and worst.
+# The acceptance targets: |error| median and worst.
 TARGETS = {"peak": (0.03, 0.07), "step": (0.10, 0.20)}
 
 
@@ -200,8 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--host-arena", choices=("huge", "plain"), default="huge",
         help="the engine's host arena (huge: its own, huge pages touched before pinning); "
-             "plain: torch.empty, pinned by cudaHostRegister faulting in 4 KiB pages, as the "
-             "engine did before session 8 (fresh pages from the kernel are zero), for A/B runs",
+             "plain: torch.empty, pinned by cudaHostRegister faulting in 4 KiB pages (fresh "
+             "pages from the kernel are zero), for A/B runs",
     )  # fmt: skip
     p.add_argument(
         "--plan-repeats", type=int, default=1,
@@ -219,7 +219,7 @@ def _plain_host_arena(nbytes: int):
 
 
 def git_commit() -> str:
-    if os.environ.get("COMMIT"):  # the session scripts name it: the device copy's .git is stale
+    if os.environ.get("COMMIT"):  # the suites name it: the device copy's .git is stale
         return os.environ["COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE.parent,
@@ -498,8 +498,7 @@ def _run_plan(model, knobs, chunk_size_bytes, sample, loss_fn, clip, device, arg
         )  # fmt: skip
         # The engine's counters over the timed steps only, every copy counted (gathers,
         # seconds waited on copies and on the host optimizer, host AdamW seconds), for
-        # diagnosing step errors. Until session 16 they covered warm-up steps too (the first
-        # has no update before it) and missed the last step's uncounted copies.
+        # diagnosing step errors (warm-up steps excluded: the first has no update before it).
         out["engine_stats_per_step"] = {k: round(v / args.steps, 4) for k, v in counters().items()}
     finally:
         if handle is not None:
@@ -521,10 +520,9 @@ def _empty_cache(device) -> None:
 
 # [Note: estimated seconds] A configuration's child process costs its start (interpreter,
 # torch and transformers imports: CHILD_START_S), time_to_first_step_s (model build, plan,
-# wrap; counted from the row's start) and its warm-up and timed steps. A row of an earlier
-# session gives these (or its own wall_s, recorded since the groups exist); a configuration
-# never run borrows the nearest row of the same mode on PROXY's model, its trace and steps
-# scaled by the tokens a step, times UNSEEN_MARGIN (offload at a smaller budget is slower).
+# wrap; counted from the row's start) and its warm-up and timed steps. An earlier row gives
+# these (or its own wall_s where it has one); a configuration never run borrows the nearest
+# row of the same mode on PROXY's model, its trace and steps scaled by the tokens a step, times UNSEEN_MARGIN (offload at a smaller budget is slower).
 CHILD_START_S = 15.0
 UNSEEN_MARGIN = 1.3
 DEFAULT_ESTIMATE_S = 120.0
@@ -615,7 +613,7 @@ def _pct(values: list[float]) -> str:
 
 
 def acceptance(rows: list[dict]) -> list[str]:
-    """Issue 21's targets over `rows` (the last row per configuration and GPU), per GPU."""
+    """The acceptance targets over `rows` (the last row per configuration and GPU), per GPU."""
     last: dict[tuple, dict] = {}
     for r in rows:
         last[(r.get("config"), r.get("gpu"))] = r
@@ -770,7 +768,7 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(v) - idle, sum(v)
 
 
-# Session 16-18: the 512-token 3B LoRA step's free-running trace took 0.20 s in one child
+# On H100 and H200 hosts the 512-token 3B LoRA step's free-running trace took 0.20 s in one child
 # and 0.32-0.35 s in matrix children, whose whole early life was slower (wrap 1.0-1.25 s
 # against 0.81, time to first step 23-29 s against 18.6), while its measured steps later in
 # the same child were not. A child starts once the host's CPUs are quiet again after the

@@ -4,12 +4,12 @@ for the knobs a plan-accuracy row ran, from the profiles that row kept.
 A row of ``plan_accuracy.py`` holds the knobs it ran and what it measured; ``--profiles``
 kept its trace and hardware profile. This rebuilds the row's model on the meta device
 (the parameter shapes the chunk-size search re-reads), re-chunks the profile to the row's
-chunk size (``chunk_size_bytes``; rows before session 7 lack it: the candidate size with
+chunk size (``chunk_size_bytes``; the oldest rows lack it: the candidate size with
 the row's chunk count and the nearest prediction), and evaluates the knobs, and those of the row's alternatives, with
 the memory and runtime models of this checkout. So a change to the models can be judged
 against every measurement already made, without the GPU::
 
-    python benchmarks/repredict.py --rows results/2026-11-22-session7-A-plan-accuracy.jsonl \
+    python benchmarks/repredict.py --rows results/2026-11-22_h100_plan-accuracy-a-0934z.jsonl \
         --profiles /tmp/profiles
 
 4-bit rows (``qlora``) are skipped: their stand-in takes a quantization on the CPU
@@ -75,7 +75,7 @@ def _problem(row: dict, profiles: Path, models: dict):
 
     if row.get("chunk_size_bytes"):
         return problem_at(row["chunk_size_bytes"])
-    # Rows before session 7 lack the size: of the candidates with the row's chunk count, the
+    # The oldest rows lack the size: of the candidates with the row's chunk count, the
     # one whose prediction (by this checkout's models) is nearest the row's own. That pulls
     # "now" toward "row": such rows are marked "inferred" and say little about a model change.
     found = [problem_at(s) for s in chunk_size_candidates(model, profile)]

@@ -1,5 +1,5 @@
-"""Search time at scale (issue 6: "well under a second for models with hundreds of chunks and
-a hundred blocks"), on the machine this runs on: a 100-layer tiny Llama traced on the CPU with
+"""Search time at scale (the target: well under a second for models with hundreds of chunks
+and a hundred blocks), on the machine this runs on: a 100-layer tiny Llama traced on the CPU with
 small chunks (about 250 of them), then one search at the traced chunk size and the search
 over candidate chunk sizes that auto mode runs (``plan.chunk_size.search_chunk_sizes``).
 One JSON row to ``--out``; nothing here asserts a time::
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--clipping", action="store_true",
         help="plan for clipping (plan_accuracy.py's default, max_grad_norm 1.0); without it, "
-             "for training without clipping (the qlora-70b row of session 6)",
+             "for training without clipping (as the qlora-70b row runs)",
     )  # fmt: skip
     p.add_argument(
         "--four-bit", action="store_true",

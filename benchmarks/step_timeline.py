@@ -1,7 +1,7 @@
 """Where a training step's time goes, on a GPU: one `run.py` row's system under
 `torch.profiler`, summarized as busy and idle time per resource.
 
-For the speed targets of issue 6: a ProTrain step overlaps GPU compute, host-to-device and
+A ProTrain step overlaps GPU compute, host-to-device and
 device-to-host copies and the host AdamW; its step time is set by whichever of them waits
 for another. This script runs the same set-up as `benchmarks/run.py` (same flags), warms up,
 profiles ``--steps`` steps and writes one JSON row with, per step on average:

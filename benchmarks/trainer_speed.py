@@ -1,4 +1,4 @@
-"""The GPU acceptance of the Trainer integrations (issue 20), one JSON row per run, in
+"""The GPU rows of the Trainer integrations, one JSON row per run, in
 run.py's results format (shared/BENCHMARKS.md):
 
 - ``trainer-full-3b``: full-3b (Llama-3.2-3B shape, random weights, 4 x 2048 tokens, 24 GiB)

@@ -1,4 +1,4 @@
-"""A vision-language row of plan accuracy (issue 21): a Qwen2.5-VL-7B-shaped model with
+"""A vision-language row of plan accuracy: a Qwen2.5-VL-7B-shaped model with
 random weights trained by ``protrain train`` itself, LoRA, ``memory.auto`` at a budget, for
 one whole epoch of rows with 0-4 images of varying size; the plan's predicted peak against
 the peak measured over the whole epoch. One JSON row per budget.

@@ -92,7 +92,7 @@ MODEL_SHAPES: dict[str, dict] = {
         tie_word_embeddings=False,
         rope_theta=1000000.0,
     ),
-    # Held-out families (issue 21): numbers from the public config.json of each checkpoint.
+    # Held-out families (plan accuracy): numbers from the public config.json of each checkpoint.
     "qwen7b": dict(  # Qwen2.5-7B: q/k/v projections with bias (Qwen2Config's default)
         family="qwen2",
         hidden_size=3584,
@@ -242,7 +242,7 @@ def hf_config(model: str):
     return config
 
 
-# Vision-language shapes (issue 21's VLM row): the text model and the vision tower, from
+# Vision-language shapes (the plan-accuracy VLM row): the text model and the vision tower, from
 # the public config.json of Qwen2.5-VL-7B-Instruct (the vision tower's hidden size is 1280;
 # transformers' Qwen2_5_VLVisionConfig defaults it to 3584). `qwen25vl-tiny` is the same
 # architecture small enough for a CPU run.

@@ -134,8 +134,8 @@ def test_trains_like_the_models_own_loss_with_policies(mode):
     ref_state = reference.state_dict()
     for name, value in model.state_dict().items():
         # The two losses reduce over the vocabulary in different orders; after AdamW the
-        # weights moved apart by up to 4.5e-6 on the 2-core development machine of session
-        # 10 (losses equal to 1e-6; 1e-6 held where CI last ran; transformers 5.12 to 5.24
+        # weights moved apart by up to 4.5e-6 on a 2-core AVX-512 development machine
+        # (losses equal to 1e-6; 1e-6 held on CI's machine; transformers 5.12 to 5.24
         # all gave the gap there, so the library is not the cause).
         torch.testing.assert_close(value, ref_state[name], atol=1e-5, rtol=0, msg=name)
     handle.remove()

@@ -55,7 +55,7 @@ def _mistral_chunk(dtype: torch.dtype) -> int:
 # (model, chunk size for a compute dtype, n_persist, n_buffer, n_checkpoint)
 _PLANS = {
     "llama-lora": (lambda: _model("lora"), _llama_chunk, 2, 3, 0),
-    # issue 21's Mistral-7B LoRA row at 48 GiB: every chunk offloaded, three buffers, the
+    # the held-out Mistral-7B LoRA row at 48 GiB: every chunk offloaded, three buffers, the
     # first blocks checkpointed; the embedding alone in the first chunk, which backward
     # never gathers
     "mistral-lora": (lambda: _mistral("lora"), _mistral_chunk, 0, 3, 4),

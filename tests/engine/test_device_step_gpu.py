@@ -4,7 +4,7 @@ the device (and the persistent one stepped there anyway), every update runs torc
 CUDA AdamW, so the run is compared with plain PyTorch on the GPU (``AdamW(fused=True)``).
 The host path is not the reference here: its CPU kernel rounds differently, and at this
 learning rate those differences grow to 1e-4 in the loss within three steps. The engine runs
-in fp32 (``compute_dtype``; its CUDA default is bf16) as the plain model does: in session 16
+in fp32 (``compute_dtype``; its CUDA default is bf16) as the plain model does: on an H100
 the bf16 default made the first loss, before any step, differ by 1e-4 relative, for the host
 path and the device path alike.
 
@@ -134,7 +134,7 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
         f" largest |loss - plain| device step {loss_gap(dev_losses):.3e}, host {loss_gap(host_losses):.3e}"
     )
     torch.testing.assert_close(dev_losses, plain_losses, rtol=1e-5, atol=1e-6)
-    # Parameters: 1e-5 absolute. With clipping, fp32 on an H100 (session 16), the device path
+    # Parameters: 1e-5 absolute. With clipping, fp32 on an H100, the device path
     # was 5.3e-6 from plain PyTorch after 3 steps at lr 1e-2 (the host path, CPU AdamW,
     # 9.3e-6): the global norm's reduction order differs from clip_grad_norm_'s, and Adam's
     # m / sqrt(v) magnifies last-bit differences of near-zero gradients. The device path must
@@ -147,8 +147,8 @@ def test_device_step_on_cuda_equals_plain_pytorch(kind, mode, clip, monkeypatch)
 def test_device_step_never_synchronizes(monkeypatch):
     """The device step only enqueues: nothing in it waits for the device (torch's sync debug
     mode raises on any synchronizing call). In an armed backward it runs on the autograd
-    thread, so one wait there leaves the GPU idle for the copies' duration; in session 19 the
-    step counts' pageable copy did that once a piece (+0.25 s a step on full-3b)."""
+    thread, so one wait there leaves the GPU idle for the copies' duration (a pageable copy of the step counts
+    did that once a piece: +0.25 s a step on full-3b)."""
     monkeypatch.setattr(device_step, "PIECE_NUMEL", 4096)
     step = device_step.DeviceStep.step
     calls = []

@@ -1,4 +1,4 @@
-"""Parameters read without calling their module are resident when read (issue 27 item 2).
+"""Parameters read without calling their module are resident when read.
 
 MoE families with fused experts (transformers 5 keeps them as 3-D parameters of an experts
 module), full fine-tuning and peft LoRA ``all-linear``, whose ``ParamWrapper`` reads

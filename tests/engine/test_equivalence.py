@@ -218,7 +218,7 @@ def test_chunks_kept_through_a_step_never_serve_old_weights(n_buffer):
     """The step keeps resident chunks and refreshes them at their next gather; a chunk a
     prefetch brought in but no module used (micro-batches that take different paths: images
     in one, text in the other) is released instead, or the next forward would read its old
-    weights (found by review: a no-grad loss 1.9e-4 off plain PyTorch)."""
+    weights (without that, a no-grad loss is 1.9e-4 off plain PyTorch)."""
     base = build("llava")
     images = batches("llava", 6)
     text = [

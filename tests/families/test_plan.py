@@ -32,7 +32,7 @@ def test_moe_profile_and_plan(name):
     # Every block's backward (router and experts included) is timed. Its bwd_s is that
     # interval less the forward timed in another pass, which on the CPU is mostly the
     # memory clock's per-op Python cost: under pytest that cost grows ~1.5x and the
-    # difference of a tiny block clips to 0 (CI, 2026-11-27), so the interval is what is
+    # difference of a tiny block clips to 0 (on CI's machine), so the interval is what is
     # checked here and bwd_s only for its sign.
     bwd = {i: 0.0 for i in range(len(blocks))}
     for x in problem.profile.intervals:

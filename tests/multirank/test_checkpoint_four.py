@@ -1,5 +1,5 @@
 """Checkpoints written on four ranks resumed on two and on one, and one written on two
-resumed on four (issue 25's chains, gloo on the CPU): `protrain train` in segments against
+resumed on four (gloo on the CPU): `protrain train` in segments against
 one process trained straight through, to 1e-6.
 
 Every step's global batch is 4 micro-batches however it is split (1 x 4, 2 x 2, 4 x 1);

@@ -284,7 +284,7 @@ def test_two_ranks_equal_one_process(ranks, case):
     got = first["state"]
     assert set(got) == set(state)
     for name, want in state.items():
-        # 2e-6: on session 18's CPUs (not the earlier ones, where this was bit for bit) the
+        # 2e-6: on some CPUs (on others this is bit for bit) the
         # full fine-tuning cases moved one k_proj element of 512 by 1.13e-6, the others by at
         # most 2.2e-7: AdamW's lr * |g| / eps on a gradient that cancels to about zero (see
         # the module docstring). The losses and clipping norms stay within 1e-6.

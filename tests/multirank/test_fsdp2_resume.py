@@ -1,4 +1,4 @@
-"""The FSDP2 engine (`fsdp_version: 2`) in the resume matrix of issue 18 (gloo on the CPU):
+"""The FSDP2 engine (`fsdp_version: 2`) in the resume matrix (gloo on the CPU):
 10 steps straight against 5 steps on N ranks, a resume on M ranks and 5 more, for (N, M)
 in (1, 2), (2, 1), (2, 3), (3, 2), full fine-tuning and LoRA: the same losses and weights
 as one process of plain PyTorch trained straight through, to 1e-6; at N = M = 2 the very

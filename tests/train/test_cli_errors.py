@@ -105,7 +105,7 @@ def test_model_path_that_does_not_exist(tmp_path):
 
 
 # --------------------------------------------------------------------------------------
-# File and OS errors: the exact line, exit status 2, no traceback (issue 28)
+# File and OS errors: the exact line, exit status 2, no traceback
 
 
 def the_error(proc: subprocess.CompletedProcess) -> str:

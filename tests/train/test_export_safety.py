@@ -264,8 +264,8 @@ def test_an_error_after_the_export_wrote_does_not_say_it_was_not_written(
 
 def test_resuming_a_finished_run_says_final_is_trained_again(tmp_path, protrain_log):
     """--resume after the run finished starts from its last checkpoint, older than final:
-    one warning says the steps after it are trained again and final replaced (r2's review:
-    a run extended this way silently repeated its last steps)."""
+    one warning says the steps after it are trained again and final replaced (a run
+    extended this way must not repeat its last steps silently)."""
     loop.train(validate_config(tiny_config(tmp_path, max_steps=4, save_steps=4, **SMALL)))
     # extended to 6 steps: no checkpoint after step 4 (save_minutes, the default, is far off)
     cfg = validate_config(tiny_config(tmp_path, max_steps=6, save_steps=None, **SMALL))

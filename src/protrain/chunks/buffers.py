@@ -15,8 +15,8 @@ A recomputed (checkpointed) block needs more: its recompute runs while the modul
 backward started it still holds its chunk, and a head tied to the input embedding keeps the
 embedding's chunk held until the embedding's own gradient arrives at the end of backward.
 So with recompute a module's group needs one chunk more, and one more again for a tied
-head (:func:`recompute_extra_chunks`; found by a review on Pegasus, Marian, Qwen3-MoE,
-Mixtral and OLMoE, which the module rule let fail in the first backward); a block group
+head (:func:`recompute_extra_chunks`; without it Pegasus, Marian, Qwen3-MoE, Mixtral and
+OLMoE fail in the first backward under the module rule); a block group
 holds its whole block already.
 """
 

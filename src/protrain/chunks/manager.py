@@ -769,7 +769,7 @@ def host_arena(nbytes: int) -> torch.Tensor:
     process does not have it."""
     # Private: Python's default for an anonymous mapping is MAP_SHARED, which Linux backs
     # with shmem, where transparent huge pages are off by default (shmem_enabled=never):
-    # session 8's first engine runs pinned such a mapping at the 4 KiB pages' rate.
+    # such a mapping pins at the 4 KiB pages' rate.
     if not hasattr(mmap, "MAP_ANONYMOUS"):  # Windows: torch's own allocation
         return torch.zeros(nbytes, dtype=torch.uint8)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

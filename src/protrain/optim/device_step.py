@@ -53,8 +53,8 @@ by chunk as backward's reductions end, and take the host path as a host-stepped 
 micro-batch in the window, no clipping), a chunk steps from inside the backward once its
 reduced gradient is on its way to the host, its streams waiting for the reducer's, so that
 its link traffic runs under the backward of the layers before it rather than at the step,
-where it would meet the next forward's gathers (session 22, two H100s: stepped at
-``step()``, three such chunks of full-8b made the step 2.21 s against 1.96 s). In the sharded mode a
+where it would meet the next forward's gathers (on two H100s, stepped at ``step()``,
+three such chunks of full-8b made the step 2.21 s against 1.96 s). In the sharded mode a
 slot's master, host copy, accumulator and moments are this rank's own elements of the
 parameter (``chunks/shard.py``): the pieces stream only the own elements, and the next
 gather copies the own cast shard in and all-gathers the rest, as after a host update.
@@ -335,7 +335,7 @@ class DeviceStep:
             # From page-locked memory, without blocking: a pageable copy synchronizes this
             # (the step's) stream, so the thread enqueuing the step, inside an armed
             # backward the autograd thread, waited for each piece's copy-in and left the
-            # GPU without work (session 19: +0.25 s a step on full-3b, H200)
+            # GPU without work (+0.25 s a step on full-3b, one H200)
             steps = steps.to(device, non_blocking=cuda)
         steps = list(steps.unbind())
         by_group: dict[int, list[int]] = {}

@@ -3,7 +3,7 @@
 Offloaded chunks, their fp32 masters and accumulators, and swapped activations all live in
 pinned host memory, which the kernel cannot page out: a plan that needs more than the host
 has does not slow down, the kernel's out-of-memory killer ends the process without a Python
-error. Session 9 saw it: long-8b at 65,536 tokens on an 80 GiB budget planned 27 swapped
+error. On one H200 host, long-8b at 65,536 tokens on an 80 GiB budget planned 27 swapped
 blocks, 321 GiB of host memory on a 251 GiB host, and the run died. So auto mode bounds host
 memory by default, with what the kernel says it can give when the plan is made
 (``MemAvailable``: free memory plus the cache it can reclaim; the trace has given its own

@@ -13,8 +13,9 @@ the other candidates are derived from it (:func:`at_loss_chunk`):
 - **memory**: the head's intervals (the last block's forward end to its backward start,
   where the loss runs) hold, at their peak, one chunk's logits as fp32 values and their
   fp32 gradient, and where the compute dtype is narrower than fp32 a third fp32 tensor in
-  the loss's backward (``logit_bytes``: 12 bytes a logit, 8 for fp32, measured on the GPU
-  in session 17), ``min(chunk, positions) x vocab`` logits ("off": every position). A candidate's head intervals are the traced ones
+  the loss's backward (``logit_bytes``: 12 bytes a logit, 8 for fp32, measured on H100 and
+  H200), ``min(chunk, positions) x vocab`` logits ("off": every position). A candidate's
+  head intervals are the traced ones
   plus the difference in those bytes. Measured on the CPU (fp32, vocabulary 4,096, 128
   positions; ``tests/plan/test_loss_chunk.py``): the traced head peak grew 7.9 bytes per
   added logit from 32 to 64 tokens and to the whole logits; the model's 8 is an upper bound
@@ -53,7 +54,7 @@ def logit_bytes(compute_itemsize: int) -> int:
     into it and the one it makes). Measured on H100 and H200, whole bf16 logits of 1.05 and
     2.1 G logits: the peak allocated grew 11.1-11.3 bytes a logit beyond the traced chunk's,
     and the model's earlier 10 (fp32 logits and gradient, bf16 logits) planned 38.9 GiB at a
-    40 GiB budget that ran out of memory (session 17). fp32 models: 8 (the CPU measurement
+    40 GiB budget that ran out of memory. fp32 models: 8 (the CPU measurement
     in the note above)."""
     return 12 if compute_itemsize < 4 else 8
 
@@ -138,7 +139,7 @@ def at_loss_chunk(profile: ModelProfile, chunk_tokens: int | None) -> ModelProfi
             iv.peak_bytes += delta
             intervals[i] = iv
     # "off" computes the loss's forward once; a chunked loss twice. The free-running step's
-    # loss forward where measured: the traced step's carried its overheads (session 17, a
+    # loss forward where measured: the traced step's carried its overheads (on an H100, a
     # Llama-3.2-1B at 8 x 2048 in chunks of 1024: 0.28 s traced, so "off" was predicted
     # 0.25 s for a 0.49 s step whose chunked run took as long).
     loss_s = profile.free_loss_forward_s

@@ -26,13 +26,12 @@ copies share the host's memory bandwidth. In a step the copies run for part of t
 step only, so a parameter costs ``f / busy + (1 - f) / alone`` seconds, ``f`` the share of
 the step the link is busy: the plan's copies (every offloaded chunk gathered in forward and
 backward, its update written back, its gradients out) at the measured rates, over the longer
-of the compute and the host step at the idle rate, per ``n_persist``. Until session 17 the
-busy rate alone was used; the host AdamW then ran at 3.3-4.1 G parameters a second on an
-H200 host (busy 3.0, alone 5.3) and 4.0-4.4 on an H100 (3.5, 4.8), and full fine-tuning's
-steps were predicted 3-15% too slow there. Re-predicted from the kept profiles, the session
-17 H200 rows' median step error went from 5.4% to 4.6%, full fine-tuning's from 8.7% to
-6.7% over 42 rows of sessions 6-17 (some older rows, slow already, slower still: the worst,
-a session 6 row, from -45% to -49%).
+of the compute and the host step at the idle rate, per ``n_persist``. The busy rate alone
+under-states the host AdamW: it ran at 3.3-4.1 G parameters a second on an H200 host (busy
+3.0, alone 5.3) and 4.0-4.4 on an H100 (3.5, 4.8), and full fine-tuning's steps were
+predicted 3-15% too slow there. Re-predicted from the kept profiles with the blend, the
+H200 matrix rows' median step error is 4.6% (5.4% with the busy rate alone), full
+fine-tuning's 6.7% (8.7%) over 42 rows.
 
 [Note: the copy pipeline] is the per-chunk
   alternative, measured and not adopted.
@@ -69,10 +68,10 @@ candidates. On the CPU copies are synchronous: the phase rule stands.
 
 It is not the step's rule: ``step_s(..., copy_pipeline=True)`` counts it (its breakdown's
 ``copy_exposed`` is then the pipeline's), the search never pays for it. It predicts the
-measured copy waits (``wait_copy_s``) of session 17's 19 H200 rows within 0.02 s on 17 (the
+measured copy waits (``wait_copy_s``) of 19 H200 matrix rows within 0.02 s on 17 (the
 phase rule, 0 s on all, on 11; off: mistral7b-lora-20-b3 0.278 s against 0.178,
 qwen7b-lora-20-b1 0.065 against 0.153). Over
-the 72 measured rows with profiles (sessions 6-9 and 17) it takes the LoRA rows' median
+the 72 measured rows with profiles it takes the LoRA rows' median
 step error from 4.3% to 3.7% (mistral7b-lora-20-b3 -14.5% to +10.2%), but full
 fine-tuning's from 8.7% to 9.6% and the median from 6.6% to 7.0%: those rows were
 over-predicted by the host stall (full-3b on H200: 0.74 s predicted, 0.62 s waited), which
@@ -126,10 +125,10 @@ swapped block takes ``max(forward, saved / d2h)`` and ``max(backward, saved / h2
 the excess is added to compute, each part to its own phase's compute; the swap bytes still count in the phase's copy traffic,
 which they share with gathers. Swapped blocks are spread among the checkpointed ones
 (``place_policies``); the term counts only a swapped block's own compute as hiding its
-copies, not its neighbours'. Before this term, six measured plans with 3 to 11 swapped
-blocks ran 25-32% slower than predicted (2026-11-22 plan-accuracy, eighth and ninth runs),
-and the planner chose swap where checkpointing was faster; with it, the planner chose no
-swap on those configurations, so its accuracy on plans that do swap is not yet measured.
+copies, not its neighbours'. Without this term, six measured plans with 3 to 11 swapped
+blocks ran 25-32% slower than predicted on an H200, and the planner chose swap where
+checkpointing was faster; with it, the planner chooses no swap on those configurations,
+so its accuracy on plans that do swap is not yet measured.
 
 [Note: several ranks]
 A plan is per rank (``plan/world.py``); each rank computes its own micro-batch, so compute is

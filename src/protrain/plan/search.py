@@ -126,7 +126,7 @@ class PlanProblem:
         self.clipping = bool(clipping)
         self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)
         # Whether the search may choose n_device_step itself. Off by default: the device step's
-        # CUDA path has run only in tests (session 15); until its speed is measured, device
+        # CUDA path is tested but its speed is not in the step model; until it is, device
         # steps are used only where n_device_step is fixed by the user.
         self.device_step_search = bool(device_step_search)
         self._check_fixed()
@@ -326,7 +326,7 @@ def search(problem: PlanProblem, *, n_candidates: int = 8) -> SearchResult:
 # host optimizer as hidden behind backward, but on the GPU it competes with the step for
 # CPU time and memory bandwidth: Llama-3.2-1B at 70 GiB on an H100 ran 0.79x plain PyTorch
 # under a plan that offloaded chunks to save a predicted few percent (predicted 0.087 s,
-# measured 0.102 s, issue 21), and measured steps have run 12-32% over predicted ones on
+# measured 0.102 s), and measured steps have run 12-32% over predicted ones on
 # such hosts. A gain inside that error is no reason to leave plain PyTorch's layout.
 PLAIN_MARGIN = 0.10
 
@@ -397,7 +397,7 @@ def _peak_lower_bound(mem, seg: np.ndarray, n_p: np.ndarray) -> np.ndarray:
     gradients, and those holding the most gradients or the head. Intervals, not segments:
     the search breaks ties between equal step times by the bound's order, so the bound
     picks the intervals it always picked (a segment-level bound changed 53 of 19,232
-    plans of a review's comparison, at equal predicted times)."""
+    compared plans, at equal predicted times)."""
     grads = mem.grads[:, n_p]  # intervals x n_persist
 
     def interval(k):  # activation bytes in interval(s) k, one row per pair

@@ -172,7 +172,7 @@ class ModelProfile:
     free_keep_fwd_bwd_s: float | None = None
     chunk_first_block: list[int] = field(default_factory=list)  # per chunk, see docstring
     # Seconds of each part of the trace (index_and_wrap, keep_pass, traced_steps,
-    # free_running_step, close): where the plan time goes (full-8b: 77 s in session 7).
+    # free_running_step, close): where the plan time goes.
     trace_phases_s: dict[str, float] = field(default_factory=dict)
     # Of "index_and_wrap": the chunk build's parts (host arena allocated, pinned,
     # parameters copied in; see ``ChunkManager.build_s``).
@@ -516,8 +516,8 @@ def _free_running_step(model, blocks, batch, loss_fn, optimizer, sync, copy_wait
     return pre, blocks_fwd, max(t3 - t0 - w1 - w2 - w_loss - w3, 0.0), loss_fwd
 
 
-# The free-running step is the step model's compute: one sample of it was noisy. Session 16,
-# Llama-3.2-1B at batch 1 (a 0.075-0.096 s step) on three H100 hosts: 0.096, 0.136 and
+# The free-running step is the step model's compute: one sample of it is noisy. Llama-3.2-1B
+# at batch 1 (a 0.075-0.096 s step) on three H100 hosts: 0.096, 0.136 and
 # 0.124 s, so the same plan was predicted 0.077, 0.113 and 0.112 s. The fastest of up to
 # FREE_RUNS is kept, the runs after the first only while they cost little.
 FREE_RUNS = 3
@@ -536,8 +536,8 @@ def _fastest_free_running_step(model, blocks, batch, loss_fn, optimizer, sync, c
 # [Note: the plain layout measured]
 # The free-running step recomputes every block, and the runtime model takes a block's
 # recompute as its forward seconds. Where the host's launch time bounds the step, the
-# checkpointing's own work adds more than that: Llama-3.2-1B at batch 1 on an H100 (session
-# 17) stepped in 0.077 s with no recompute and 0.117 s with every block recomputed, against
+# checkpointing's own work adds more than that: Llama-3.2-1B at batch 1 on an H100
+# stepped in 0.077 s with no recompute and 0.117 s with every block recomputed, against
 # 0.021 s of blocks' forward. When every chunk is persistent in the trace (the plan's
 # layout has no gathers to add) the step with no block recomputed is measured as well, if
 # its activations fit: the traced peak plus every block's saved bytes (the keep pass) and
@@ -734,10 +734,9 @@ def trace_model(
         # blocks cached that training with the plan never has, and reserved minus allocated
         # read over them overstated the allocator term (qlora-70b: 6.21 GiB traced against
         # 2.8-3.8 GiB in training). The kept step then runs on the cache that a traced step
-        # of its own left, as every training step after the first does. (Session 8 tried
-        # the free-running step in its place, one step fewer: the allocator term came out
-        # 3.5-4.9 GiB on full-8b against 2.2 in session 7 and training's 2.3-2.8, and the
-        # free-running totals would include refilling an emptied cache.)
+        # of its own left, as every training step after the first does. (The free-running step in its place,
+        # one step fewer, put the allocator term at 3.5-4.9 GiB on full-8b against
+        # training's 2.3-2.8, and its totals would include refilling an emptied cache.)
         cuda = device.type == "cuda"
         with MemoryClock(device, exclude=pool_bytes) as clock:
             for i in range(max(steps + 1, 3) if cuda else max(steps, 1)):

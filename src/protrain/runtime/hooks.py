@@ -49,8 +49,8 @@ embedding is where every forward of a language model starts and which recomputat
 runs again (activation checkpointing covers blocks), so its pre-hook also begins a forward
 when a backward ran since the last one. A user's checkpointed region that contains the input
 embedding breaks that assumption: its recomputation inside backward begins a forward there
-(pins reset, prefetch in forward order for the rest of that backward). A review found the
-results still exact on tiny Llama, full and LoRA, but the traffic is no longer the modelled
+(pins reset, prefetch in forward order for the rest of that backward). The results stay
+exact on tiny Llama, full and LoRA, but the traffic is no longer the modelled
 one; ending the backward phase with a callback at the end of backward would remove it.
 
 [Note: parameters read without a call]

@@ -138,7 +138,7 @@ def default_host_threads(local_world_size: int = 1) -> int:
     (the Python thread and autograd's device thread) while the host optimizer overlaps
     backward. On the 16-core H200 host, full-3b without clipping ran at 6,141 / 6,505 /
     6,360 / 5,302 tokens/s with 16 / 14 / 12 / 8 threads
-    (benchmarks/results/2026-11-22-engine-step-in-backward.jsonl).
+    (benchmarks/results/2026-11-22_h200_full-3b_engine-step-in-backward.jsonl).
     With several ranks on one node, each takes its share of the node's cores: torchrun sets
     ``OMP_NUM_THREADS=1`` in every rank, which left the host AdamW one thread (full-3b on
     two H100s: 2.46 s a step for half the model, against 1.16 s for all of it on one)."""
