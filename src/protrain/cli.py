@@ -254,7 +254,7 @@ def _print_chunk_plan(cfg, is_main: bool) -> None:
     planner_log.addFilter(drop)
     try:
         with _sdpa(cfg):  # the trace runs attention as training will
-            plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+            plan, _ = plan_memory(model, batch, settings)
     finally:
         planner_log.removeFilter(drop)
     if is_main:
@@ -344,9 +344,9 @@ def _run(args: argparse.Namespace) -> int:
             profile = profile_memory(model, batch, settings)
         # the budget line, and the host AdamW lane at this machine's measured rates (cached)
         picture = dict(
-            budget_bytes=settings.gpu_budget_bytes,
+            budget_bytes=settings.request.gpu_budget_bytes,
             hardware=measure_hardware(settings.device),
-            clipping=settings.clipping,
+            clipping=settings.request.clipping,
         )
         title = f"{cfg.model.name_or_path}, batch {cfg.micro_batch_size} x {cfg.sequence_len}"
         if args.out.lower().endswith(".png"):
