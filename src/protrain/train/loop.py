@@ -38,11 +38,12 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
+from protrain.train import rank_failure, streamed_export
 from protrain.train import sharded_checkpoint as sharded
-from protrain.train import streamed_export
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
+    DataError,
     build_collator,
     build_eval_dataset,
     build_train_dataset,
@@ -135,6 +136,7 @@ def _train(
         return found
 
     resume_from = ranks.on_main_patiently(check_output_dir)
+    rank_failure.note_checkpoint(resume_from)
     logger.info("resolved config:\n%s", _yaml(cfg))
     if ranks.several:
         logger.info(
@@ -161,8 +163,11 @@ def _train(
     for line in describe_masking(cfg):
         logger.info(line)
     data_kwargs = dict(sequence_len=cfg.sequence_len, seed=cfg.seed, processor=processor)
-    train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
-    eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
+    try:
+        train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
+        eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
+    except DataError as exc:  # every rank reads and checks every row alike
+        raise alike(exc) from None  # printed once a node; --debug shows where
     collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
     stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
     total_steps = _total_steps(cfg, stream, window)
@@ -412,6 +417,7 @@ def _train(
 
                 if ranks.any(_save_due(cfg, step, total_steps, last_save_s)) or stopping:
                     last_saved = save(step)
+                    rank_failure.note_checkpoint(last_saved)
                     last_save_s = time.monotonic()
                     logger.info("saved %s", last_saved)
                     # a signal that came during the save stops the run here, not a step later
@@ -422,6 +428,7 @@ def _train(
             if stops.requested is not None:
                 if last_saved != output_dir / f"checkpoint-{step}":
                     last_saved = save(step)
+                    rank_failure.note_checkpoint(last_saved)
                 name = signal_name(stops.requested)
                 if ranks.is_main:  # the job's stop, said once
                     logger.warning(

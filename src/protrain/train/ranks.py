@@ -40,6 +40,7 @@ from protrain.distributed.process_group import (
     init_from_env,
     launched_distributed,
 )
+from protrain.train import rank_failure
 
 T = TypeVar("T")
 PATIENT_POLL_S = 30.0  # well inside the group's collective timeout (600 s)
@@ -148,6 +149,7 @@ def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     ctx = init_from_env(device.type)
+    rank_failure.join()  # so that a rank's failure reaches every node as one line
     return Ranks(ctx), device
 
 
