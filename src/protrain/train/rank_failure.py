@@ -32,6 +32,7 @@ import torch.distributed as dist
 from protrain.train.stop_signals import resume_command
 
 _CONNECT_TIMEOUT_S = 10
+_PF_EXITING = 0x4  # linux/sched.h: the task is in its exit
 
 
 @dataclass(frozen=True)
@@ -169,11 +170,14 @@ def _lowest_live_local_rank(m: _Member) -> int:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process ``pid`` runs (a zombie, ended but not yet reaped by torchrun, does
-    not)."""
+    """Whether process ``pid`` runs: not a zombie (ended, not yet reaped by torchrun), and
+    not exiting. A killed process closes its sockets while it exits, before it is a
+    zombie, so a survivor's collective can fail while the killed rank is still listed;
+    the kernel marks it PF_EXITING from the start of its exit."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
         return False
-    return state not in ("Z", "X")
+    state, flags = fields[0], int(fields[6])
+    return state not in ("Z", "X") and not flags & _PF_EXITING
