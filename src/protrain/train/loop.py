@@ -52,6 +52,7 @@ from protrain.train.data import (
 from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.final_dir import publish, tmp_dir
 from protrain.train.final_dir import recover as recover_final
+from protrain.train.fsdp2_trainable import check_layer_classes
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
@@ -65,6 +66,7 @@ from protrain.train.modeling import (
     load_media_processor,
     load_tokenizer,
     model_auto_class,
+    model_on_meta,
     resolve_autocast_dtype,
     resolve_device,
     trained_adapter_names,
@@ -153,6 +155,11 @@ def _train(
     )
     # micro-batches of the stream per optimizer step, all ranks together
     window = cfg.gradient_accumulation_steps * ranks.world_size
+
+    if cfg.fsdp is not None:  # the layers named as FSDP2 units, before data and weights
+        meta_model = model_on_meta(cfg)
+        if meta_model is not None:
+            check_layer_classes(meta_model, cfg)
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
