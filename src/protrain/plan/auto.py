@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from protrain.distributed.agree import on_main
+from protrain.distributed.agree import on_main_patiently
 from protrain.distributed.process_group import NO_GROUP, resolve_context
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.loss_chunk import (
@@ -238,7 +238,9 @@ def profile_and_plan(
         problems.append(problem)
         return plan
 
-    plan = on_main(ctx, on_first_rank)
+    # the trace and search of a large model may outlast the group's collective timeout
+    poll_device = None if "gloo" in ctx.backend else device  # NCCL alone: a CUDA tensor
+    plan = on_main_patiently(ctx, on_first_rank, poll_device)
     return plan, (problems[0] if problems else None)
 
 
