@@ -71,8 +71,12 @@ def _build(cap: str) -> ModuleType | None:
         module = cpp_extension.load(
             name=_build_name(cap),
             sources=[str(_SOURCE)],
-            extra_cflags=[*_COMMON_FLAGS, *_ISA_FLAGS[cap], f"-DCPU_CAPABILITY={cap}",
-                          f"-DCPU_CAPABILITY_{cap}"],  # fmt: skip
+            extra_cflags=[
+                *_COMMON_FLAGS,
+                *_ISA_FLAGS[cap],
+                f"-DCPU_CAPABILITY={cap}",
+                f"-DCPU_CAPABILITY_{cap}",
+            ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
