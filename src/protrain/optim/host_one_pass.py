@@ -21,9 +21,8 @@ update's own bytes (without the copies, which ``copy_times`` counts) on either p
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from types import ModuleType
-
-import torch
 
 from protrain.chunks.chunk import ParamSlot
 from protrain.optim.flat_adamw import FlatAdamW
@@ -31,10 +30,37 @@ from protrain.optim.flat_adamw import FlatAdamW
 _STATE_BYTES = 24  # fp32 master and two fp32 moments, each read and written
 
 
+@dataclass
+class PieceReads:
+    """What one step's pass reads, fixed when the step is queued (``zero_grad`` may run
+    before the worker does): per slot, whether its gradient is the landed low-precision
+    one, and the multipliers an earlier pass applied that must reach the stored gradient
+    first (torch changed ``.grad`` in place)."""
+
+    low: list[bool]
+    earlier: list[tuple[float | None, float | None] | None]
+
+
+def plan_reads(with_grad: list[ParamSlot], inv_scale, clip_coef) -> PieceReads:
+    """On the thread that queues the step: fix what the pass reads, and record on each slot
+    the multipliers this pass applies (``ParamSlot.grad_pending_mul``)."""
+    pending = None if inv_scale is None and clip_coef is None else (inv_scale, clip_coef)
+    reads = PieceReads([], [])
+    for s in with_grad:
+        earlier = s.grad_pending_mul
+        reads.low.append(s.grad_low)
+        reads.earlier.append(earlier)
+        if earlier is not None:
+            s.grad_low = False  # the worker moves it into grad_acc before the pass
+        s.grad_pending_mul = pending
+    return reads
+
+
 def step_piece(
     kernel: ModuleType,
     adam: FlatAdamW,
     with_grad: list[ParamSlot],
+    reads: PieceReads,
     hyper: list[dict],
     inv_scale: float | None,
     clip_coef: float | None,
@@ -42,9 +68,11 @@ def step_piece(
 ) -> None:
     """One AdamW step of the slots ``with_grad`` (of ``adam``'s piece) at the outer groups'
     hyperparameters ``hyper``: one kernel call per parameter group, as torch steps a group."""
-    for s in with_grad:  # a second step on the same gradient: torch's changed it in place
-        if s.grad_pending_mul is not None:
-            apply_pending(s)
+    grad_of = {}
+    for s, low, earlier in zip(with_grad, reads.low, reads.earlier):
+        if earlier is not None:  # a second step on the same gradient
+            _apply(s, low, earlier)
+        grad_of[id(s)] = (s.grad_staging if low and earlier is None else s.grad_acc).view(-1)
     adam.ensure_state(set(map(id, with_grad)))
     by_group: dict[int, list[ParamSlot]] = {}
     for s in with_grad:
@@ -54,7 +82,7 @@ def step_piece(
         h = hyper[gi]
         steps = [adam.step_count(s) + 1.0 for s in slots]
         moments = [adam.moments(s) for s in slots]
-        grads = [_grad(s) for s in slots]
+        grads = [grad_of[id(s)] for s in slots]
         outs = [s.host_view.view(-1) for s in slots]
         kernel.adamw_step(
             [s.master.view(-1) for s in slots],
@@ -77,18 +105,19 @@ def step_piece(
             g.numel() * (g.element_size() + _STATE_BYTES + o.element_size())
             for g, o in zip(grads, outs)
         )
-    pending = None if inv_scale is None and clip_coef is None else (inv_scale, clip_coef)
-    for s in with_grad:
-        s.grad_pending_mul = pending
     stats["host_update_bytes"] = stats.get("host_update_bytes", 0) + moved
     stats["host_update_params"] = stats.get("host_update_params", 0) + sum(
         s.master.numel() for s in with_grad
     )
 
 
-def _grad(s: ParamSlot) -> torch.Tensor:
-    """The gradient the pass reads: the landed low-precision one, else the accumulator."""
-    return (s.grad_staging if s.grad_low else s.grad_acc).view(-1)
+def _apply(s: ParamSlot, low: bool, earlier: tuple) -> None:
+    """``grad_acc`` as torch's ``.grad`` after an earlier pass's unscale and clip."""
+    if low:
+        s.grad_acc.copy_(s.grad_staging)
+    for factor in earlier:
+        if factor is not None:
+            s.grad_acc.mul_(factor)
 
 
 def apply_pending(s: ParamSlot) -> None:

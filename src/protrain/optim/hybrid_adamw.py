@@ -98,6 +98,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.optim import host_adam_ext
 from protrain.optim.adamw_8bit import (
     QMAP_KEYS,
     TORCH_STATE_KEYS,
@@ -108,9 +109,8 @@ from protrain.optim.adamw_8bit import (
     device_state_keys,
 )
 from protrain.optim.device_step import DeviceStep
-from protrain.optim import host_adam_ext
 from protrain.optim.flat_adamw import FlatAdamW
-from protrain.optim.host_one_pass import step_piece
+from protrain.optim.host_one_pass import plan_reads, step_piece
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.host_worker import HostWorker
@@ -479,7 +479,13 @@ class HybridAdamW(torch.optim.Optimizer):
         opts = self._host_opts[chunk.index]
         if with_grad is None:
             with_grad = [s for s in opts[pi].slots if s.has_grad]
-        stepping = (with_grad, hyper, inv_scale, clip_coef)
+        if self._one_pass is not None:  # fixed now: zero_grad may run before the task
+            inv = None if inv_scale is None else float(inv_scale)
+            # the torch path's rule: a coefficient of exactly 1 changes no bit
+            coef = None if clip_coef is None or float(clip_coef) == 1.0 else float(clip_coef)
+            stepping = (with_grad, hyper, inv, coef, plan_reads(with_grad, inv, coef))
+        else:
+            stepping = (with_grad, hyper, inv_scale, clip_coef)
         self._worker.submit(
             _step_host_piece_task,
             chunk,
@@ -911,14 +917,14 @@ def _step_host_piece_task(
     its fp32 masters), then tells ``progress``; an error fails the whole update.
     ``stepping``: (slots with a gradient, hyperparameters, inverse loss scale, clip
     coefficient); ``kernel``: the one pass's (``optim/host_one_pass.py``), else torch's."""
-    with_grad, hyper, inv_scale, clip_coef = stepping
+    with_grad, hyper, inv_scale, clip_coef = stepping[:4]
     if progress.failed:  # an earlier piece failed: the update is over
         return
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
         if kernel is not None:
-            _step_one_pass(kernel, adam, with_grad, hyper, inv_scale, clip_coef, stats)
+            _step_one_pass(kernel, adam, stepping, stats)
         else:
             _step_host_piece(adam, with_grad, hyper, inv_scale, clip_coef, stats)
     except BaseException as e:
@@ -927,17 +933,15 @@ def _step_host_piece_task(
     progress.advance(pi)
 
 
-def _step_one_pass(kernel, adam, with_grad: list[ParamSlot], hyper, inv_scale, clip_coef, stats):
+def _step_one_pass(kernel, adam: FlatAdamW, stepping: tuple, stats) -> None:
+    with_grad, hyper, inv, coef, reads = stepping
     for s in with_grad:
         if s.grad_event is not None:
             s.grad_event.synchronize()  # the gradient has landed
     if not with_grad:
         return
     t0 = time.perf_counter()
-    inv = None if inv_scale is None else float(inv_scale)
-    # the torch path's rule: a coefficient of exactly 1 changes no bit
-    coef = None if clip_coef is None or float(clip_coef) == 1.0 else float(clip_coef)
-    step_piece(kernel, adam, with_grad, hyper, inv, coef, stats)
+    step_piece(kernel, adam, with_grad, reads, hyper, inv, coef, stats)
     stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + time.perf_counter() - t0
 
 
