@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grad-accum", type=int, default=1,
         help="micro-batches of --batch rows per optimizer step (every system accumulates)",
     )  # fmt: skip
+    p.add_argument(
+        "--host-update", choices=["auto", "torch"], default="auto",
+        help="protrain: the host update of offloaded chunks: the one-pass kernel where it "
+             "builds (auto), or torch's fused AdamW (PROTRAIN_HOST_ADAM=torch)",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -281,6 +286,8 @@ def _sync(device: torch.device) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.host_update == "torch":  # read by the engine when it first steps on the host
+        os.environ["PROTRAIN_HOST_ADAM"] = "torch"
     spec = row_spec(args)
     init_ranks(spec)
     emulate_budget(spec)
@@ -328,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         **result,  # extras: loss, error, and what the system reports per step
         "max_grad_norm": spec.max_grad_norm,
         "grad_accum": spec.grad_accum,
+        "host_update": args.host_update,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
         "steps": args.steps,
         "warmup": args.warmup,

@@ -16,7 +16,7 @@ from torch import nn
 
 from protrain.distributed import agree
 from protrain.distributed.process_group import DistContext
-from protrain.plan import auto
+from protrain.plan import PlanRequest, auto
 from protrain.train.errors import OutputDirError
 from protrain.train.ranks import Ranks
 
@@ -82,7 +82,7 @@ def _planning(rank: int, world: int) -> None:
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     outcomes = iter(["the plan", ValueError("no plan fits the budget")])
 
-    def slow_plan(**_):
+    def slow_plan(*_args, **_kwargs):
         time.sleep(WORK_S)
         outcome = next(outcomes)
         if isinstance(outcome, Exception):
@@ -92,8 +92,8 @@ def _planning(rank: int, world: int) -> None:
     auto._plan_here = slow_plan  # the trace and search, on rank 0 only
     agree.PATIENT_POLL_S = 0.5  # inside this group's timeout
     plan = functools.partial(
-        auto.profile_and_plan, nn.Linear(2, 2), {}, gpu_budget_bytes=1 << 30, device="cpu",
-        hardware=object(), process_group=group,
+        auto.profile_and_plan, nn.Linear(2, 2), PlanRequest(1 << 30, sample_batch={}),
+        device="cpu", hardware=object(), process_group=group,
     )  # fmt: skip
     got, problem = plan()
     assert got == "the plan" and problem == ("the problem" if rank == 0 else None)

@@ -320,3 +320,37 @@ def test_a_lora_chunk_arrives_after_its_frozen_bytes():
     dev_opt = (trn[0] + trn[1]) / hw.device_adam_params_per_s
     assert rt.host_stall_s[2] == pytest.approx(max(tail + host + copy - needed - dev_opt, 0.0))
     assert rt.host_stall_s[2] > 0
+
+
+def test_one_pass_host_update_moves_compute_dtype_copies_and_no_write_back():
+    """On the one-pass path the gathers copy the chunk's bf16 bytes, not fp32 masters,
+    nothing is written back, the gradients leave in bf16, and a step moves 32 bytes of host
+    memory an offloaded parameter (40 with torch's path and clipping)."""
+    profile = llama1b_like()
+    hw = dataclasses.replace(h200_like(), cpu_clip_params_per_s=10e9)
+    torch_path = RuntimeModel(profile, hw, clipping=True)
+    one_pass = RuntimeModel(profile, dataclasses.replace(hw, host_update="one_pass"), clipping=True)
+    n, trn = one_pass.n_chunks, profile.chunks.trainable_numel
+    assert one_pass.fwd_in[n] == pytest.approx(torch_path.fwd_in[n] - 2 * sum(trn))
+    assert one_pass.write_back[n] == 0 and torch_path.write_back[n] == 2 * sum(trn)
+    assert one_pass.grads_out[n] == pytest.approx(torch_path.grads_out[n] / 2)
+    assert one_pass.host_bytes_per_param(0) == 32
+    assert torch_path.host_bytes_per_param(0) == 8 + 24 + 8 + 4 + 2
+    # the clip rides in the pass: no separate clip term
+    assert one_pass.host_s_per_param < torch_path.host_s_per_param
+    _, t1 = one_pass.step_s(0, 2, one_pass.base_compute_s, 0, breakdown=True)
+    _, t0 = torch_path.step_s(0, 2, torch_path.base_compute_s, 0, breakdown=True)
+    assert t1["h2d_bytes"] < t0["h2d_bytes"] and t1["d2h_bytes"] < t0["d2h_bytes"]
+
+
+def test_host_floor_is_the_update_bytes_over_the_measured_roof():
+    profile = llama1b_like()
+    hw = dataclasses.replace(h200_like(), host_update="one_pass", host_memory_bytes_per_s=100e9)
+    rt = RuntimeModel(profile, hw, clipping=False)
+    params = sum(profile.chunks.trainable_numel)
+    assert rt.host_floor_s(0) == pytest.approx(params * 32 / 100e9)
+    assert rt.host_floor_s(rt.n_chunks) == 0
+    assert RuntimeModel(profile, h200_like()).host_floor_s(0) is None  # not measured
+    _, terms = rt.step_s(0, 2, rt.base_compute_s, 0, breakdown=True)
+    assert terms["host_floor"] == pytest.approx(params * 32 / 100e9)
+    assert terms["host_bytes_per_param"] == 32

@@ -254,3 +254,26 @@ def test_best_candidates_work_stays_bounded_for_300_chunks():
     assert rest == sorted(rest) and rest[0] >= cands[0]["predicted_step_s"] * (1 - PLAIN_MARGIN)
     assert result.work["exact_pairs"] <= 200 and result.work["rows"] <= 8 * 8, result.work
     assert elapsed < 5.0  # generous for CI; about 0.2 s on a 2-core CPU
+
+
+def test_the_reasons_say_when_the_host_is_the_bound():
+    """A plan whose host update outlasts its compute says so, with the bytes a parameter and
+    the floor at the measured roof; one that hides it, or runs on the CPU, says nothing."""
+    import dataclasses
+
+    from protrain.plan.search import host_bound
+
+    plan = Plan(
+        n_persist=0, n_buffer=2, n_swap=0, n_checkpoint=0, chunk_size_bytes=1, n_chunks=4,
+        n_blocks=2, tokens_per_step=1, gpu_budget_bytes=1, cpu_budget_bytes=None,
+        predicted_peak_bytes=1, predicted_step_s=2.0, predicted_host_bytes=1,
+        time_terms={"compute": 0.5, "host_optimizer": 1.5, "host_bytes_per_param": 32.0,
+                    "host_floor": 1.2},
+    )  # fmt: skip
+    hw = dataclasses.replace(syn.hardware(), host_update="one_pass", host_memory_bytes_per_s=1e11)
+    text = host_bound(plan, hw)
+    assert text.startswith("the host is the bound") and "32 bytes" in text
+    assert "roof of 100 GB/s no step is under 1.200 s" in text
+    assert host_bound(plan, syn.hardware("cpu")) is None
+    hidden = dataclasses.replace(plan, time_terms={"compute": 2.0, "host_optimizer": 1.5})
+    assert host_bound(hidden, hw) is None

@@ -54,8 +54,10 @@ def test_busy_host_adam_is_timed_only_while_copies_run(monkeypatch):
 
     monkeypatch.setattr(hardware, "_copy_until", copier)
     monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
+    monkeypatch.setattr(hardware.host_adam_ext, "kernel", lambda: None)  # torch's path
     threads = threading.active_count()
-    assert hardware._host_adam_rate(busy_device=torch.device("cpu"), threads=1) == 1.0
+    cpu = torch.device("cpu")
+    assert hardware._host_adam_rate(cpu, busy_device=cpu, threads=1) == 1.0
     assert seen == {"copying": True, "stopped": True}
     assert threading.active_count() == threads
 
@@ -68,6 +70,7 @@ def test_busy_host_adam_with_failed_copies_is_an_error(monkeypatch):
 
     monkeypatch.setattr(hardware, "_copy_until", copier)
     monkeypatch.setattr(hardware, "_adam_rate", _stand_in_adam(seen))
+    monkeypatch.setattr(hardware.host_adam_ext, "kernel", lambda: None)  # torch's path
     with pytest.raises(RuntimeError, match="cudaHostAlloc failed"):
-        hardware._host_adam_rate(busy_device=torch.device("cpu"), threads=1)
+        hardware._host_adam_rate(torch.device("cpu"), busy_device=torch.device("cpu"), threads=1)
     assert seen == {}  # nothing timed without the copies

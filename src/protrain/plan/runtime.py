@@ -33,6 +33,18 @@ predicted 3-15% too slow there. Re-predicted from the kept profiles with the ble
 H200 matrix rows' median step error is 4.6% (5.4% with the busy rate alone), full
 fine-tuning's 6.7% (8.7%) over 42 rows.
 
+[Note: copies of the one-pass host update]
+Where the hardware profile says the engine's host update is the one-pass kernel
+(``host_update == "one_pass"``, ``optim/host_one_pass.py``), an offloaded chunk's gradients
+leave the device in the compute dtype and the pass writes the updated weights, in the compute
+dtype, into the chunk's host copy: the forward gathers copy the chunk's own bytes (not fp32
+masters), nothing is written back, and the gradients out are half the bytes. The clip rides
+in the same pass (no separate clip term). ``host_bytes_per_param`` counts a step's host
+memory traffic per offloaded parameter (32 for bf16 on the one pass, about 40 on torch's
+path); over the host's measured memory roof (``host_memory_bytes_per_s``) it gives the floor
+no schedule gets under (``host_floor``), which the plan's reasons name when the host
+update outlasts the compute.
+
 [Note: the copy pipeline] is the per-chunk
   alternative, measured and not adopted.
 - **device optimizer**: fused AdamW over the persistent chunks' trainable parameters at the
@@ -236,9 +248,12 @@ class RuntimeModel:
         self.base_compute_s = float(base)
         self.fwd_compute_s = float(pre + block_fwd.sum())
         self.host_adam_rate = hardware.cpu_adam_busy_params_per_s or hardware.cpu_adam_params_per_s
+        # [Note: copies of the one-pass host update]
+        self.one_pass = hardware.host_update == "one_pass"
         # seconds per offloaded trainable parameter of the host step: AdamW, and with
-        # clipping the multiplication by the clip coefficient before it
-        clip_rate = hardware.cpu_clip_params_per_s if clipping else None
+        # clipping on torch's path the multiplication by the clip coefficient before it (the
+        # one pass clips as it reads the gradient)
+        clip_rate = hardware.cpu_clip_params_per_s if clipping and not self.one_pass else None
         self.host_s_per_param = 1.0 / self.host_adam_rate + (1.0 / clip_rate if clip_rate else 0.0)
         self.recompute_s = recompute
         self.saved = np.asarray([x.saved_bytes for x in profile.blocks], dtype=np.int64)
@@ -260,11 +275,16 @@ class RuntimeModel:
 
         # Copies per rank; only offloaded chunks' differences are read ([Note: several ranks])
         sh = world.shards
-        self.fwd_in = prefix(frozen + 4 * trn) / sh  # forward gather bytes (masters in fp32)
+        tb = np.asarray(t.trainable_bytes, dtype=np.int64)
+        # per chunk: forward gather bytes (the one pass's compute-dtype copy, or fp32 masters
+        # cast on the device), the cast weights written back after it, the gradients out
+        self._fwd_in_chunk = frozen + (tb if self.one_pass else 4 * trn)
+        self._write_back_chunk = np.zeros_like(tb) if self.one_pass else tb
+        self._grad_out_chunk = tb if self.one_pass else 4 * trn
+        self.fwd_in = prefix(self._fwd_in_chunk) / sh
         self.used = prefix(used) / sh
-        # forward, after host updates: the updated parameters' bytes (frozen ones never change)
-        self.write_back = prefix(np.asarray(t.trainable_bytes, dtype=np.int64)) / sh
-        self.grads_out = prefix(4 * trn) / sh  # backward, fp32
+        self.write_back = prefix(self._write_back_chunk) / sh
+        self.grads_out = prefix(self._grad_out_chunk) / sh
         self.trainable = prefix(trn)
         self.trainable_chunks = prefix(trn > 0)
         # Backward gathers no chunk before the first one with a trainable parameter: what
@@ -443,12 +463,16 @@ class RuntimeModel:
         trn, frozen, last_numel = self._trn, self._frozen, self._last_numel
         # per chunk, the same for every n_persist
         self._host_s = trn / sh  # seconds per (seconds a parameter): scaled per n_persist
-        self._gather_s = (frozen + 4 * trn) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
+        self._gather_s = self._fwd_in_chunk / sh / hw.h2d_bytes_per_s + self.gather_coll_s
         # the copy after the last piece of an update (the pieces before hide under it), and
         # the chunk's frozen bytes, which the gather copies once the forward asks for it
         last_piece = np.minimum(trn, np.maximum(last_numel, _UPDATE_PIECE_NUMEL))
-        self._tail_s = (frozen + 4 * last_piece) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
-        self._grad_tail_s = 4 * last_numel / hw.d2h_bytes_per_s
+        per_param = self._param_bytes(self._fwd_in_chunk - frozen)
+        grad_bytes = self._param_bytes(self._grad_out_chunk)
+        self._tail_s = (
+            frozen + per_param * last_piece
+        ) / sh / hw.h2d_bytes_per_s + self.gather_coll_s
+        self._grad_tail_s = grad_bytes * last_numel / hw.d2h_bytes_per_s
         tc = self._task_chunk
         self._piece_release = self._grad_tail_s[tc] - self._task_bwd_after
         self._piece_work = self._host_s[tc] * self._task_share
@@ -457,6 +481,37 @@ class RuntimeModel:
         for n_p in range(n):
             stall[n_p] = self._stall_at(n_p, np.zeros(0, dtype=np.int64))
         return stall
+
+    def _param_bytes(self, chunk_bytes: np.ndarray) -> np.ndarray:
+        """Bytes a trainable parameter of each chunk, from the chunk's bytes of them."""
+        trn = self._trn
+        return np.divide(chunk_bytes, trn, out=np.zeros(len(trn)), where=trn > 0)
+
+    def host_bytes_per_param(self, n_persist: int) -> float:
+        """Host memory bytes a step moves per offloaded trainable parameter: the update's
+        own (gradient read, fp32 master and moments read and written, the copy out) and the
+        copies' (the gradient landed, the weights the gather reads); see [Note: copies of
+        the one-pass host update]."""
+        off = slice(int(n_persist), None)
+        n = float(self._trn[off].sum())
+        if n == 0:
+            return 0.0
+        grad = float(self._grad_out_chunk[off].sum()) / n
+        if self.one_pass:  # landed, read; the state; written, read by the gather
+            return 2 * grad + 24 + 2 * float(self._trainable_bytes[off].sum()) / n
+        clip = 8.0 if self.clipping else 0.0  # torch's separate pass over the fp32 gradients
+        # landed and read in fp32; the state; the master read by the gather; the write-back
+        wb = float(self._write_back_chunk[off].sum()) / n
+        return 2 * grad + 24 + clip + 4 + wb
+
+    def host_floor_s(self, n_persist: int) -> float | None:
+        """The shortest host step the host's memory roof allows for the offloaded trainable
+        parameters at ``n_persist`` (None: the roof was not measured)."""
+        roof = self.hw.host_memory_bytes_per_s
+        if not roof:
+            return None
+        params = float(self.trainable[self.n_chunks] - self.trainable[int(n_persist)])
+        return params / self.world.shards * self.host_bytes_per_param(n_persist) / roof
 
     def _stall_at(self, n_p: int, on_device: np.ndarray) -> float:
         """Seconds the next forward waits for offloaded chunks at ``n_persist = n_p``, the
@@ -622,8 +677,10 @@ class RuntimeModel:
             sh = self.world.shards
             trn, tb = self._trn[dev].sum(), self._trainable_bytes[dev].sum()
             dev_h2d, dev_d2h = self.device_step_bytes(dev)
-            h2d_f = h2d_f - (4 * trn - tb) / sh + dev_h2d  # cast weights in, not masters
-            d2h_f = d2h_f - tb / sh + dev_d2h  # no write-back; gradients out as the host's
+            # cast weights in, not masters; no write-back; gradients out as the host's
+            h2d_f = h2d_f - (self._fwd_in_chunk[dev].sum() - self._frozen[dev].sum() - tb) / sh
+            h2d_f = h2d_f + dev_h2d
+            d2h_f = d2h_f - self._write_back_chunk[dev].sum() / sh + dev_d2h
             dev_step_s = float(self.device_step_chunk_s(dev).sum())
             host_params = host_params - trn
 
@@ -676,6 +733,8 @@ class RuntimeModel:
             "device_optimizer": float(dev_opt_s),
             "host_optimizer": float(host_params * spp / self.world.shards),
             "host_optimizer_exposed": float(stall_s),
+            "host_bytes_per_param": self.host_bytes_per_param(int(n_persist)),
+            "host_floor": self.host_floor_s(int(n_persist)) or 0.0,
             "device_step": dev_step_s,
             "device_step_h2d_bytes": float(dev_h2d),
             "device_step_d2h_bytes": float(dev_d2h),

@@ -646,9 +646,30 @@ def reasons_for(plan: Plan, problem: PlanProblem) -> list[str]:
             f"{t['device_optimizer']:.3f} s, host optimizer {t['host_optimizer']:.3f} s "
             f"({t['host_optimizer_exposed']:.3f} s the next forward waits for)"
         )
+    bound = host_bound(plan, problem.hardware)
+    if bound:
+        out.append(bound)
     if plan.n_checkpoint or plan.n_swap:
         out.append(
             f"activations: {plan.n_swap} blocks swapped, {plan.n_checkpoint} checkpointed, "
             f"{plan.n_blocks - plan.n_swap - plan.n_checkpoint} kept"
         )
     return out
+
+
+def host_bound(plan: Plan, hardware: HardwareProfile) -> str | None:
+    """A sentence where the host's memory sets the step: its update of the offloaded
+    parameters takes longer than the step's compute, so no schedule hides it."""
+    t = plan.time_terms or {}
+    host_s, compute_s = t.get("host_optimizer", 0.0), t.get("compute", 0.0)
+    if hardware.device != "cuda" or host_s <= compute_s or host_s == 0.0:
+        return None
+    text = (
+        f"the host is the bound: its update of the offloaded parameters takes {host_s:.3f} s "
+        f"against {compute_s:.3f} s of compute ({hardware.host_update} update, "
+        f"{t.get('host_bytes_per_param', 0.0):.0f} bytes of host memory a parameter a step"
+    )
+    if t.get("host_floor") and hardware.host_memory_bytes_per_s:
+        roof = hardware.host_memory_bytes_per_s / 1e9
+        text += f"; at the host's measured roof of {roof:.0f} GB/s no step is under {t['host_floor']:.3f} s"
+    return text + ")"

@@ -1,10 +1,13 @@
 """Hardware rates the runtime model needs, measured once per machine and cached.
 
 Measured: host-to-device and device-to-host copy bandwidth from pinned memory, both
-directions at once (two streams), the fused AdamW rate on the host (the engine's optimizer
-for offloaded chunks, on a worker thread at the engine's host thread count), alone and
-while copies run both ways (in training the host AdamW overlaps the gradient and parameter
-copies, which share the host's memory bandwidth with it), and on the device. A CPU device
+directions at once (two streams), the rate of the host update the engine runs for offloaded
+chunks (the one-pass kernel of ``optim/host_adam_ext.py`` where it builds, else torch's fused
+AdamW; on a worker thread at the engine's host thread count), alone and while copies run
+both ways (in training the host update overlaps the gradient and parameter copies, which
+share the host's memory bandwidth with it), the fused AdamW on the device, and the host's
+memory roof: an in-place add over fp32 tensors beyond any cache (12 bytes an element), the
+fastest any pass over the optimizer state can stream, with every local rank at once. A CPU device
 has no copies to measure: the "device" is the host, so its copy rates are host memory-copy
 rates and its device AdamW rate is the host one.
 
@@ -41,6 +44,7 @@ import torch
 from protrain.distributed.agree import from_main, max_over_ranks
 from protrain.distributed.collectives import all_gather_into, reduce_scatter_into
 from protrain.distributed.process_group import SINGLE, DistContext, resolve_context
+from protrain.optim import host_adam_ext
 from protrain.runtime.host_worker import default_host_threads
 
 log = logging.getLogger(__name__)
@@ -53,7 +57,8 @@ _ADAM_NUMEL = 1 << 26
 # Bytes of one gathered chunk in the collectives' timing: a typical chunk on a GPU; on the
 # CPU (gloo, as CI runs several ranks) smaller, to stay a fraction of a second.
 _COLLECTIVE_BYTES = {"cuda": 256 << 20, "cpu": 16 << 20}
-_PROFILE_VERSION = 6  # part of the cache key: a change of method re-measures
+_PROFILE_VERSION = 7  # part of the cache key: a change of method re-measures
+_ADD_BYTES = 12  # a.add_(b): reads two fp32 elements, writes one
 
 
 @dataclass
@@ -79,6 +84,11 @@ class HardwareProfile:
     all_gather_busy_bytes_per_s: float | None = None  # while copies run both ways (CUDA)
     world_size: int = 1
     local_world_size: int = 1  # ranks on this host, each measured beside the others
+    # the host update the rates above are of: "one_pass" (the kernel reads low-precision
+    # gradients, writes the compute-dtype copy the gather takes as it is) or "torch"
+    host_update: str = "torch"
+    # the host's memory roof per rank (every local rank streaming at once); None: not measured
+    host_memory_bytes_per_s: float | None = None
     key: str = ""
 
     def to_dict(self) -> dict:
@@ -108,6 +118,8 @@ def machine_key(device: torch.device, ctx: DistContext = SINGLE) -> str:
     ]
     if device.type == "cuda":
         parts.append(torch.cuda.get_device_name(device))
+    # the forced fallback measures another update (a build that fails, fails alike each time)
+    parts.append(f"host_update={os.environ.get(host_adam_ext.ENV_VAR, '')}")
     if ctx.is_distributed:
         parts.append(f"world={ctx.world_size}/{ctx.local_world_size}/{ctx.backend}")
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -163,11 +175,15 @@ def _measure(device: torch.device, ctx: DistContext = SINGLE) -> HardwareProfile
 def _measure_rank(device: torch.device, ctx: DistContext) -> HardwareProfile:
     threads = default_host_threads(ctx.local_world_size)
     _together(ctx)
-    cpu_adam = _host_adam_rate(threads=threads)
+    cpu_adam = _host_adam_rate(device, threads=threads)
+    _together(ctx)
+    roof = _host_rate(_add_rate, threads=threads)
     coll = {
         "collective_bytes_per_s": None,
         "world_size": ctx.world_size,
         "local_world_size": ctx.local_world_size,
+        "host_update": _host_update_path(),
+        "host_memory_bytes_per_s": roof,
         **_collective_rates(device, ctx),
     }
     if device.type != "cuda":
@@ -188,7 +204,7 @@ def _measure_rank(device: torch.device, ctx: DistContext) -> HardwareProfile:
         )
     h2d, d2h, duplex = _pcie_rates(device)
     _together(ctx)
-    busy_adam = _host_adam_rate(busy_device=device, threads=threads)
+    busy_adam = _host_adam_rate(device, busy_device=device, threads=threads)
     _together(ctx)
     busy_clip = _host_rate(_clip_rate, busy_device=device, threads=threads)
     if ctx.is_distributed:
@@ -292,9 +308,46 @@ def _clip_rate() -> float:
     return _ADAM_NUMEL / _best_of(lambda: torch._foreach_mul_([g], coef))
 
 
-def _host_adam_rate(busy_device: torch.device | None = None, *, threads: int) -> float:
-    """The host AdamW rate as the engine runs it (see :func:`_host_rate`)."""
-    return _host_rate(lambda: _adam_rate(torch.device("cpu")), busy_device, threads=threads)
+def _host_update_path() -> str:
+    return "torch" if host_adam_ext.kernel() is None else "one_pass"
+
+
+def _host_adam_rate(
+    device: torch.device, busy_device: torch.device | None = None, *, threads: int
+) -> float:
+    """The host update's rate as the engine runs it (see :func:`_host_rate`): the one-pass
+    kernel where it builds, with gradients and weights' copy in the compute dtype the device
+    trains in (bf16 on a GPU, fp32 on the CPU), else torch's fused AdamW."""
+    kernel = host_adam_ext.kernel()
+    if kernel is None:
+        return _host_rate(lambda: _adam_rate(torch.device("cpu")), busy_device, threads=threads)
+    low = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _host_rate(lambda: _one_pass_rate(kernel, low), busy_device, threads=threads)
+
+
+def _one_pass_rate(kernel, low: torch.dtype) -> float:
+    """Parameters a second of the one-pass update over one flat piece (no unscale, no
+    clip: both ride in the same pass, at no extra bytes)."""
+    master, m, v = (torch.zeros(_ADAM_NUMEL) for _ in range(3))
+    grad = torch.full((_ADAM_NUMEL,), 1e-3, dtype=low)
+    out = torch.empty(_ADAM_NUMEL, dtype=low)
+    step = [0.0]
+
+    def once():
+        step[0] += 1.0
+        kernel.adamw_step(
+            [master], [m], [v], [grad], [out], [step[0]], 1e-3, 0.9, 0.999, 0.0, 1e-8, None, None
+        )
+
+    return _ADAM_NUMEL / _best_of(once)
+
+
+def _add_rate() -> float:
+    """Bytes a second of an in-place fp32 add beyond any cache: the host's memory roof for
+    a pass that reads and writes in place (no write-allocate traffic)."""
+    a = torch.zeros(_ADAM_NUMEL)
+    b = torch.full((_ADAM_NUMEL,), 1e-3)
+    return _ADD_BYTES * _ADAM_NUMEL / _best_of(lambda: a.add_(b))
 
 
 def _host_rate(measure, busy_device: torch.device | None = None, *, threads: int) -> float:
