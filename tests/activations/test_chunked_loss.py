@@ -129,6 +129,7 @@ def _model_loss(model, batch):
     return loss_sum / n_targets
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_trains_like_the_models_own_loss_with_policies(mode):
     """Losses and the gradients before a step match the model's own loss to 1e-6.

@@ -58,6 +58,7 @@ def test_policies_with_all_chunks_offloaded(mode, policy):
         protrain.close(model)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_tiled_mlp_and_chunked_loss_with_all_chunks_offloaded(mode):
     """The head is called per chunk (and again per chunk in backward): the runtime gathers it.

@@ -51,6 +51,7 @@ def test_same_loss_and_gradients(kind):
     assert all("forward" not in layer.mlp.__dict__ for layer in model.model.layers)
 
 
+@pytest.mark.exactness
 @pytest.mark.parametrize("mode", ["full", "lora"])
 def test_trains_like_plain_pytorch_with_policies(mode):
     """Composed with a mix of policies and gradient accumulation.

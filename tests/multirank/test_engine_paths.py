@@ -301,6 +301,7 @@ def _rank_fp16(rank, world, out_dir):
     )
 
 
+@pytest.mark.exactness
 def test_fp16_inf_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     run_ranks(WORLD, _rank_fp16, str(tmp_path))
     results = _results(tmp_path)
