@@ -28,8 +28,14 @@ install: $(BIN)/protrain
 run: install
 	$(BIN)/protrain train
 
+# Then the exactness tests again under each narrower CPU vector width torch has kernels for
+# (their reductions sum in another order): on AVX-512, under avx2 and default.
 test: install
 	$(BIN)/python -m pytest -q
+	for cap in $$($(BIN)/python scripts/lower_cpu_capabilities.py); do \
+		echo "exactness tests under ATEN_CPU_CAPABILITY=$$cap"; \
+		ATEN_CPU_CAPABILITY=$$cap $(BIN)/python -m pytest -q -m exactness || exit 1; \
+	done
 
 # The suite against the newest releases pyproject.toml allows (no constraints.txt), in a venv
 # of its own: run it before raising the pins.

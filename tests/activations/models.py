@@ -79,3 +79,18 @@ def train(model, data, optimizer=None, loss_fn=None) -> list[float]:
         optimizer.step()
         optimizer.zero_grad()
     return losses
+
+
+def first_gradients(model, batch: dict, loss_fn=None) -> dict[str, torch.Tensor]:
+    """The gradients of one micro-batch's loss, before any optimizer step."""
+    loss_fn = loss_fn or (lambda m, b: m(**b).loss)
+    loss_fn(model, batch).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def assert_same_gradients(got: dict, want: dict, atol: float = 1e-6) -> None:
+    assert got.keys() == want.keys()
+    for name, g in want.items():
+        torch.testing.assert_close(got[name], g, atol=atol, rtol=1e-6, msg=name)
