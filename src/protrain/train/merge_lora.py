@@ -12,6 +12,8 @@ The merge is peft's own `merge_and_unload`: each adapted weight becomes W + scal
 `base_model_name_or_path` of the adapter's `adapter_config.json`. A QLoRA adapter merges
 into the unquantized base (the weights the quantized ones approximate). The tokenizer is the
 adapter folder's (the run's export writes it there), else the base's.
+Another adapter of the run (`final/<name>/`) merges alone by naming its folder; the adapters
+are not merged together.
 
 OUTPUT_DIR is written whole under another name and then put in place (`final_dir.publish`):
 a failed merge (a full disk) leaves no partial model, and an existing OUTPUT_DIR is kept
