@@ -1,4 +1,5 @@
-"""`protrain` command line: train, plan, profile, preprocess, inspect-data.
+"""`protrain` command line: train, plan, profile, preprocess, inspect-data, convert-checkpoint,
+merge-lora.
 
 Mistakes in the user's input (config, data, output directory) and every file or OS error
 (a path that cannot be read or written, a full disk, text that is not UTF-8) are printed as
@@ -128,6 +129,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p_convert.add_argument("checkpoint", help="a checkpoint-<step> folder")
     p_convert.add_argument("output_dir", help="where checkpoint-<step> is written")
+
+    p_merge = sub.add_parser(
+        "merge-lora",
+        help="merge a trained LoRA/DoRA adapter into its base; write a plain Hugging Face model",
+    )
+    p_merge.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
+    p_merge.add_argument("adapter", help="the adapter directory (a run's final/)")
+    p_merge.add_argument("output_dir", help="where the merged model is written")
+    p_merge.add_argument(
+        "--base",
+        default=None,
+        metavar="PATH_OR_ID",
+        help="the base model (default: final/base_model of a tiny run, else the adapter's "
+        "base_model_name_or_path)",
+    )
+    p_merge.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="the dtype the merge is computed and written in (default: the base's own)",
+    )
+    p_merge.add_argument("--force", action="store_true", help="replace output_dir if it exists")
     return parser
 
 
@@ -338,6 +361,15 @@ def _run(args: argparse.Namespace) -> int:
 
         path = convert_checkpoint(Path(args.checkpoint), Path(args.output_dir))
         print(f"converted: {path}")
+        return 0
+    if args.command == "merge-lora":  # no config: the adapter folder names its base
+        from protrain.train.merge_lora import merge_lora
+
+        merged = merge_lora(
+            Path(args.adapter), Path(args.output_dir), base=args.base, dtype=args.dtype,
+            force=args.force,
+        )  # fmt: skip
+        print(f"merged model written to {merged}")
         return 0
     cfg = load_config(args.config, args.overrides)
     if args.command == "train":

@@ -46,9 +46,9 @@ _SIGNAL_AFTER_LOOP = _SIGNAL_IN_EXPORT.replace(
     # the moment between the loop's end and the export: the metrics file's close
     "import protrain.train.metrics as metrics\n"
     "real_close = metrics.MetricsWriter.close\n"
-    "def close(self):\n"
+    "def close(self, *args):\n"
     "    os.kill(os.getpid(), signal.SIGTERM)\n"
-    "    return real_close(self)\n"
+    "    return real_close(self, *args)\n"
     "metrics.MetricsWriter.close = close",
 )
 

@@ -33,6 +33,7 @@ from protrain.knobs import Knobs
 from protrain.train.data import DataSettings
 from protrain.train.data.errors import not_utf8_place
 from protrain.train.errors import ConfigError
+from protrain.train.tracking import TrackingSettings
 
 QUICKSTART_DIR = Path(__file__).resolve().parent / "quickstart"
 QUICKSTART_CONFIG = QUICKSTART_DIR / "config.yaml"
@@ -501,8 +502,9 @@ class FSDPConfig(StrictModel):
         return self
 
 
-class TrainConfig(DataSettings):
-    """The whole YAML file. Data keys are inherited from `DataSettings`."""
+class TrainConfig(DataSettings, TrackingSettings):
+    """The whole YAML file. Data keys are inherited from `DataSettings`, the experiment
+    trackers' (`report_to`, `wandb_project`, ...) from `TrackingSettings`."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 

@@ -83,6 +83,7 @@ from protrain.train.run_lock import RunLock, check_free_space
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 from protrain.train.seeding import seed_everything
 from protrain.train.stop_signals import StopSignals, TrainingStopped, resume_command
+from protrain.train.tracking import check_trackers_installed, open_trackers
 from protrain.train.trainable import Trainable
 
 
@@ -102,6 +103,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = Fa
     `_check_data_order`)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
+    check_trackers_installed(cfg)  # before any work, and before the ranks meet
     ranks, device = start_ranks(resolve_device(cfg.device))
     if not ranks.is_main:  # rank 0 logs for the job
         logger.setLevel(logging.WARNING)
@@ -309,7 +311,10 @@ def _train(
         )
 
     # -- 5. the loop
-    metrics = MetricsWriter(output_dir) if ranks.is_main else _NoMetrics()
+    metrics = _NoMetrics()
+    if ranks.is_main:
+        trackers = open_trackers(cfg, output_dir, cfg.model_dump(mode="json"))
+        metrics = MetricsWriter(output_dir, trackers)
     result = TrainResult(output_dir=output_dir, final_dir=output_dir / "final", steps=step)
     batches = stream.iterate(position)
     progress = tqdm(
@@ -326,6 +331,7 @@ def _train(
     last_save_s = time.monotonic()
     stops = StopSignals()
     say = progress.write if ranks.is_main else (lambda line: None)
+    failure: BaseException | None = None  # what ended the loop, for the trackers' records
     with stops:  # the stop handlers: from the first step to the end of the export
         try:
             # A stop, a save and an evaluation are decided alike on every rank: each is a
@@ -447,7 +453,8 @@ def _train(
                         resume_command(),
                     )
                 raise TrainingStopped(stops.requested)
-        except BaseException:
+        except BaseException as exc:
+            failure = exc
             if not ranks.several:
                 # the engine's threads and buffers; the weights are not needed again (what
                 # the run keeps is saved), and may be half stepped (a step refused as not
@@ -460,7 +467,7 @@ def _train(
             raise
         finally:
             progress.close()
-            metrics.close()
+            metrics.close(failure)
 
         # -- 6. export
         result.steps = step
@@ -734,7 +741,7 @@ class _NoMetrics:
     def write(self, step: int, record: dict) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         pass
 
 

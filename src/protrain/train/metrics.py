@@ -1,27 +1,27 @@
-"""Training metrics: JSON lines in `output_dir/metrics.jsonl`, and TensorBoard when installed."""
+"""Training metrics: JSON lines in `output_dir/metrics.jsonl`, and the experiment trackers
+the config names (W&B, MLflow, TensorBoard: `train/tracking.py`)."""
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from protrain.train.errors import OutputDirError
 from protrain.train.log import logger
+from protrain.train.tracking import Tracker, numbers
 
 
 class MetricsWriter:
-    def __init__(self, output_dir: Path):
+    """`metrics.jsonl`, and each record's numbers to the experiment trackers the config
+    asked for (`train/tracking.py`)."""
+
+    def __init__(self, output_dir: Path, trackers: Sequence[Tracker] = ()):
         self.path = output_dir / "metrics.jsonl"
         self._file = open(self.path, "a")  # noqa: SIM115 (closed by close())
-        self._tensorboard = None
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            logger.info("tensorboard is not installed; metrics go to metrics.jsonl only")
-        else:
-            self._tensorboard = SummaryWriter(log_dir=str(output_dir / "tensorboard"))
+        self._trackers = list(trackers)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         # strict JSON: a NaN or inf (a skipped step's gradient norm) is written null
@@ -29,15 +29,17 @@ class MetricsWriter:
         record = {"step": step, **values}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
         self._file.flush()
-        if self._tensorboard is not None:
-            for key, value in values.items():
-                if isinstance(value, int | float):
-                    self._tensorboard.add_scalar(key, value, step)
+        for tracker in self._trackers:
+            tracker.log(step, numbers(values))
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
+        """``error``: what ended the run, where it raised (the trackers mark it failed)."""
         self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        for tracker in self._trackers:
+            try:
+                tracker.close(error)
+            except Exception as exc:  # the run's result (and its own error) comes first
+                logger.warning("closing the %s run failed: %s", type(tracker).__name__, exc)
 
 
 def _non_finite(value: Any) -> bool:
