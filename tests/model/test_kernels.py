@@ -24,8 +24,8 @@ from protrain.activations.fused_loss import (
 from protrain.model.kernels import (
     FUSED_CE,
     KernelChoice,
-    apply_kernels,
     applied_kernels,
+    apply_kernels,
     choose_kernels,
 )
 from protrain.train.loss import count_trained_tokens, loss_sum
