@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--grad-accum", type=int, default=1,
         help="micro-batches of --batch rows per optimizer step (every system accumulates)",
     )  # fmt: skip
+    p.add_argument(
+        "--kernels", choices=["auto", "none"], default="none",
+        help="protrain: Liger Kernel's fused kernels (model.kernels; auto: those of the family "
+             "on a CUDA GPU where liger-kernel is installed); the row records which ran",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -163,6 +168,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         checkpointing=not args.no_checkpointing,
         profiles=args.profiles,
         grad_accum=args.grad_accum,
+        kernels=args.kernels,
     )
 
 
@@ -329,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_grad_norm": spec.max_grad_norm,
         "grad_accum": spec.grad_accum,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
+        "kernels_setting": spec.kernels if spec.system == "protrain" else None,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,
