@@ -45,6 +45,7 @@ rows apart, against the acceptance targets):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -252,6 +253,7 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
     }  # fmt: skip
     t_start = time.perf_counter()
     try:
+        from protrain.plan import PlanRequest
         from protrain.plan.auto import profile_model
         from protrain.plan.closed_loop import check_plan
         from protrain.plan.host_budget import default_cpu_budget
@@ -261,8 +263,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         from protrain.train.planning import (
             PlanSettings,
             loss_chunk_of,
+            plan_request,
             planner_loss,
-            trace_kwargs,
         )
 
         fixed = args.chunked_loss_tokens
@@ -285,13 +287,13 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         # planner's LossChunks where the chunk is not fixed, as `memory.auto` builds it).
         settings = PlanSettings(
             device=device, compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-            gpu_budget_bytes=budget, cpu_budget_bytes=None, chunk_size_bytes=None,
-            tiled_mlp_tokens=None, chunked_loss_tokens=fixed or None, clipping=clip is not None,
+            request=PlanRequest(budget, clipping=clip is not None), chunked_loss_tokens=fixed or None,
             loss_chunk_floor_tokens=TINY_LOSS_CHUNK_FLOOR_TOKENS if tiny else LOSS_CHUNK_FLOOR_TOKENS,
         )  # fmt: skip
-        trace_args = trace_kwargs(model, settings)
+        request = plan_request(model, sample, settings)
         if fixed == 0:
-            trace_args.update(loss_chunks=None, fixed_loss_chunk_tokens=None, loss_fn=hf_loss)
+            request = dataclasses.replace(request, loss_chunks=None, fixed_loss_chunk_tokens=None,
+                                          loss_fn=hf_loss)  # fmt: skip
 
         host_budget = [None]
 
@@ -301,7 +303,8 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             t0 = time.perf_counter()
             hw = measure_hardware(device)
             t1 = time.perf_counter()
-            profile = profile_model(model, sample, **trace_args)
+            profile = profile_model(model, request, device=settings.device,
+                                    compute_dtype=settings.compute_dtype)  # fmt: skip
             t2 = time.perf_counter()
             # auto mode's host budget when none is given, read after the trace as it does
             host_budget[0] = default_cpu_budget()

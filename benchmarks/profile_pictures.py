@@ -38,6 +38,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from materialize import build_for_mode  # noqa: E402
+from protrain.knobs import Knobs  # noqa: E402
+from protrain.plan import PlanRequest  # noqa: E402
 from protrain.profile.hardware import measure_hardware  # noqa: E402
 from protrain.profile.timeline import (  # noqa: E402
     build_picture,
@@ -90,15 +92,16 @@ def picture(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     vocab = MODEL_SHAPES[model_name]["vocab_size"]
     ids = torch.randint(vocab, (batch_size, seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids.clone()}
+    request = PlanRequest(
+        int(budget_gib * _GIB),
+        knobs=Knobs(chunk_size_bytes=int(chunk_mib * 2**20) if chunk_mib else None),
+        clipping=not args.no_clipping,
+    )
     settings = PlanSettings(
         device=device,
         compute_dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        gpu_budget_bytes=int(budget_gib * _GIB),
-        cpu_budget_bytes=None,
-        chunk_size_bytes=int(chunk_mib * 2**20) if chunk_mib else None,
-        tiled_mlp_tokens=None,
+        request=request,
         chunked_loss_tokens=args.chunked_loss_tokens,
-        clipping=not args.no_clipping,
     )
     built_s = time.perf_counter() - t0
     profile = profile_memory(model, batch, settings)
@@ -107,13 +110,13 @@ def picture(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     stem = f"{datetime.now(timezone.utc):%Y-%m-%d}-profile-{name}" + ("-tiny" if tiny else "")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     base = args.out_dir / stem
-    budget = settings.gpu_budget_bytes
+    budget = request.gpu_budget_bytes
     size = f"{budget_gib:g} GiB" if budget_gib >= 1 else f"{budget_gib * 1024:g} MiB"
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     title = (
         f"{name}: {model_name} {workload.mode}, batch {batch_size} x {seq}, budget {size}, {where}"
     )
-    kw = dict(budget_bytes=budget, hardware=hardware, clipping=settings.clipping)
+    kw = dict(budget_bytes=budget, hardware=hardware, clipping=request.clipping)
     html = write_timeline_html(profile, base.with_suffix(".html"), title=title, **kw)
     png = write_timeline_png(profile, base.with_suffix(".png"), **kw)
     base.with_suffix(".profile.json").write_text(profile.to_json())

@@ -123,22 +123,27 @@ def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):
     import gzip
     import json
 
-    from protrain.plan import profile_and_plan
+    from protrain.knobs import Knobs, OptimizerSettings
+    from protrain.plan import PlanRequest, profile_and_plan
     from protrain.planned_wrap import apply_plan
 
-    fixed = {k: knobs.get(k) for k in ("n_persist", "n_buffer", "n_device_step")}
-    plan, problem = profile_and_plan(
-        model,
-        auto["sample_batch"],
-        gpu_budget_bytes=auto["gpu_budget"],
-        device=spec.device,
-        fixed_knobs=fixed,
-        compute_dtype=torch.bfloat16,
+    fixed = Knobs(
+        n_persist=knobs.get("n_persist"),
+        n_buffer=knobs.get("n_buffer"),
+        n_device_step=knobs.get("n_device_step"),
         chunk_size_bytes=knobs.get("chunk_size_bytes"),
+        distributed_mode=knobs.get("distributed_mode"),
+    )
+    request = PlanRequest(
+        auto["gpu_budget"],
+        sample_batch=auto["sample_batch"],
+        knobs=fixed,
         loss_fn=auto["loss_fn"],
         clipping=auto["clipping"],
-        distributed_mode=knobs.get("distributed_mode"),
         device_step_search=auto["device_step_search"],
+    )
+    plan, problem = profile_and_plan(
+        model, request, device=spec.device, compute_dtype=torch.bfloat16
     )
     if problem is not None:  # several ranks: the first rank planned
         budget = f"-{spec.budget_gib:g}g" if spec.budget_gib is not None else ""
@@ -147,15 +152,11 @@ def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):
         with gzip.open(spec.profiles / f"{name}.profile.json.gz", "wt") as f:
             f.write(problem.profile.to_json())
         (spec.profiles / f"{name}.hardware.json").write_text(json.dumps(problem.hardware.to_dict()))
-    extra = {"host_threads": knobs["host_threads"]} if "host_threads" in knobs else {}
+    optim = OptimizerSettings(
+        lr=spec.lr, weight_decay=spec.weight_decay, host_threads=knobs.get("host_threads")
+    )
     model, optimizer, layout, _ = apply_plan(
-        model,
-        plan,
-        device=spec.device,
-        compute_dtype=torch.bfloat16,
-        lr=spec.lr,
-        weight_decay=spec.weight_decay,
-        **extra,
+        model, plan, device=spec.device, compute_dtype=torch.bfloat16, optim=optim
     )
     return model, optimizer, layout
 

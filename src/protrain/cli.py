@@ -4,6 +4,11 @@ Mistakes in the user's input (config, data, output directory) and every file or 
 (a path that cannot be read or written, a full disk, text that is not UTF-8) are printed as
 one line starting with `error:` and exit with status 2; `--debug` (or PROTRAIN_DEBUG=1)
 shows their traceback instead. Anything else is a bug and keeps its traceback.
+
+Under `torchrun`, a rank whose collective fails because another rank failed or was killed
+prints one line for its node (`train/rank_failure.py`: which rank, what happened, the
+newest intact checkpoint and the command that resumes) instead of the collective's
+traceback, and exits with status 3.
 """
 
 from __future__ import annotations
@@ -11,12 +16,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 EXIT_USER_ERROR = 2
+EXIT_OTHER_RANK_FAILED = 3
 
 
 def _version() -> str:
@@ -148,12 +155,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        return _other_rank_failed(exc, debug)
 
 
 def _error(message: str, exc: BaseException) -> int:
+    from protrain.train import rank_failure
+
+    rank_failure.record_failure(message)
+    kept = rank_failure.what_is_kept()
     if _reports(exc):
-        print(f"error: {message}", file=sys.stderr)
+        own = (
+            ""
+            if getattr(exc, "protrain_agreed", False) or not _several_ranks()
+            else (f" (rank {os.environ.get('RANK', '0')})")
+        )
+        print(f"error: {message}{own}" + (f"; {kept}" if kept else ""), file=sys.stderr)
     return EXIT_USER_ERROR
+
+
+def _several_ranks() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def _other_rank_failed(exc: Exception, debug: bool) -> int:
+    """A collective that failed because another rank failed or died: one line for this
+    node, no traceback. Any other error is this rank's own: recorded for the other
+    ranks, and raised with its traceback."""
+    from protrain.train import rank_failure
+
+    if not _several_ranks():
+        raise exc
+    # torchrun stops the other ranks with SIGTERM as soon as one has ended: this rank is
+    # ending anyway, and its line must not be cut off
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    peer = rank_failure.peer_failure()
+    if peer is None or debug:
+        rank_failure.record_failure(f"{type(exc).__name__}: {exc}")
+        raise exc
+    if peer.prints_here:
+        print(f"error: {peer.line}", file=sys.stderr, flush=True)
+    return EXIT_OTHER_RANK_FAILED
 
 
 def _reports(exc: BaseException) -> bool:
@@ -254,7 +296,7 @@ def _print_chunk_plan(cfg, is_main: bool) -> None:
     planner_log.addFilter(drop)
     try:
         with _sdpa(cfg):  # the trace runs attention as training will
-            plan, _ = plan_memory(model, batch, settings, cfg.memory.fixed_knobs)
+            plan, _ = plan_memory(model, batch, settings)
     finally:
         planner_log.removeFilter(drop)
     if is_main:
@@ -344,9 +386,9 @@ def _run(args: argparse.Namespace) -> int:
             profile = profile_memory(model, batch, settings)
         # the budget line, and the host AdamW lane at this machine's measured rates (cached)
         picture = dict(
-            budget_bytes=settings.gpu_budget_bytes,
+            budget_bytes=settings.request.gpu_budget_bytes,
             hardware=measure_hardware(settings.device),
-            clipping=settings.clipping,
+            clipping=settings.request.clipping,
         )
         title = f"{cfg.model.name_or_path}, batch {cfg.micro_batch_size} x {cfg.sequence_len}"
         if args.out.lower().endswith(".png"):

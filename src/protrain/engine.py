@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from protrain.activations import apply_activation_knobs, place_policies
 from protrain.chunks.buffers import (
     min_resident_chunks,
     recompute_extra_chunks,
@@ -48,6 +49,8 @@ from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
 from protrain.distributed import ChunkCollectives, DistContext, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
+from protrain.knobs import Knobs, OptimizerSettings
+from protrain.model.blocks import discover_blocks
 from protrain.model.readers import DirectReads, direct_reads
 from protrain.optim.adamw_8bit import check_optimizer
 from protrain.optim.device_step import DeviceStep
@@ -364,33 +367,21 @@ def wrap_target(
 
 def wrap(
     model: nn.Module,
-    n_persist: int | None = None,
-    n_buffer: int | None = None,
+    knobs: Knobs | None = None,
+    *,
     device: torch.device | str | None = None,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    param_groups: list[dict] | None = None,
     compute_dtype: torch.dtype | None = None,
-    chunk_size_bytes: int | None = None,
-    n_swap: int | None = None,
-    n_checkpoint: int | None = None,
-    offload_checkpoint: bool = False,
-    tiled_mlp_tokens: int | None = None,
-    loss_scaling: dict | None = None,
-    host_threads: int | None = None,
-    discard_offloaded_grads: bool = False,
+    optim: OptimizerSettings | None = None,
     process_group=None,
-    distributed_mode: str | None = None,
     grad_reduce: str = "mean",
+    discard_offloaded_grads: bool = False,
     plan=None,
-    n_device_step: int = 0,
-    optimizer: str = "adamw",
 ) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
-    """Place ``model``'s parameters in chunks with the knobs given and return ``(model,
-    optimizer, layout)``. The engine takes knobs, never a budget: ``protrain.wrap``
-    (``protrain/planned_wrap.py``) plans for a ``gpu_budget`` and then calls this.
+    """Place ``model``'s parameters in chunks with the ``knobs`` given (``protrain.knobs``;
+    None: every default) and return ``(model, optimizer, layout)``. The engine takes knobs,
+    never a budget: ``protrain.wrap`` (``protrain/planned_wrap.py``) plans for a
+    ``gpu_budget`` and then calls this. ``optim``: the optimizer's settings (None: the
+    defaults of :class:`OptimizerSettings`).
 
     ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
     chunks resident at once (None: a small default, at least what one module or block
@@ -424,14 +415,19 @@ def wrap(
     not read it.
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
-    target = wrap_target(model, device, compute_dtype, process_group, distributed_mode,
+    knobs, optim = knobs or Knobs(), optim or OptimizerSettings()
+    n_persist, n_buffer, n_checkpoint = knobs.n_persist, knobs.n_buffer, knobs.n_checkpoint
+    n_device_step = 0 if knobs.n_device_step is None else knobs.n_device_step
+    loss_scaling, host_threads = optim.loss_scaling, optim.host_threads
+    target = wrap_target(model, device, compute_dtype, process_group, knobs.distributed_mode,
                          grad_reduce)  # fmt: skip
     device, compute_dtype, ctx = target.device, target.compute_dtype, target.ctx
     collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
-    sharded = collectives is not None and distributed_mode != "replicated"
-    with_activations = n_swap is not None or n_checkpoint is not None or tiled_mlp_tokens
-    if with_activations:
-        _check_activation_knobs(model, n_swap or 0, n_checkpoint or 0, offload_checkpoint)
+    sharded = collectives is not None and knobs.distributed_mode != "replicated"
+    if knobs.with_activations:
+        _check_activation_knobs(
+            model, knobs.n_swap or 0, n_checkpoint or 0, knobs.offload_checkpoint
+        )
     if compute_dtype not in _SUPPORTED_DTYPES:
         raise ValueError(
             f"compute_dtype={compute_dtype} is not supported: use torch.float32, "
@@ -445,7 +441,7 @@ def wrap(
     scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
     if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
         raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
-    check_optimizer(optimizer, ctx.world_size)
+    check_optimizer(optim.optimizer, ctx.world_size)
     if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
         raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
     params = params_in_order(model)
@@ -456,15 +452,16 @@ def wrap(
             "(e.g. model.to_empty(device='cpu') and initialize) before wrapping"
         )
     trainable = [p for _, p in params if p.requires_grad]
-    groups = _normalize_groups(model, param_groups, trainable)
-    check_hyperparameters(dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), groups)
+    groups = _normalize_groups(model, optim.param_groups, trainable)
+    hyper = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
+    check_hyperparameters(hyper, groups)
     layout = plan_layout(
         params,
         compute_dtype=compute_dtype,
         device=device,
         n_persist=n_persist,
         n_buffer=n_buffer,
-        chunk_size_bytes=chunk_size_bytes,
+        chunk_size_bytes=knobs.chunk_size_bytes,
         size_multiple=shard_multiple(ctx.world_size) if sharded else 1,
     )
     reads = direct_reads(model)
@@ -507,14 +504,14 @@ def wrap(
             groups,
             manager,
             worker,
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
+            lr=optim.lr,
+            betas=optim.betas,
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
             scaler=scaler,
             sink=sink,
             device_step=device_step,
-            optimizer=optimizer,
+            optimizer=optim.optimizer,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)
@@ -524,17 +521,15 @@ def wrap(
     optimizer._close_fn = engine.close
     model._protrain_engine = engine
     log.info("protrain.wrap: %s", layout)
-    if with_activations:
-        from protrain.activations import apply_activation_knobs
-
+    if knobs.with_activations:
         try:
             engine.activations = apply_activation_knobs(
                 model,
-                n_swap or 0,
+                knobs.n_swap or 0,
                 n_checkpoint or 0,
                 device=device,
-                offload_checkpoint_inputs=offload_checkpoint,
-                tiled_mlp_tokens=tiled_mlp_tokens,
+                offload_checkpoint_inputs=knobs.offload_checkpoint,
+                tiled_mlp_tokens=knobs.tiled_mlp_tokens,
             )
         except BaseException:
             engine.close()
@@ -546,9 +541,6 @@ def _check_activation_knobs(
     model: nn.Module, n_swap: int, n_checkpoint: int, offload_checkpoint: bool
 ) -> None:
     """The activation knobs checked against the model's blocks before anything moves."""
-    from protrain.activations import place_policies
-    from protrain.model.blocks import discover_blocks
-
     place_policies(
         len(discover_blocks(model).blocks),
         n_swap,

@@ -2,14 +2,19 @@
 
 The one module above both the planner (``protrain.plan``, which traces under the engine)
 and the engine (``protrain.engine``, which executes knobs and knows no planner). With a
-``gpu_budget`` it profiles one step and searches the knobs left None, then calls the
-engine's ``wrap`` with the plan's knobs; without one it is the engine's ``wrap``.
+plan request (``gpu_budget``) it profiles one step and searches the knobs left None, then
+calls the engine's ``wrap`` with the plan's knobs; without one it is the engine's ``wrap``.
 :func:`apply_plan` executes a plan already made (the application's plan and re-plan).
+
+The values passed are ``protrain.knobs.Knobs``, ``protrain.knobs.OptimizerSettings`` and
+``protrain.plan.PlanRequest``; the flat keywords of ``protrain.wrap(model, n_persist=...,
+gpu_budget=..., lr=...)`` are mapped onto them by name (:func:`from_keywords`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -17,157 +22,104 @@ from torch import nn
 from protrain import engine
 from protrain.chunks.layout import ChunkLayout
 from protrain.distributed import NO_GROUP
+from protrain.knobs import Knobs, OptimizerSettings, field_names
 from protrain.model.kernels import applied_kernels
 from protrain.optim.adamw_8bit import check_optimizer
 from protrain.optim.hybrid_adamw import HybridAdamW
+from protrain.plan import Plan, PlanRequest, profile_and_plan
 
-__all__ = ["wrap", "apply_plan", "plan_knobs"]
+__all__ = ["wrap", "apply_plan", "from_keywords"]
 
 log = logging.getLogger(__name__)
 
-
-def plan_knobs(plan) -> dict:
-    """The engine's knobs of a ``protrain.plan.Plan``: chunks, buffers, activations, mode.
-    With every chunk persistent there is no pool, so ``n_buffer`` is left to the engine."""
-    return {
-        "n_persist": plan.n_persist,
-        "n_buffer": plan.n_buffer if plan.n_persist < plan.n_chunks else None,
-        "chunk_size_bytes": plan.chunk_size_bytes,
-        "n_swap": plan.n_swap,
-        "n_checkpoint": plan.n_checkpoint,
-        "distributed_mode": plan.distributed_mode,
-        "n_device_step": plan.n_device_step,
-    }
+# protrain.wrap's keywords for the plan request, and the request's field each one sets
+_REQUEST_KEYWORDS = {
+    "gpu_budget": "gpu_budget_bytes",
+    "cpu_budget": "cpu_budget_bytes",
+    "sample_batch": "sample_batch",
+    "loss_fn": "loss_fn",
+    "loss_chunks": "loss_chunks",
+    "clipping": "clipping",
+    "device_step_search": "device_step_search",
+}
 
 
-def wrap(
-    model: nn.Module,
-    n_persist: int | None = None,
-    n_buffer: int | None = None,
-    device: torch.device | str | None = None,
-    lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    param_groups: list[dict] | None = None,
-    compute_dtype: torch.dtype | None = None,
-    chunk_size_bytes: int | None = None,
-    n_swap: int | None = None,
-    n_checkpoint: int | None = None,
-    offload_checkpoint: bool = False,
-    tiled_mlp_tokens: int | None = None,
-    gpu_budget: int | str | None = None,
-    cpu_budget: int | str | None = None,
-    sample_batch: dict | None = None,
-    loss_fn=None,
-    loss_chunks=None,
-    loss_scaling: dict | None = None,
-    host_threads: int | None = None,
-    clipping: bool = True,
-    discard_offloaded_grads: bool = False,
-    process_group=None,
-    distributed_mode: str | None = None,
-    grad_reduce: str = "mean",
-    n_device_step: int | None = None,
-    device_step_search: bool = False,
-    optimizer: str = "adamw",
-) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
-    """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
-
-    The knobs (``n_device_step`` among them), the optimizer settings (``optimizer`` among
-    them: ``"adamw"`` or ``"adamw_8bit"``, which the plan counts), ``loss_scaling``,
-    ``host_threads``,
-    ``discard_offloaded_grads`` and several ranks are those of the engine's wrap
-    (:func:`protrain.engine.wrap`, which documents them).
-    With ``gpu_budget`` (bytes or a string such as ``"24GiB"``) and a ``sample_batch`` of
-    the real shape, the knobs left as None are chosen by profiling and search
-    (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)`` returns the plan.
-    ``cpu_budget`` bounds the plan's host memory (default: 90% of what the host has
-    available after the trace, ``protrain.plan.host_budget``). ``loss_fn``: the loss the
-    trace runs (default: the model's own). ``loss_chunks`` (a
-    ``protrain.plan.loss_chunk.LossChunks``, in place of ``loss_fn``): the caller's loss in
-    chunks of positions, the chunk searched; train with the plan's
-    ``chunked_loss_tokens`` (None: the whole logits). ``clipping=False`` plans for training without
-    clipping, with ``step_in_backward``. ``device_step_search``: the plan also chooses how
-    many offloaded chunks step on the device (``n_device_step``, kept where given). With
-    several ranks the plan is made on the first
-    and every rank runs it (or raises its error). Without ``gpu_budget``, ``cpu_budget``,
-    ``sample_batch``, ``loss_fn``, ``loss_chunks`` and ``clipping`` are not read.
-    """
-    knobs = {
-        "n_persist": n_persist,
-        "n_buffer": n_buffer,
-        "chunk_size_bytes": chunk_size_bytes,
-        "n_swap": n_swap,
-        "n_checkpoint": n_checkpoint,
-        "distributed_mode": distributed_mode,
-        "n_device_step": n_device_step or 0,
-    }
-    plan = None
-    check_optimizer(optimizer)  # before a trace
-    if device_step_search and gpu_budget is None:
+def from_keywords(keywords: dict) -> tuple[Knobs, OptimizerSettings, PlanRequest | None]:
+    """``protrain.wrap``'s flat keywords as its three values: the knobs, the optimizer's
+    settings (``optimizer`` sets the request's too) and the plan request (None without
+    ``gpu_budget``: the request's other keywords are then not read). An unknown keyword is
+    refused with the names allowed."""
+    knob_names, optim_names = field_names(Knobs), field_names(OptimizerSettings)
+    unknown = sorted(set(keywords) - set(knob_names) - set(optim_names) - set(_REQUEST_KEYWORDS))
+    if unknown:
+        allowed = sorted({*knob_names, *optim_names, *_REQUEST_KEYWORDS})
+        raise TypeError(f"protrain.wrap: unknown keyword(s) {unknown}; allowed: {allowed}")
+    knobs = Knobs(**{k: v for k, v in keywords.items() if k in knob_names})
+    optim = OptimizerSettings(**{k: v for k, v in keywords.items() if k in optim_names})
+    asked = {_REQUEST_KEYWORDS[k]: v for k, v in keywords.items() if k in _REQUEST_KEYWORDS}
+    if keywords.get("device_step_search") and keywords.get("gpu_budget") is None:
         raise ValueError(
             "protrain.wrap: device_step_search=True is read only by the planner: give "
             "gpu_budget= (and sample_batch=), or set n_device_step yourself"
         )
-    if gpu_budget is not None:
+    if asked.get("gpu_budget_bytes") is None:
+        return knobs, optim, None
+    return knobs, optim, PlanRequest(knobs=knobs, optimizer=optim.optimizer, **asked)
+
+
+def wrap(
+    model: nn.Module,
+    knobs: Knobs | None = None,
+    *,
+    request: PlanRequest | None = None,
+    optim: OptimizerSettings | None = None,
+    device: torch.device | str | None = None,
+    compute_dtype: torch.dtype | None = None,
+    process_group=None,
+    grad_reduce: str = "mean",
+    discard_offloaded_grads: bool = False,
+    **keywords,
+) -> tuple[nn.Module, HybridAdamW, ChunkLayout]:
+    """Place ``model``'s parameters in chunks and return ``(model, optimizer, layout)``.
+
+    ``knobs`` (``protrain.knobs.Knobs``), ``optim`` (``OptimizerSettings``), ``device``,
+    ``compute_dtype``, several ranks, ``grad_reduce`` and ``discard_offloaded_grads`` are
+    those of the engine's wrap (:func:`protrain.engine.wrap`, which documents them).
+    With a ``request`` (``protrain.plan.PlanRequest``: the budgets, a sample batch of the
+    real shape, the knobs the user fixed), the knobs left None are chosen by profiling and
+    search (``protrain.plan``); the ones given are kept. ``protrain.plan_of(model)``
+    returns the plan. With several ranks the plan is made on the first and every rank runs
+    it (or raises its error).
+
+    The flat keywords of earlier releases work as before, mapped onto these values by name
+    (:func:`from_keywords`): each knob (``n_persist=``, ``n_buffer=``, ...), each optimizer
+    setting (``lr=``, ``optimizer="adamw_8bit"``, ...) and the request's ``gpu_budget``,
+    ``cpu_budget`` (default: 90% of what the host has available after the trace,
+    ``protrain.plan.host_budget``), ``sample_batch``, ``loss_fn``, ``loss_chunks``,
+    ``clipping`` and ``device_step_search`` (without ``gpu_budget`` they are not read).
+    """
+    knobs, optim, request = _values(knobs, optim, request, keywords)
+    plan = None
+    check_optimizer(optim.optimizer)  # before a trace
+    if request is not None:
         # the engine's own checks first: a bad argument is refused before a trace
         target = engine.wrap_target(
-            model, device, compute_dtype, process_group, distributed_mode, grad_reduce
+            model, device, compute_dtype, process_group, knobs.distributed_mode, grad_reduce
         )
-        if sample_batch is None:
-            raise ValueError("protrain.wrap: gpu_budget needs a sample_batch of the real shape")
-        import protrain.plan as planner
-
-        ctx = target.ctx
-        check_optimizer(optimizer, ctx.world_size)  # before a trace
-        # several ranks: planned on the first, the same plan (and its mode) on every rank
-        plan, _ = planner.profile_and_plan(
-            model,
-            sample_batch,
-            gpu_budget_bytes=gpu_budget,
-            cpu_budget_bytes=cpu_budget,
-            device=target.device,
-            compute_dtype=target.compute_dtype,
-            chunk_size_bytes=chunk_size_bytes,
-            fixed_knobs={
-                "n_persist": n_persist,
-                "n_buffer": n_buffer,
-                "n_swap": n_swap,
-                "n_checkpoint": n_checkpoint,
-                "n_device_step": n_device_step,
-            },
-            tiled_mlp_tokens=tiled_mlp_tokens,
-            clipping=clipping or target.compute_dtype == torch.float16,
-            process_group=ctx.group if ctx.is_distributed else NO_GROUP,
-            distributed_mode=distributed_mode if ctx.is_distributed else None,
-            loss_chunks=loss_chunks,
-            device_step_search=device_step_search,
-            optimizer=optimizer,
-            **({"loss_fn": loss_fn} if loss_fn is not None else {}),
-        )
-        knobs = plan_knobs(plan)
+        plan = _plan(model, request, target, optim)
+        knobs = plan.engine_knobs(knobs)
         device, compute_dtype = target.device, target.compute_dtype
         log.info("protrain.wrap: plan\n%s", plan)
     return engine.wrap(
         model,
+        knobs,
         device=device,
-        lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
-        param_groups=param_groups,
         compute_dtype=compute_dtype,
-        offload_checkpoint=offload_checkpoint,
-        tiled_mlp_tokens=tiled_mlp_tokens,
-        loss_scaling=loss_scaling,
-        host_threads=host_threads,
-        discard_offloaded_grads=discard_offloaded_grads,
+        optim=optim,
         process_group=process_group,
         grad_reduce=grad_reduce,
+        discard_offloaded_grads=discard_offloaded_grads,
         plan=plan,
-        optimizer=optimizer,
-        **knobs,
     )
 
 
@@ -184,41 +136,104 @@ def check_plan_kernels(plan, model: nn.Module) -> None:
         )
 
 
+def _values(
+    knobs: Knobs | None,
+    optim: OptimizerSettings | None,
+    request: PlanRequest | None,
+    keywords: dict,
+) -> tuple[Knobs, OptimizerSettings, PlanRequest | None]:
+    """The knobs, optimizer settings and request of one ``protrain.wrap`` call, given as
+    values or as the flat keywords (not both for the same value)."""
+    if knobs is not None and not isinstance(knobs, Knobs):
+        raise TypeError(
+            f"protrain.wrap: the second argument is a protrain.knobs.Knobs, not {knobs!r}; "
+            "give n_persist and the other knobs by keyword"
+        )
+    if keywords:
+        if knobs is not None or optim is not None or request is not None:
+            raise TypeError(
+                "protrain.wrap: give either knobs=/optim=/request= or the flat keywords "
+                f"{sorted(keywords)}, not both"
+            )
+        return from_keywords(keywords)
+    optim = optim or OptimizerSettings()
+    if request is None:
+        return knobs or Knobs(), optim, None
+    if knobs is not None and knobs != request.knobs:
+        raise ValueError(
+            "protrain.wrap: with a request, the knobs the user fixed are request.knobs; "
+            "leave the knobs argument out"
+        )
+    if request.optimizer != optim.optimizer:  # the plan counts the optimizer's device state
+        raise ValueError(
+            f"protrain.wrap: request.optimizer={request.optimizer!r} but "
+            f"optim.optimizer={optim.optimizer!r}; plan for the optimizer that runs"
+        )
+    return request.knobs, optim, request
+
+
+def _plan(
+    model: nn.Module, request: PlanRequest, target: engine.WrapTarget, optim: OptimizerSettings
+) -> Plan:
+    """The plan for ``request`` on ``target``: on the first rank, the same on every rank."""
+    if request.sample_batch is None:
+        raise ValueError("protrain.wrap: gpu_budget needs a sample_batch of the real shape")
+    ctx = target.ctx
+    check_optimizer(optim.optimizer, ctx.world_size)  # before a trace
+    fp16 = target.compute_dtype == torch.float16  # its overflow check needs every gradient
+    mode = request.knobs.distributed_mode if ctx.is_distributed else None
+    request = replace(
+        request,
+        clipping=request.clipping or fp16,
+        knobs=replace(request.knobs, distributed_mode=mode),
+    )
+    plan, _ = profile_and_plan(
+        model,
+        request,
+        device=target.device,
+        compute_dtype=target.compute_dtype,
+        process_group=ctx.group if ctx.is_distributed else NO_GROUP,
+    )
+    return plan
+
+
 def apply_plan(
     model: nn.Module,
-    plan,
+    plan: Plan,
+    knobs: Knobs | None = None,
     *,
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
-    tiled_mlp_tokens: int | None = None,
-    **wrap_kwargs,
+    optim: OptimizerSettings | None = None,
+    process_group=None,
+    grad_reduce: str = "mean",
 ):
-    """Execute ``plan``: the engine's wrap with its chunk and activation knobs (with several
-    ranks, in the plan's mode; ``process_group`` may be among ``wrap_kwargs``).
+    """Execute ``plan``: the engine's wrap with its chunk and activation knobs over the
+    user's ``knobs`` (``tiled_mlp_tokens``, which must be what the profile was traced
+    with), with several ranks in the plan's mode.
 
     Returns ``(model, optimizer, layout, activation_handle)``; ``protrain.close(model)``
     undoes both (``activation_handle.remove()`` alone takes the policies off);
-    ``protrain.plan_of(model)`` is ``plan``. ``wrap_kwargs`` are the optimizer settings of
-    the engine's wrap (lr, betas, eps, weight_decay, param_groups, grad_reduce; ``optimizer``
-    defaults to the one the plan was made for, and another is refused).
-    ``tiled_mlp_tokens`` must be what the profile was traced with.
+    ``protrain.plan_of(model)`` is ``plan``. ``optim``: the optimizer's settings (None: the
+    defaults, with the optimizer the plan was made for); its ``optimizer`` must be the
+    plan's, whose device state the plan counted.
     """
     planned_for = getattr(plan, "optimizer", "adamw")
-    chosen = wrap_kwargs.pop("optimizer", planned_for)
-    if chosen != planned_for:  # its device state is what the plan's memory counted
+    optim = optim or OptimizerSettings(optimizer=planned_for)
+    if optim.optimizer != planned_for:  # its device state is what the plan's memory counted
         raise ValueError(
-            f"apply_plan: optimizer={chosen!r}, but the plan was made for "
+            f"apply_plan: optimizer={optim.optimizer!r}, but the plan was made for "
             f"optimizer={planned_for!r}; plan again with this optimizer, or leave it out"
         )
     check_plan_kernels(plan, model)
     model, optimizer, layout = engine.wrap(
         model,
+        plan.engine_knobs(knobs),
         device=device,
         compute_dtype=compute_dtype,
-        tiled_mlp_tokens=tiled_mlp_tokens,
+        optim=optim,
+        process_group=process_group,
+        grad_reduce=grad_reduce,
         plan=plan,
-        optimizer=chosen,
-        **plan_knobs(plan),
-        **wrap_kwargs,
     )
     return model, optimizer, layout, model._protrain_engine.activations

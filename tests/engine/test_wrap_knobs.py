@@ -109,16 +109,16 @@ def test_host_threads_keeps_the_math():
 
 @pytest.mark.parametrize("clipping", [True, False])
 def test_gpu_budget_plans_for_the_clipping_schedule_asked_for(monkeypatch, clipping):
-    import protrain.plan as plan_api
+    import protrain.planned_wrap as planned_wrap
 
     seen = {}
-    real = plan_api.profile_and_plan
+    real = planned_wrap.profile_and_plan
 
-    def spy(*a, **kw):
-        seen.update(kw)
-        return real(*a, **kw)
+    def spy(model, request, **kw):
+        seen["clipping"] = request.clipping
+        return real(model, request, **kw)
 
-    monkeypatch.setattr(plan_api, "profile_and_plan", spy)
+    monkeypatch.setattr(planned_wrap, "profile_and_plan", spy)
     data = batches("llama", 1)
     model, _, _ = protrain.wrap(
         build("llama"), device="cpu", gpu_budget="64MiB", sample_batch=data[0], clipping=clipping
@@ -141,5 +141,10 @@ def test_the_engine_knows_no_planner():
     assert out.stdout.strip() == "[]"
     own = inspect.signature(engine.wrap).parameters
     assert not {"gpu_budget", "cpu_budget", "sample_batch", "loss_fn"} & set(own)
-    public = inspect.signature(protrain.wrap).parameters
-    assert {"gpu_budget", "cpu_budget", "sample_batch", "loss_fn", "clipping"} <= set(public)
+    assert "request" in inspect.signature(protrain.wrap).parameters
+    from protrain.planned_wrap import from_keywords
+
+    asked = {"gpu_budget": "1GiB", "cpu_budget": 2, "sample_batch": {}, "clipping": False}
+    _, _, request = from_keywords({**asked, "loss_fn": len, "n_persist": 1})
+    assert (request.gpu_budget_bytes, request.cpu_budget_bytes) == (1 << 30, 2)
+    assert (request.clipping, request.loss_fn, request.knobs.n_persist) == (False, len, 1)

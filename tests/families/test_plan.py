@@ -9,6 +9,8 @@ import pytest
 from tests.plan.plan_synthetic import hardware
 
 import protrain
+from protrain.knobs import OptimizerSettings
+from protrain.plan import PlanRequest
 from protrain.plan.auto import profile_and_plan
 from protrain.planned_wrap import apply_plan
 from protrain.profile.trace import hf_loss
@@ -23,9 +25,8 @@ MOE = [name for name, f in FAMILIES.items() if f.kind == "moe"]
 def test_moe_profile_and_plan(name):
     batch = batches(name, 1)[0]
     model = base_model(name, "lora")
-    plan, problem = profile_and_plan(
-        model, batch, gpu_budget_bytes=2_000_000, device="cpu", hardware=hardware("cpu")
-    )
+    request = PlanRequest(2_000_000, sample_batch=batch)
+    plan, problem = profile_and_plan(model, request, device="cpu", hardware=hardware("cpu"))
     blocks = problem.profile.blocks
     assert len(blocks) == n_layers(model)
     assert all(b.fwd_s > 0 and b.saved_bytes > 0 for b in blocks), blocks
@@ -40,7 +41,9 @@ def test_moe_profile_and_plan(name):
             bwd[x.block] += x.compute_s
     assert all(t > 0 for t in bwd.values()), bwd
     assert all(b.bwd_s >= 0 for b in blocks), blocks
-    model, optimizer, layout, handle = apply_plan(model, plan, device="cpu", lr=1e-3)
+    model, optimizer, layout, handle = apply_plan(
+        model, plan, device="cpu", optim=OptimizerSettings(lr=1e-3)
+    )
     try:
         assert (layout.n_persist, layout.n_chunks) == (plan.n_persist, plan.n_chunks)
         hf_loss(model, batch).backward()

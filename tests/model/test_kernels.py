@@ -209,19 +209,18 @@ def test_heads_the_fused_loss_cannot_take():
 def test_the_plan_records_the_traced_kernels_and_the_run_must_run_them(fake_liger):
     """The planner traces the model with its kernels (the fused loss, not the loss in
     chunks), the plan records them, and the engine refuses a model running others."""
-    from protrain.plan import profile_and_plan
+    from protrain.plan import PlanRequest, profile_and_plan
     from protrain.planned_wrap import check_plan_kernels
-    from protrain.train.planning import PlanSettings, trace_kwargs
+    from protrain.train.planning import PlanSettings, plan_request
 
     model = _llama()
     calls = []
     apply_kernels(model, KernelChoice(("rms_norm", FUSED_CE), "test"), loss_kernel=_counting(calls))
-    settings = PlanSettings(device=CPU, compute_dtype=torch.float32, gpu_budget_bytes=1 << 40,
-                            cpu_budget_bytes=1 << 40, chunk_size_bytes=None,
-                            tiled_mlp_tokens=None, chunked_loss_tokens=None)  # fmt: skip
-    kwargs = trace_kwargs(model, settings)
-    assert kwargs["loss_chunks"] is None  # the fused loss has no chunk to search
-    plan, _ = profile_and_plan(model, _batch(), cpu_budget_bytes=1 << 40, **kwargs)
+    request = PlanRequest(gpu_budget_bytes=1 << 40, cpu_budget_bytes=1 << 40)
+    settings = PlanSettings(device=CPU, compute_dtype=torch.float32, request=request)
+    request = plan_request(model, _batch(), settings)
+    assert request.loss_chunks is None  # the fused loss has no chunk to search
+    plan, _ = profile_and_plan(model, request, device=CPU, compute_dtype=torch.float32)
     assert calls, "the traced step ran the fused loss"
     assert plan.kernels == ["rms_norm", FUSED_CE]
     assert not plan.loss_planned and plan.chunked_loss_tokens is None

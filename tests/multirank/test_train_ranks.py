@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from tests.train.helpers import tiny_config, write_config
+from tests.train.helpers import QUICKSTART_DATA, tiny_config, write_config
 
 STEPS = 4
 
@@ -168,13 +168,19 @@ def test_a_rank_that_raises_ends_the_job_with_its_message(tmp_path, kind):
     assert time.monotonic() - t0 < 240
 
 
-@pytest.mark.parametrize("problem", ["config", "output_dir", "wrap_class"])
+@pytest.mark.parametrize("problem", ["config", "output_dir", "wrap_class", "data"])
 def test_an_error_every_rank_has_is_printed_once(tmp_path, problem):
     """A bad config (every rank reads it alike, before the ranks start), rank 0's verdict
-    on output_dir (agreed to every rank), and a check every rank makes alike of the same
-    model (an FSDP2 wrap class it lacks): one `error:` line for the job, not one a rank."""
+    on output_dir (agreed to every rank), a check every rank makes alike of the same
+    model (an FSDP2 wrap class it lacks), and a bad row (every rank checks every row):
+    one `error:` line for the job, not one a rank."""
     config = _config(tmp_path, "alike", 1)
-    if problem == "config":
+    if problem == "data":
+        rows = tmp_path / "rows.jsonl"
+        rows.write_text(QUICKSTART_DATA.read_text() + '{"messages": 5}\n')
+        config.write_text(config.read_text().replace(str(QUICKSTART_DATA), str(rows)))
+        expect = "field 'messages': must be a list of messages, got int"
+    elif problem == "config":
         config.write_text(config.read_text().replace("micro_batch_size: ", "micro_batch_size: -"))
         expect = "micro_batch_size = -"
     elif problem == "wrap_class":

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from protrain.plan import PlanProblem, search
+from protrain.plan import Knobs, PlanProblem, PlanRequest, search
 from protrain.plan.auto import profile_and_plan
 from protrain.plan.chunk_size import chunk_size_candidates, rechunk
 from protrain.profile.chunk_table import chunk_table, chunk_table_and_index
@@ -71,17 +71,11 @@ def test_rechunked_prediction_matches_a_run_at_that_size(traced, knobs):
         assert -0.005 <= err <= 0.02, (profile.trace_n_persist, knobs, err)
 
 
-def _auto(**kwargs):
+def _auto(knobs: Knobs | None = None):
     """Auto mode on the tiny Llama at a 6 MB budget: (plan, problem, model)."""
     model = tiny_llama.build(seed=4)
-    plan, problem = profile_and_plan(
-        model,
-        tiny_llama.batch(),
-        gpu_budget_bytes="6MB",
-        device="cpu",
-        hardware=syn.hardware("cpu"),
-        **kwargs,
-    )
+    request = PlanRequest("6MB", sample_batch=tiny_llama.batch(), knobs=knobs or Knobs())
+    plan, problem = profile_and_plan(model, request, device="cpu", hardware=syn.hardware("cpu"))
     return plan, problem, model
 
 
@@ -147,21 +141,19 @@ def test_a_large_problem_screens_the_sizes_without_swap(monkeypatch):
 
 def test_a_fixed_n_swap_gets_the_full_search_at_every_size(monkeypatch):
     monkeypatch.setattr("protrain.plan.chunk_size._FULL_SEARCH_CELLS", 0)
-    plan, problem, model = _auto(fixed_knobs={"n_swap": 1})
+    plan, problem, model = _auto(Knobs(n_swap=1))
     assert plan.n_swap == 1
     assert any("candidates searched" in r for r in plan.reasons)
     for size in chunk_size_candidates(model, problem.profile):
         assert _step_at(problem, model, size, {"n_swap": 1}) >= plan.predicted_step_s - 1e-12
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"chunk_size_bytes": 300_000}, {"fixed_knobs": {"n_persist": 1}}]
-)
-def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(kwargs):
-    plan, problem, _ = _auto(**kwargs)
+@pytest.mark.parametrize("knobs", [Knobs(chunk_size_bytes=300_000), Knobs(n_persist=1)])
+def test_auto_plan_keeps_a_given_chunk_size_or_chunk_count(knobs):
+    plan, problem, _ = _auto(knobs)
     assert plan.chunk_size_bytes == problem.profile.chunks.chunk_size_bytes
     assert not any("candidates" in r for r in plan.reasons)
-    if "chunk_size_bytes" in kwargs:
+    if knobs.chunk_size_bytes is not None:
         assert plan.chunk_size_bytes == 300_000
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import protrain.plan.auto as auto
+from protrain.plan import PlanRequest
 from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS
 from protrain.plan.search import NoPlanFits
 from protrain.train.errors import ConfigError
@@ -37,11 +38,10 @@ def _batch(positions: int) -> dict:
 def test_the_app_error_names_the_fixed_loss_chunk(trace_out_of_memory):
     model = tiny_llama.build()
     vocab = model.config.vocab_size
-    settings = PlanSettings(device=CPU, compute_dtype=torch.float32, gpu_budget_bytes=12 << 30,
-                            cpu_budget_bytes=1 << 40, chunk_size_bytes=None,
-                            tiled_mlp_tokens=None, chunked_loss_tokens=4096)  # fmt: skip
+    settings = PlanSettings(CPU, torch.float32, PlanRequest(12 << 30, 1 << 40),
+                            chunked_loss_tokens=4096)  # fmt: skip
     with pytest.raises(ConfigError) as err:
-        plan_memory(model, _batch(9216), settings, fixed_knobs={})
+        plan_memory(model, _batch(9216), settings)
     text = str(err.value)
     gib = 4096 * vocab * 8 / 2**30  # fp32 logits and their fp32 gradient
     assert text.startswith("memory.gpu_budget = 12.00GiB: the traced step ran out of memory "
@@ -59,8 +59,9 @@ def test_the_app_error_names_the_fixed_loss_chunk(trace_out_of_memory):
 def test_a_fixed_chunk_at_the_floor_is_named_but_not_advised_smaller(trace_out_of_memory):
     model = tiny_llama.build()
     with pytest.raises(NoPlanFits) as err:
-        auto.profile_model(model, _batch(600), gpu_budget_bytes=1 << 40, device="cpu",
-                           loss_fn=planner_loss(CPU, 1024), fixed_loss_chunk_tokens=1024)  # fmt: skip
+        request = PlanRequest(1 << 40, sample_batch=_batch(600), loss_fn=planner_loss(CPU, 1024),
+                              fixed_loss_chunk_tokens=1024)  # fmt: skip
+        auto.profile_model(model, request, device="cpu")
     text = str(err.value)
     # the chunk holds no more than the micro-batch's positions
     assert f"memory.chunked_loss_tokens=1024 holds 600 x {model.config.vocab_size:,} logits" in text

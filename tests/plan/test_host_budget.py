@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from protrain.plan import NoPlanFits
+from protrain.plan import NoPlanFits, PlanRequest
 from protrain.plan import auto as auto_mod
 from protrain.plan.host_budget import (
     SHARE,
@@ -84,14 +84,14 @@ def test_this_host_reports_its_available_memory():
     assert avail is not None and avail > 0
 
 
-def _auto(**kwargs):
+def _auto(cpu_budget_bytes=None):
+    request = PlanRequest(
+        "2.5MB",  # offloads chunks and swaps blocks: host memory used
+        cpu_budget_bytes,
+        sample_batch=tiny_llama.batch(),
+    )
     return auto_mod.profile_and_plan(
-        tiny_llama.build(seed=4),
-        tiny_llama.batch(),
-        gpu_budget_bytes="2.5MB",  # offloads chunks and swaps blocks: host memory used
-        device="cpu",
-        hardware=syn.hardware("cpu"),
-        **kwargs,
+        tiny_llama.build(seed=4), request, device="cpu", hardware=syn.hardware("cpu")
     )
 
 
@@ -155,14 +155,13 @@ def test_app_message_for_a_host_failure_names_the_host_budget():
     from protrain.train.planning import no_plan_fits_message
 
     class Settings:
-        gpu_budget_bytes = 24 << 30
-        cpu_budget_bytes = None
+        request = PlanRequest(24 << 30)
 
     exc = NoPlanFits("no plan fits the host budget of 9.00 GiB: ...", None, kind="host")
     text = no_plan_fits_message(exc, Settings())
     assert text.startswith("memory.cpu_budget (unset): no plan fits the host budget")
     assert "gpu_budget" not in text
-    Settings.cpu_budget_bytes = 8 << 30
+    Settings.request = PlanRequest(24 << 30, 8 << 30)
     assert no_plan_fits_message(exc, Settings()).startswith("memory.cpu_budget = 8.00GiB: ")
 
 

@@ -14,7 +14,15 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain
 import protrain.plan.auto as auto
-from protrain.plan import Plan, candidates_table, explain, profile_and_plan, profile_model
+from protrain.knobs import OptimizerSettings
+from protrain.plan import (
+    Plan,
+    PlanRequest,
+    candidates_table,
+    explain,
+    profile_and_plan,
+    profile_model,
+)
 from protrain.plan.loss_chunk import LossChunks, at_loss_chunk, loss_chunk_candidates
 from protrain.plan.search import NoPlanFits
 from protrain.planned_wrap import apply_plan
@@ -55,15 +63,15 @@ def _chunks(floor: int = FLOOR) -> LossChunks:
 @pytest.fixture(scope="module")
 def traced():
     model, batch = _model(), _batch()
-    prof = profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu",
-                         loss_chunks=_chunks())  # fmt: skip
+    request = PlanRequest(1 << 40, sample_batch=batch, loss_chunks=_chunks())
+    prof = profile_model(model, request, device="cpu")
     return model, batch, prof
 
 
 def _plan(model, batch, prof, budget):
-    return profile_and_plan(model, batch, gpu_budget_bytes=budget, device="cpu", profile=prof,
-                            hardware=plan_synthetic.hardware("cpu"),
-                            cpu_budget_bytes=1 << 40)[0]  # fmt: skip
+    request = PlanRequest(budget, 1 << 40, sample_batch=batch)
+    return profile_and_plan(model, request, device="cpu", profile=prof,
+                            hardware=plan_synthetic.hardware("cpu"))[0]  # fmt: skip
 
 
 def _head_peak(prof) -> int:
@@ -93,8 +101,10 @@ def test_trace_runs_the_smallest_chunk_and_budgets_its_logits_only(monkeypatch):
     t = auto.chunk_table(model, compute_dtype=torch.float32)
     first = t.chunk_size_bytes + 16 * t.trainable_numel[0] + 4 * t.trainable_tensors[0]
     budget = 2 * (whole + first - 1)  # half: the whole logits and not quite one chunk's states
-    auto.profile_model(model, batch, gpu_budget_bytes=budget, device="cpu", loss_chunks=chunks)
-    auto.profile_model(model, batch, gpu_budget_bytes=budget, device="cpu")
+    auto.profile_model(
+        model, PlanRequest(budget, sample_batch=batch, loss_chunks=chunks), device="cpu"
+    )
+    auto.profile_model(model, PlanRequest(budget, sample_batch=batch), device="cpu")
     assert asked == [FLOOR]
     assert seen[0] != 0 and seen[1] == 0  # the plain loss's whole logits took the half
 
@@ -138,13 +148,13 @@ def test_search_takes_off_when_it_fits_and_a_chunk_when_it_does_not(traced):
         _plan(model, batch, prof, 1)
     assert least.value.binding_knobs == {"chunked_loss_tokens": FLOOR}
     assert "chunked_loss_tokens" in str(least.value)
-    settings = SimpleNamespace(gpu_budget_bytes=1, cpu_budget_bytes=None)
+    settings = SimpleNamespace(request=PlanRequest(1))
     assert no_plan_fits_message(least.value, settings).endswith(
         "with the loss at its least memory (memory.chunked_loss_tokens = 32) (set "
         "memory.gpu_budget to at least that)"
     )
-    whole = profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu",
-                          loss_fn=planner_loss(CPU, None))  # fmt: skip
+    request = PlanRequest(1 << 40, sample_batch=batch, loss_fn=planner_loss(CPU, None))
+    whole = profile_model(model, request, device="cpu")
     with pytest.raises(NoPlanFits) as refused:
         _plan(model, batch, whole, 1)
     new, old = least.value.smallest_budget_bytes, refused.value.smallest_budget_bytes
@@ -161,7 +171,8 @@ def test_search_takes_off_when_it_fits_and_a_chunk_when_it_does_not(traced):
     assert (back.chunked_loss_tokens, back.loss_planned) == (plan.chunked_loss_tokens, True)
 
     # a real run of that plan with its loss chunk stays within the prediction
-    model2, opt, _, handle = apply_plan(_model(), plan, device="cpu", lr=1e-3)
+    model2, opt, _, handle = apply_plan(_model(), plan, device="cpu",
+                                        optim=OptimizerSettings(lr=1e-3))  # fmt: skip
     loss = planner_loss(CPU, plan.chunked_loss_tokens)
 
     def step():
@@ -179,10 +190,8 @@ def test_search_takes_off_when_it_fits_and_a_chunk_when_it_does_not(traced):
 
 def test_the_plans_loss_chunk_is_the_apps_and_exact(traced):
     model, batch, prof = traced
-    settings = PlanSettings(device=CPU, compute_dtype=torch.float32, gpu_budget_bytes=1 << 40,
-                            cpu_budget_bytes=1 << 40, chunk_size_bytes=None,
-                            tiled_mlp_tokens=None, chunked_loss_tokens=None,
-                            loss_chunk_floor_tokens=FLOOR)  # fmt: skip
+    settings = PlanSettings(CPU, torch.float32, PlanRequest(1 << 40, 1 << 40),
+                            chunked_loss_tokens=None, loss_chunk_floor_tokens=FLOOR)  # fmt: skip
     plan = _plan(model, batch, at_loss_chunk(prof, 64), 1 << 40)
     assert loss_chunk_of(plan, settings) == plan.chunked_loss_tokens
     plan.chunked_loss_tokens = 64  # as a tight budget would choose
@@ -191,5 +200,5 @@ def test_the_plans_loss_chunk_is_the_apps_and_exact(traced):
     assert planner_loss(CPU, 64)(model, batch).item() == pytest.approx(whole.item(), abs=1e-6)
     # fixed by the user: traced and trained at the user's value, nothing searched
     settings.chunked_loss_tokens = 48
-    fixed, _ = plan_memory(model, batch, settings, {})
+    fixed, _ = plan_memory(model, batch, settings)
     assert not fixed.loss_planned and loss_chunk_of(fixed, settings) == 48

@@ -80,7 +80,8 @@ def test_the_search_plans_with_the_8bit_state():
     assert search(fp32.with_fixed(knobs)).plan.optimizer == "adamw"
     import torch
 
+    from protrain.knobs import OptimizerSettings
     from protrain.planned_wrap import apply_plan
 
     with pytest.raises(ValueError, match="the plan was made for optimizer='adamw_8bit'"):
-        apply_plan(torch.nn.Linear(2, 2), plan, optimizer="adamw")
+        apply_plan(torch.nn.Linear(2, 2), plan, optim=OptimizerSettings(optimizer="adamw"))

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import protrain
-from protrain.plan import PlanProblem, search
-from protrain.plan.auto import parse_bytes, profile_and_plan
+from protrain.knobs import Knobs, OptimizerSettings
+from protrain.plan import PlanProblem, PlanRequest, parse_bytes, profile_and_plan, search
 from protrain.plan.closed_loop import check_plan
 from protrain.profile.trace import hf_loss, trace_model
 
@@ -70,14 +70,10 @@ def test_planned_knobs_fit_when_run(model_and_profiles):
 def test_auto_plan_keeps_fixed_knobs(caplog):
     model = tiny_llama.build(seed=2)
     with caplog.at_level("INFO", logger="protrain.plan.auto"):
-        plan, problem = profile_and_plan(
-            model,
-            tiny_llama.batch(),
-            gpu_budget_bytes="6MB",
-            device="cpu",
-            fixed_knobs={"n_checkpoint": 2, "n_persist": None},
-            hardware=syn.hardware("cpu"),
+        request = PlanRequest(
+            "6MB", sample_batch=tiny_llama.batch(), knobs=Knobs(n_checkpoint=2, n_persist=None)
         )
+        plan, problem = profile_and_plan(model, request, device="cpu", hardware=syn.hardware("cpu"))
     assert plan.n_checkpoint == 2 and plan.fixed_knobs == {"n_checkpoint": 2}
     assert plan.predicted_peak_bytes <= 6_000_000
     assert "knobs fixed by the user: n_checkpoint=2" in caplog.text
@@ -147,9 +143,10 @@ def test_apply_plan_executes_the_knobs():
 
     model = tiny_llama.build(seed=4)
     batch = tiny_llama.batch()
-    plan, _ = profile_and_plan(model, batch, gpu_budget_bytes=3_500_000, device="cpu",
+    plan, _ = profile_and_plan(model, PlanRequest(3_500_000, sample_batch=batch), device="cpu",
                                hardware=syn.hardware("cpu"))  # fmt: skip
-    model, opt, layout, handle = apply_plan(model, plan, device="cpu", lr=1e-3)
+    model, opt, layout, handle = apply_plan(model, plan, device="cpu",
+                                            optim=OptimizerSettings(lr=1e-3))  # fmt: skip
     try:
         assert (layout.n_persist, layout.n_chunks) == (plan.n_persist, plan.n_chunks)
         policies = [p.value for p in handle.policies]

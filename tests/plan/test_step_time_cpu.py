@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import protrain
+from protrain.plan import PlanRequest
 from protrain.plan.auto import profile_and_plan
 from protrain.profile.hardware import measure_hardware
 from protrain.profile.trace import hf_loss
@@ -65,9 +66,8 @@ def test_predicted_step_time_matches_real_steps_on_cpu(budget):
     # 8 three pairs in a row gave 2.9 to 4.3. A wrong model is outside every time.
     for _attempt in range(5):
         model = tiny_llama.build(seed=4)
-        plan, _ = profile_and_plan(
-            model, batch, gpu_budget_bytes=budget, device="cpu", hardware=measure_hardware("cpu")
-        )
+        request = PlanRequest(budget, sample_batch=batch)
+        plan, _ = profile_and_plan(model, request, device="cpu", hardware=measure_hardware("cpu"))
         measured = measured_step_s(model, batch, plan)
         ratio = plan.predicted_step_s / measured
         print(f"budget {budget}: {plan.knobs} predicted {plan.predicted_step_s:.4f} s, "

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import protrain.plan.auto as auto
+from protrain.plan import PlanRequest
 from protrain.plan.search import NoPlanFits
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "profile"))
@@ -28,9 +29,9 @@ def test_logits_come_out_of_the_trace_budget(monkeypatch):
     seen = []
     monkeypatch.setattr(auto, "trace_model", lambda m, b, n_persist, **kw: seen.append(n_persist))
     big = 1 << 40
-    auto.profile_model(model, batch, gpu_budget_bytes=big, device="cpu")
+    auto.profile_model(model, PlanRequest(big, sample_batch=batch), device="cpu")
     logits = auto.full_logits_bytes(model, *batch["input_ids"].shape, torch.float32)
-    auto.profile_model(model, batch, gpu_budget_bytes=2 * logits, device="cpu")
+    auto.profile_model(model, PlanRequest(2 * logits, sample_batch=batch), device="cpu")
     assert seen == [None, 0]  # everything fits; the budget's half is all logits: none
 
 
@@ -47,7 +48,10 @@ def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
     profile = types.SimpleNamespace(notes=[])
     monkeypatch.setattr(auto, "trace_model", fake_trace)
     with caplog.at_level(logging.WARNING, logger="protrain.plan.auto"):
-        assert auto.profile_model(model, batch, gpu_budget_bytes=1 << 40, device="cpu") is profile
+        assert (
+            auto.profile_model(model, PlanRequest(1 << 40, sample_batch=batch), device="cpu")
+            is profile
+        )
     assert calls == [None, 0]
     assert "retrying with every chunk offloaded" in caplog.text
     assert "3.91 GiB" in caplog.text
@@ -68,9 +72,8 @@ def test_trace_out_of_memory_with_everything_offloaded_is_no_plan(monkeypatch, b
 
     monkeypatch.setattr(auto, "trace_model", fake_trace)
     with pytest.raises(NoPlanFits) as err:
-        auto.profile_model(
-            tiny_llama.build(), tiny_llama.batch(), gpu_budget_bytes=budget, device="cpu"
-        )
+        request = PlanRequest(budget, sample_batch=tiny_llama.batch())
+        auto.profile_model(tiny_llama.build(), request, device="cpu")
     assert calls == ([0] if budget == 0 else [None, 0])
     text = str(err.value)
     assert "every chunk offloaded" in text and "7.83 GiB" in text
@@ -82,7 +85,7 @@ def test_app_message_for_a_trace_out_of_memory_keeps_the_planners_advice():
     from protrain.train.planning import no_plan_fits_message
 
     class Settings:
-        gpu_budget_bytes = 16 << 30
+        request = PlanRequest(16 << 30)
 
     exc = NoPlanFits("the traced step ran out of memory ...; give a larger budget.", None)
     text = no_plan_fits_message(exc, Settings())

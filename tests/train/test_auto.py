@@ -188,31 +188,31 @@ def test_the_plan_assumes_the_host_optimizer_schedule_the_run_uses(
 ):
     """No clipping (and not fp16): the engine steps offloaded chunks inside backward, and
     the plan is searched for that schedule; otherwise for steps after the backward."""
-    import protrain.plan as plan_api
+    from protrain.train import planning
     from protrain.train.planning import PlanSettings, plan_memory
 
     memory = {"auto": True, "gpu_budget": "1GiB"}
     cfg = validate_config(tiny_config(tmp_path, max_grad_norm=max_grad_norm, memory=memory))
     settings = PlanSettings.from_config(cfg, torch.device("cpu"), dtype)
-    assert settings.clipping is clipping
-    seen = {}
-    monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
-    assert plan_memory(torch.nn.Linear(2, 2), {}, settings, {}) == (1, 2)
-    assert seen["clipping"] is clipping
-    assert seen["device_step_search"] is False  # memory.device_step_search's default
+    assert settings.request.clipping is clipping
+    seen = []
+    monkeypatch.setattr(planning, "profile_and_plan", lambda m, r, **kw: seen.append(r) or (1, 2))
+    assert plan_memory(torch.nn.Linear(2, 2), {}, settings) == (1, 2)
+    assert seen[0].clipping is clipping
+    assert seen[0].device_step_search is False  # memory.device_step_search's default
 
 
 def test_memory_device_step_search_reaches_the_planner(tmp_path, monkeypatch):
-    import protrain.plan as plan_api
+    from protrain.train import planning
     from protrain.train.planning import PlanSettings, plan_memory
 
     memory = {"auto": True, "gpu_budget": "1GiB", "device_step_search": True}
     cfg = validate_config(tiny_config(tmp_path, memory=memory))
     settings = PlanSettings.from_config(cfg, torch.device("cpu"), None)
-    seen = {}
-    monkeypatch.setattr(plan_api, "profile_and_plan", lambda *a, **kw: seen.update(kw) or (1, 2))
-    plan_memory(torch.nn.Linear(2, 2), {}, settings, {})
-    assert seen["device_step_search"] is True
+    seen = []
+    monkeypatch.setattr(planning, "profile_and_plan", lambda m, r, **kw: seen.append(r) or (1, 2))
+    plan_memory(torch.nn.Linear(2, 2), {}, settings)
+    assert seen[0].device_step_search is True
 
 
 def test_a_slow_host_optimizer_replans_in_place_to_the_faster_plan(

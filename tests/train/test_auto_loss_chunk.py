@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import protrain.activations as activations
+import protrain.train.trainable as trainable_module
 from protrain.train import planning
 from protrain.train.config import validate_config
 from protrain.train.trainable import AutoTrainable
@@ -18,13 +19,13 @@ def test_the_plans_loss_chunk_reaches_the_apps_loss(tmp_path, monkeypatch):
     model, batch, settings = planning.planning_inputs(cfg)
     plan_memory = planning.plan_memory
 
-    def tight(model, batch, settings, fixed):  # what a budget without the whole logits picks
-        plan, problem = plan_memory(model, batch, settings, fixed)
+    def tight(model, batch, settings):  # what a budget without the whole logits picks
+        plan, problem = plan_memory(model, batch, settings)
         assert plan.loss_planned and settings.loss_chunk_floor_tokens == 16
         plan.chunked_loss_tokens = 16
         return plan, problem
 
-    monkeypatch.setattr(planning, "plan_memory", tight)
+    monkeypatch.setattr(trainable_module, "plan_memory", tight)
     trainable = AutoTrainable(model, cfg, settings.device, None, batch)
     seen = []
     chunked_loss = activations.chunked_causal_lm_loss_sum

@@ -17,6 +17,8 @@ import torch
 from tests.data.helpers import byte_tokenizer, write_jsonl
 from tests.data.vision_helpers import QWEN_SPECIALS, Qwen2VLImageOnlyProcessor, write_image
 
+from protrain.knobs import Knobs, OptimizerSettings
+from protrain.plan import PlanRequest
 from protrain.train.config import validate_config
 from protrain.train.data import build_collator, build_train_dataset
 from protrain.train.data.config import DataSettings
@@ -224,17 +226,16 @@ def test_a_vision_language_model_is_planned_at_its_heaviest_micro_batch(tmp_path
     assert epoch[0]["pixel_values"].shape[0] == 4 + 4  # the first micro-batch: 2 small images
     assert all(b["pixel_values"].shape[0] <= 528 for b in epoch)
 
-    plan_settings = PlanSettings(device=torch.device("cpu"), compute_dtype=torch.float32,
-                                 gpu_budget_bytes=64 << 20, cpu_budget_bytes=None,
-                                 chunk_size_bytes=256 << 10, tiled_mlp_tokens=None,
-                                 chunked_loss_tokens=None)  # fmt: skip
-    plan, problem = plan_memory(model, batch, plan_settings, {})
+    request = PlanRequest(64 << 20, knobs=Knobs(chunk_size_bytes=256 << 10))
+    plan_settings = PlanSettings(torch.device("cpu"), torch.float32, request)
+    plan, problem = plan_memory(model, batch, plan_settings)
     names = [b.name for b in problem.profile.blocks]
     vision_blocks = [b for b in problem.profile.blocks if ".visual.blocks." in b.name]
     assert len(vision_blocks) == 2 and len(names) == 4, names
     assert all(b.saved_bytes > 0 and b.fwd_s > 0 for b in vision_blocks)
 
-    wrapped, optimizer, _, _ = apply_plan(model, plan, device="cpu", lr=1e-3)
+    wrapped, optimizer, _, _ = apply_plan(model, plan, device="cpu",
+                                          optim=OptimizerSettings(lr=1e-3))  # fmt: skip
     loss_fn = planner_loss(torch.device("cpu"), None)
     batches = iter(epoch)
 

@@ -88,7 +88,9 @@ def test_the_planner_plans_for_the_optimizer_and_the_plan_runs_with_it(tmp_path,
     memory = {"auto": True, "gpu_budget": "100MiB"}
     fast = {"sequence_len": 32, "micro_batch_size": 2, "max_steps": 2}
     cfg = validate_config(tiny_config(tmp_path, memory=memory, **fast, **EIGHT_BIT))
-    assert PlanSettings.from_config(cfg, torch.device("cpu"), None).optimizer == "adamw_8bit"
+    assert (
+        PlanSettings.from_config(cfg, torch.device("cpu"), None).request.optimizer == "adamw_8bit"
+    )
     train(cfg)
     problems = [o for name, o in seen if name == "PlanProblem"]
     assert problems and set(problems) == {"adamw_8bit"}

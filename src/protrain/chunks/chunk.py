@@ -75,6 +75,15 @@ class ParamSlot:
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
     grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
     update_piece: int = 0  # which piece of its chunk's host update writes this master
+    # The gradient since zero_grad is one backward's, in grad_staging as it landed (low
+    # precision), not in grad_acc: the host's one-pass AdamW reads it there (see [Note:
+    # gradients for the one pass] in runtime/grad_offload.py).
+    grad_low: bool = False
+    # (inverse loss scale, clip coefficient) a one-pass step applied to this gradient as it
+    # read it, not to the stored gradient; torch's unscale_ and clip change .grad in place,
+    # so a backward before zero_grad adds onto the changed gradient: the sink applies them
+    # first. None: nothing pending.
+    grad_pending_mul: tuple[float | None, float | None] | None = None
     # Sharded chunks (protrain.distributed.sharding): the elements [lo, hi) of the flattened
     # parameter this rank owns; host_view, master and grad_acc hold those elements only.
     shard: tuple[int, int] | None = None
@@ -155,6 +164,10 @@ class Chunk:
         # copies the masters in and casts on the device, then writes the host copy back.
         self.host_stale = False
         self.host_written_event = None  # device-to-host write-back of the host copy done
+        # The host update writes the host copy itself (the one-pass AdamW): the next gather
+        # copies each piece's trainable bytes as soon as the piece is written, casts nothing
+        # and writes nothing back (see [Note: write-back on the device] in manager.py).
+        self.host_updating = False
         self._byte_runs: dict[bool, list[tuple[int, int]]] = {}  # slots are fixed once made
         # Set by the manager for an offloaded chunk of the sharded mode: the bytes this rank
         # owns (its host copy holds those bytes alone).

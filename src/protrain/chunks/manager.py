@@ -443,7 +443,7 @@ class ChunkManager:
             return True
         # An update started in backward (step_in_backward) leaves the host copy as it was
         # until step() marks it stale: gathers before then read the old weights, as they must.
-        updating = c.update_future is not None and c.host_stale
+        updating = c.update_future is not None and (c.host_stale or c.host_updating)
         if c.shard is not None:  # collectives never depend on timing: [Note: sharded chunks]
             blocking_update = True
         if updating and not blocking_update and not c.update_future.done():
@@ -483,7 +483,7 @@ class ChunkManager:
                         c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
             self._wait_update(c)
-        c.host_stale = False
+        c.host_stale = c.host_updating = False
         self.resident[c.index] = c
         self.stats["gathers"] += 1
         return True
@@ -525,6 +525,10 @@ class ChunkManager:
             if c.shard is not None:
                 self._copy_in_shard(c, span)
                 return
+            updating = c.update_future is not None and c.update_progress is not None
+            if c.host_updating and updating and not c.update_future.done():
+                self._copy_in_updating(c, span)
+                return
             if not c.host_stale:
                 span.add(c.used_bytes)
                 c.device_buffer[: c.used_bytes].copy_(
@@ -532,7 +536,6 @@ class ChunkManager:
                 )
                 return
             # See [Note: write-back on the device] and [Note: gathering an updating chunk].
-            updating = c.update_future is not None and c.update_progress is not None
             for a, b in c.byte_runs(trainable=False):
                 span.add(b - a)
                 c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
@@ -549,6 +552,22 @@ class ChunkManager:
                         piece = master[a : a + _PIECE_NUMEL].to(self.device, non_blocking=True)
                         dev[a : a + _PIECE_NUMEL].copy_(piece)
 
+    def _copy_in_updating(self, c: Chunk, span) -> None:
+        """The frozen bytes at once, then each trainable parameter's bytes of the host copy
+        as soon as the piece of the one-pass update that writes them is done ([Note:
+        gathering an updating chunk]); nothing is cast or written back."""
+        for a, b in c.byte_runs(trainable=False):
+            span.add(b - a)
+            c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
+        waited = -1
+        for s in c.trainable_slots:
+            if c.update_future is not None:
+                waited = self._wait_piece(c, s.update_piece, waited, span)
+            pl = s.placement
+            a, b = pl.offset_bytes, pl.offset_bytes + pl.nbytes
+            span.add(b - a)
+            c.device_buffer[a:b].copy_(c.host_buffer[a:b], non_blocking=self.is_cuda)
+
     def _wait_piece(self, c: Chunk, piece: int, waited: int, span) -> int:
         """Wait for the update's pieces up to ``piece`` (``waited``: the last one waited
         for); the copy span pauses before a new piece's wait, which may block the host
@@ -564,7 +583,15 @@ class ChunkManager:
         all-gather."""
         sh = c.shard
         own = c.device_buffer[sh.start : sh.end]
-        if not c.host_stale:
+        if c.host_updating:  # the one pass writes the host copy: the whole update first
+            if c.update_future is not None:
+                span.pause()
+                self._wait_update(c)
+            n = min(sh.end, c.used_bytes) - sh.start
+            if n > 0:
+                span.add(n)
+                own[:n].copy_(c.host_buffer[:n], non_blocking=self.is_cuda)
+        elif not c.host_stale:
             # the shard's parameter bytes only: the alignment padding past the chunk's last
             # parameter is never read
             n = min(sh.end, c.used_bytes) - sh.start

@@ -233,6 +233,10 @@ class FlatAdamW:
             if run.moments and not run.moments["exp_avg"].is_pinned():
                 run.moments = {k: v.pin_memory() for k, v in run.moments.items()}
 
+    def group_of(self, s: ParamSlot) -> int:
+        """The outer optimizer's parameter group of ``s``."""
+        return self._where[id(s)][0].group
+
     def step_count(self, s: ParamSlot) -> float:
         return self._step[id(s)]
 

@@ -98,6 +98,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.optim import host_adam_ext
 from protrain.optim.adamw_8bit import (
     QMAP_KEYS,
     TORCH_STATE_KEYS,
@@ -109,6 +110,7 @@ from protrain.optim.adamw_8bit import (
 )
 from protrain.optim.device_step import DeviceStep
 from protrain.optim.flat_adamw import FlatAdamW
+from protrain.optim.host_one_pass import plan_reads, step_piece
 from protrain.optim.loss_scaler import LossScaler
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.host_worker import HostWorker
@@ -204,7 +206,32 @@ class HybridAdamW(torch.optim.Optimizer):
             for c in manager.offloaded
             if c.trainable_slots
         }
+        self._one_pass = self._choose_one_pass()
         self._ready = True
+
+    def _choose_one_pass(self):
+        """The one-pass kernel for the host-stepped offloaded chunks (``optim/host_one_pass.py``),
+        or None: torch's fused AdamW with the cast on the device (no kernel, or the
+        profiler's wrap, whose gradients are discarded)."""
+        manager = self._manager
+        chunks = [ci for ci in self._host_opts if not self._on_device(ci)]
+        if not chunks or manager.discard_offloaded_grads:
+            return None
+        kernel = host_adam_ext.kernel()
+        if kernel is None:
+            return None
+        manager.ensure_grad_staging()  # where one backward's gradients land for the pass
+        if self._sink is not None:
+            self._sink.one_pass_chunks = frozenset(chunks)
+        return kernel
+
+    def _mark_updating(self, chunk: Chunk) -> None:
+        """``chunk``'s update has run or runs: its next gather reads it (the host copy the
+        one pass writes, or the masters cast on the device)."""
+        if self._one_pass is not None:
+            chunk.host_updating = True
+        else:
+            chunk.host_stale = True
 
     def _inner(self, slots: list[ParamSlot]):
         """The device optimizer over the masters of ``slots`` (the persistent chunks'):
@@ -346,7 +373,8 @@ class HybridAdamW(torch.optim.Optimizer):
                 _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
-                grad = s.grad_acc if inv_scale is None else s.grad_acc * inv_scale.cpu()
+                grad = s.grad_staging.float() if s.grad_low else s.grad_acc
+                grad = grad if inv_scale is None else grad * inv_scale.cpu()
                 if grad.numel() == 0:  # a shard of no elements (the max of nothing fails)
                     norms.append(torch.zeros((), device=device))
                 else:
@@ -451,7 +479,13 @@ class HybridAdamW(torch.optim.Optimizer):
         opts = self._host_opts[chunk.index]
         if with_grad is None:
             with_grad = [s for s in opts[pi].slots if s.has_grad]
-        stepping = (with_grad, hyper, inv_scale, clip_coef)
+        if self._one_pass is not None:  # fixed now: zero_grad may run before the task
+            inv = None if inv_scale is None else float(inv_scale)
+            # the torch path's rule: a coefficient of exactly 1 changes no bit
+            coef = None if clip_coef is None or float(clip_coef) == 1.0 else float(clip_coef)
+            stepping = (with_grad, hyper, inv, coef, plan_reads(with_grad, inv, coef))
+        else:
+            stepping = (with_grad, hyper, inv_scale, clip_coef)
         self._worker.submit(
             _step_host_piece_task,
             chunk,
@@ -460,6 +494,7 @@ class HybridAdamW(torch.optim.Optimizer):
             opts[pi],
             stepping,
             self._manager.stats,
+            self._one_pass,
             priority=rank + pi / (len(opts) + 1),
             ready=lambda: _grads_landed(with_grad),
         )
@@ -475,7 +510,8 @@ class HybridAdamW(torch.optim.Optimizer):
             for pi in range(len(self._host_opts[ci])):
                 if pi not in pieces:
                     self._submit_piece(chunk, pi, self._armed_hyper, None, None, with_grad=[])
-            chunk.host_stale = chunk.host_stale or stale
+            if stale:
+                self._mark_updating(chunk)
         self._disarm()
 
     def _disarm(self) -> None:
@@ -568,14 +604,14 @@ class HybridAdamW(torch.optim.Optimizer):
                               for s in chunk.trainable_slots if s.has_grad]  # fmt: skip
                 continue
             if ci in started:  # its update runs since backward: [Note: step in backward]
-                chunk.host_stale = True
+                self._mark_updating(chunk)
                 for pi in range(len(self._host_opts[ci])):  # pieces some gradient never reached
                     if pi not in started[ci]:
                         self._submit_piece(chunk, pi, hyper, None, None)
                 continue
             if not any(s.has_grad for s in chunk.trainable_slots):
                 continue
-            chunk.host_stale = True  # the next gather casts the new masters on the device
+            self._mark_updating(chunk)
             self._begin_update(chunk)
             for pi in range(len(self._host_opts[ci])):
                 self._submit_piece(chunk, pi, hyper, host_inv_scale, host_coef)
@@ -627,7 +663,8 @@ class HybridAdamW(torch.optim.Optimizer):
         self._disarm()
         self._clip_coef = self._found_inf = self._inv_scale = None
         for s in self._slots:
-            s.has_grad = False
+            s.has_grad = s.grad_low = False
+            s.grad_pending_mul = None
             s.param.grad = None
         for s in self._persistent_slots:  # device accumulators are made by the next backward
             s.grad_acc = s.master.grad = None
@@ -868,23 +905,44 @@ def _grads_landed(with_grad: list[ParamSlot]) -> bool:
 
 @torch.no_grad()
 def _step_host_piece_task(
-    chunk: Chunk, progress: UpdateProgress, pi: int, adam: FlatAdamW, stepping: tuple, stats
+    chunk: Chunk,
+    progress: UpdateProgress,
+    pi: int,
+    adam: FlatAdamW,
+    stepping: tuple,
+    stats,
+    kernel=None,
 ) -> None:
     """Runs on the CPU worker: piece ``pi`` of a chunk's update (unscale, clip, AdamW over
     its fp32 masters), then tells ``progress``; an error fails the whole update.
     ``stepping``: (slots with a gradient, hyperparameters, inverse loss scale, clip
-    coefficient)."""
-    with_grad, hyper, inv_scale, clip_coef = stepping
+    coefficient); ``kernel``: the one pass's (``optim/host_one_pass.py``), else torch's."""
+    with_grad, hyper, inv_scale, clip_coef = stepping[:4]
     if progress.failed:  # an earlier piece failed: the update is over
         return
     try:
         if chunk.gathered_event is not None:
             chunk.gathered_event.synchronize()  # the last copy-in has read the masters
-        _step_host_piece(adam, with_grad, hyper, inv_scale, clip_coef, stats)
+        if kernel is not None:
+            _step_one_pass(kernel, adam, stepping, stats)
+        else:
+            _step_host_piece(adam, with_grad, hyper, inv_scale, clip_coef, stats)
     except BaseException as e:
         progress.fail(e)
         raise
     progress.advance(pi)
+
+
+def _step_one_pass(kernel, adam: FlatAdamW, stepping: tuple, stats) -> None:
+    with_grad, hyper, inv, coef, reads = stepping
+    for s in with_grad:
+        if s.grad_event is not None:
+            s.grad_event.synchronize()  # the gradient has landed
+    if not with_grad:
+        return
+    t0 = time.perf_counter()
+    step_piece(kernel, adam, with_grad, reads, hyper, inv, coef, stats)
+    stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + time.perf_counter() - t0
 
 
 def _step_host_piece(
@@ -905,10 +963,16 @@ def _step_host_piece(
         torch._amp_foreach_non_finite_check_and_unscale_(batch.grads, found_inf, inv_scale)
     # A coefficient of exactly 1 (the norm under max_norm) changes no bit: skip the pass
     # over the chunk's fp32 gradients, which costs about a third of its AdamW.
-    if clip_coef is not None and float(clip_coef) != 1.0:
+    clips = clip_coef is not None and float(clip_coef) != 1.0
+    if clips:
         torch._foreach_mul_(batch.grads, clip_coef)
     t1 = time.perf_counter()
     adam.step(batch, hyper)
+    # [Note: host bytes of the one pass] in optim/host_one_pass.py: this path's bytes
+    numel = sum(g.numel() for g in batch.grads)
+    passes = 28 + 8 * ((inv_scale is not None) + clips)
+    stats["host_update_bytes"] = stats.get("host_update_bytes", 0) + passes * numel
+    stats["host_update_params"] = stats.get("host_update_params", 0) + numel
     stats["host_clip_s"] = stats.get("host_clip_s", 0.0) + t1 - t0
     adam_s = time.perf_counter() - t1 + t0 - t_prepare
     stats["host_adam_s"] = stats.get("host_adam_s", 0.0) + adam_s

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import gc
 import logging
-import re
 import time
 
 import numpy as np
 import torch
 from torch import nn
 
-from protrain.distributed.agree import on_main
+from protrain.distributed.agree import on_main_patiently
 from protrain.distributed.process_group import NO_GROUP, resolve_context
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.loss_chunk import (
-    LossChunks,
     fixed_chunk_advice,
     logit_bytes,
     loss_chunk_candidates,
@@ -26,26 +24,14 @@ from protrain.plan.loss_chunk import (
 )
 from protrain.plan.memory import ADAM_DEVICE_BYTES_PER_PARAM, ADAM_STEP_BYTES_PER_TENSOR
 from protrain.plan.plan import KNOBS, Plan
+from protrain.plan.request import PlanRequest
 from protrain.plan.search import NoPlanFits, PlanProblem
 from protrain.plan.world import MODES, SINGLE, World
 from protrain.profile.chunk_table import ChunkTable, chunk_table
 from protrain.profile.hardware import HardwareProfile, measure_hardware
-from protrain.profile.trace import LossFn, ModelProfile, hf_loss, trace_model
+from protrain.profile.trace import ModelProfile, hf_loss, trace_model
 
 log = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
-
-
-def parse_bytes(value: int | float | str) -> int:
-    """``24GiB``, ``24 GB``, ``25769803776`` -> bytes."""
-    if isinstance(value, (int, float)):
-        return int(value)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"{value!r} is not a size: use e.g. 24GiB, 80GB or a number of bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
 def _device(device) -> torch.device:
@@ -92,31 +78,34 @@ def full_logits_bytes(model: nn.Module, batch_size: int, seq_len: int, compute_d
 
 def profile_model(
     model: nn.Module,
-    sample_batch: dict,
+    request: PlanRequest,
     *,
-    gpu_budget_bytes: int,
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
-    chunk_size_bytes: int | None = None,
-    loss_fn: LossFn = hf_loss,
-    tiled_mlp_tokens: int | None = None,
-    loss_chunks: LossChunks | None = None,
-    fixed_loss_chunk_tokens: int | None = None,
 ) -> ModelProfile:
     """Trace under the engine with as many persistent chunks as fit in half the budget less
     the full-sequence logits of a plain loss (the other half for the trace's activations,
     its buffers and gradients), the rest offloaded; a trace that runs out of memory anyway
     is retried once with every chunk offloaded, and says so.
 
-    ``loss_chunks`` (the planner owns the loss; ``loss_fn`` is then not read): the step is
-    traced with the loss in its smallest chunk and the profile carries the chunks to search
-    (``protrain.plan.loss_chunk``). ``fixed_loss_chunk_tokens``: the chunk of ``loss_fn``
-    where the user fixed it (``memory.chunked_loss_tokens``), named by the error when even
-    the offloaded trace runs out of memory."""
+    Read from ``request``: the sample batch, the GPU budget, the chunk size and tiled MLPs
+    of its knobs, and the loss. ``loss_chunks`` (the planner owns the loss; ``loss_fn`` is
+    then not read): the step is traced with the loss in its smallest chunk and the profile
+    carries the chunks to search (``protrain.plan.loss_chunk``). ``fixed_loss_chunk_tokens``:
+    the chunk of ``loss_fn`` where the user fixed it (``memory.chunked_loss_tokens``), named
+    by the error when even the offloaded trace runs out of memory."""
     device = _device(device)
+    sample_batch, gpu_budget_bytes = request.sample_batch, request.gpu_budget_bytes
+    loss_chunks, loss_fn = request.loss_chunks, request.loss_fn or hf_loss
+    if sample_batch is None:
+        raise ValueError(
+            "the plan request has no sample_batch: give a micro-batch of the real shape"
+        )
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = chunk_table(model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes)
+    table = chunk_table(
+        model, compute_dtype=compute_dtype, chunk_size_bytes=request.knobs.chunk_size_bytes
+    )
     logits = 0
     candidates: list[int | None] = []
     if loss_chunks is not None:
@@ -131,20 +120,22 @@ def profile_model(
         if isinstance(ids, torch.Tensor) and ids.dim() == 2:
             logits = full_logits_bytes(model, ids.shape[0], ids.shape[1], compute_dtype)
     n_persist = trace_persist(table, max(gpu_budget_bytes // 2 - logits, 0))
-    kwargs = dict(
-        device=device,
-        compute_dtype=compute_dtype,
-        chunk_size_bytes=table.chunk_size_bytes,
-        loss_fn=loss_fn,
-        tiled_mlp_tokens=tiled_mlp_tokens,
-        gpu_budget_bytes=gpu_budget_bytes,
-    )
     attempts = [n_persist] if n_persist == 0 else [n_persist, 0]
     for i, n in enumerate(attempts):
         traced = False
         t0 = time.perf_counter()
         try:
-            profile = trace_model(model, sample_batch, n_persist=n, **kwargs)
+            profile = trace_model(
+                model,
+                sample_batch,
+                device=device,
+                compute_dtype=compute_dtype,
+                n_persist=n,
+                chunk_size_bytes=table.chunk_size_bytes,
+                loss_fn=loss_fn,
+                tiled_mlp_tokens=request.knobs.tiled_mlp_tokens,
+                gpu_budget_bytes=gpu_budget_bytes,
+            )
             traced = True
         except torch.OutOfMemoryError as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "out of memory"
@@ -176,9 +167,9 @@ def profile_model(
                 reason,
             )
     hint = ""
-    if fixed_loss_chunk_tokens is not None and loss_chunks is None:
+    if request.fixed_loss_chunk_tokens is not None and loss_chunks is None:
         positions = _loss_positions(sample_batch)
-        hint = fixed_chunk_advice(fixed_loss_chunk_tokens, positions, vocab_size(model))
+        hint = fixed_chunk_advice(request.fixed_loss_chunk_tokens, positions, vocab_size(model))
     elif logits and loss_chunks is None:
         hint = (
             f" The full-sequence logits of a plain loss take {logits / 2**30:.2f} GiB at this "
@@ -205,130 +196,71 @@ def _loss_positions(batch: dict) -> int:
 
 def profile_and_plan(
     model: nn.Module,
-    sample_batch: dict,
+    request: PlanRequest,
     *,
-    gpu_budget_bytes: int | str,
     device: torch.device | str | None = None,
-    fixed_knobs: dict[str, int | None] | None = None,
-    cpu_budget_bytes: int | str | None = None,
     compute_dtype: torch.dtype | None = None,
-    chunk_size_bytes: int | None = None,
-    loss_fn: LossFn = hf_loss,
     hardware: HardwareProfile | None = None,
     profile: ModelProfile | None = None,
-    tiled_mlp_tokens: int | None = None,
-    clipping: bool = True,
     process_group=None,
-    distributed_mode: str | None = None,
-    loss_chunks: LossChunks | None = None,
-    fixed_loss_chunk_tokens: int | None = None,
-    device_step_search: bool = False,
-    optimizer: str = "adamw",
 ) -> tuple[Plan, PlanProblem | None]:
-    """The plan and the problem it solved (keep the problem for :mod:`closed_loop`).
-    ``clipping``: whether training clips gradients (it decides when the host optimizer
-    runs; see :mod:`protrain.plan.runtime`). ``cpu_budget_bytes`` None: the default of
-    :mod:`protrain.plan.host_budget`, read after the trace.
+    """The plan for ``request`` (``plan/request.py`` says what it holds) and the problem it
+    solved (keep the problem for :mod:`closed_loop`). ``hardware`` and ``profile``: given
+    instead of measured and traced.
 
     Several ranks (``process_group``, else the default group when initialized): every rank
     calls this at once. They measure the hardware together; the first rank traces its
     model and searches, for each rank's share (``plan/world.py``: ``gpu_budget_bytes`` is
     each GPU's, ``cpu_budget_bytes`` the host's, shared by its ranks), over both modes
-    unless ``distributed_mode`` fixes one; every rank returns that plan (or raises its
-    error), the problem on the first rank only (None elsewhere).
+    unless ``request.knobs.distributed_mode`` fixes one; every rank returns that plan (or
+    raises its error), the problem on the first rank only (None elsewhere).
 
-    ``loss_chunks``: the planner owns the loss and searches its chunk of positions
-    (``protrain.plan.loss_chunk``); the plan's ``chunked_loss_tokens`` is the one to train
-    with (None: the whole logits). Without it the loss is ``loss_fn``, as traced;
-    ``fixed_loss_chunk_tokens`` its chunk where the user fixed one (named by the error of a
-    trace that runs out of memory). ``device_step_search``: the search also chooses how many
-    offloaded chunks step on the device (``n_device_step``, ``optim/device_step.py``; a
-    fixed ``n_device_step`` in ``fixed_knobs`` is kept). ``optimizer``: the engine's
-    (``"adamw"`` or ``"adamw_8bit"``), whose device state the memory model counts; the trace
-    steps torch's AdamW either way."""
+    With ``request.loss_chunks`` the plan's ``chunked_loss_tokens`` is the loss chunk to
+    train with (None: the whole logits). The trace steps torch's AdamW whatever
+    ``request.optimizer`` is."""
     device = _device(device)
     ctx = resolve_context(process_group)
-    if distributed_mode is not None and distributed_mode not in MODES:
-        raise ValueError(
-            f"distributed_mode={distributed_mode!r} is not allowed: use one of {MODES}"
-        )
+    mode = request.knobs.distributed_mode
+    if mode is not None and mode not in MODES:
+        raise ValueError(f"distributed_mode={mode!r} is not allowed: use one of {MODES}")
     hardware = hardware or measure_hardware(
         device, process_group=ctx.group if ctx.is_distributed else NO_GROUP
     )
-    kwargs = dict(
-        model=model,
-        sample_batch=sample_batch,
-        gpu_budget_bytes=gpu_budget_bytes,
-        device=device,
-        fixed_knobs=fixed_knobs,
-        cpu_budget_bytes=cpu_budget_bytes,
-        compute_dtype=compute_dtype,
-        chunk_size_bytes=chunk_size_bytes,
-        loss_fn=loss_fn,
-        hardware=hardware,
-        profile=profile,
-        tiled_mlp_tokens=tiled_mlp_tokens,
-        clipping=clipping,
-        loss_chunks=loss_chunks,
-        fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
-        device_step_search=device_step_search,
-        optimizer=optimizer,
-    )
     if not ctx.is_distributed:
-        return _plan_here(**kwargs)
-    world = World(ctx.world_size, ctx.local_world_size, distributed_mode or "sharded")
+        return _plan_here(model, request, device, compute_dtype, hardware, profile)
+    world = World(ctx.world_size, ctx.local_world_size, mode or "sharded")
     problems: list[PlanProblem] = []
 
     def on_first_rank() -> Plan:
-        plan, problem = _plan_here(**kwargs, world=world, mode_fixed=distributed_mode is not None)
+        plan, problem = _plan_here(
+            model, request, device, compute_dtype, hardware, profile, world, mode is not None
+        )
         problems.append(problem)
         return plan
 
-    plan = on_main(ctx, on_first_rank)
+    # the trace and search of a large model may outlast the group's collective timeout
+    poll_device = None if "gloo" in ctx.backend else device  # NCCL alone: a CUDA tensor
+    plan = on_main_patiently(ctx, on_first_rank, poll_device)
     return plan, (problems[0] if problems else None)
 
 
 def _plan_here(
     model: nn.Module,
-    sample_batch: dict,
-    *,
-    gpu_budget_bytes: int | str,
+    request: PlanRequest,
     device: torch.device,
-    fixed_knobs: dict[str, int | None] | None,
-    cpu_budget_bytes: int | str | None,
     compute_dtype: torch.dtype | None,
-    chunk_size_bytes: int | None,
-    loss_fn: LossFn,
     hardware: HardwareProfile,
     profile: ModelProfile | None,
-    tiled_mlp_tokens: int | None,
-    clipping: bool,
-    loss_chunks: LossChunks | None = None,
-    fixed_loss_chunk_tokens: int | None = None,
     world: World = SINGLE,
     mode_fixed: bool = True,
-    device_step_search: bool = False,
-    optimizer: str = "adamw",
 ) -> tuple[Plan, PlanProblem]:
     """:func:`profile_and_plan` on this process: trace (unless given), then search."""
     t0 = time.perf_counter()
-    budget = parse_bytes(gpu_budget_bytes)
-    cpu_budget = parse_bytes(cpu_budget_bytes) if cpu_budget_bytes is not None else None
+    budget, cpu_budget = request.gpu_budget_bytes, request.cpu_budget_bytes
     if cpu_budget is not None:
         cpu_budget //= world.local_size  # the host's, shared by its ranks
     if profile is None:
-        profile = profile_model(
-            model,
-            sample_batch,
-            gpu_budget_bytes=budget,
-            device=device,
-            compute_dtype=compute_dtype,
-            chunk_size_bytes=chunk_size_bytes,
-            loss_fn=loss_fn,
-            tiled_mlp_tokens=tiled_mlp_tokens,
-            loss_chunks=loss_chunks,
-            fixed_loss_chunk_tokens=fixed_loss_chunk_tokens,
-        )
+        profile = profile_model(model, request, device=device, compute_dtype=compute_dtype)
     host_defaulted = cpu_budget is None
     if host_defaulted:  # after the trace: its arena is given back
         cpu_budget = default_cpu_budget()
@@ -345,7 +277,7 @@ def _plan_here(
                 SHARE * 100,
                 f", shared by {world.local_size} ranks" if world.local_size > 1 else "",
             )
-    fixed = {k: v for k, v in (fixed_knobs or {}).items() if v is not None}
+    fixed = request.knobs.fixed_searched()
     log.info(
         "protrain plan: knobs fixed by the user: %s; searching %s",
         ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none",
@@ -360,12 +292,12 @@ def _plan_here(
             gpu_budget_bytes=budget,
             cpu_budget_bytes=cpu_budget,
             fixed_knobs=fixed,
-            clipping=clipping,
-            chunk_size_fixed=chunk_size_bytes is not None,
+            clipping=request.clipping,
+            chunk_size_fixed=request.knobs.chunk_size_bytes is not None,
             world=world,
             mode_fixed=mode_fixed,
-            device_step_search=device_step_search,
-            optimizer=optimizer,
+            device_step_search=request.device_step_search,
+            optimizer=request.optimizer,
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":
@@ -389,6 +321,6 @@ def _plan_here(
     return result.plan, problem
 
 
-def plan_for(model: nn.Module, sample_batch: dict, **kwargs) -> Plan:
+def plan_for(model: nn.Module, request: PlanRequest, device=None) -> Plan:
     """The fastest plan that fits: :func:`profile_and_plan` without the problem."""
-    return profile_and_plan(model, sample_batch, **kwargs)[0]
+    return profile_and_plan(model, request, device=device)[0]

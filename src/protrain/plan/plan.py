@@ -4,9 +4,11 @@ and its text form: ``explain`` (what ``str(plan)`` gives) and the candidates' ta
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
-KNOBS = ("n_persist", "n_buffer", "n_swap", "n_checkpoint")
+from protrain.knobs import SEARCHED, Knobs
+
+KNOBS = SEARCHED
 
 
 @dataclass
@@ -47,7 +49,23 @@ class Plan:
 
     @property
     def knobs(self) -> dict[str, int]:
+        """The searched knobs (a candidate row's), by name."""
         return {k: getattr(self, k) for k in KNOBS}
+
+    def engine_knobs(self, user: Knobs | None = None) -> Knobs:
+        """What the engine runs: the plan's decisions over the ``user``'s knobs (those the
+        plan does not decide, ``tiled_mlp_tokens`` and ``offload_checkpoint``, kept). With
+        every chunk persistent there is no pool, so ``n_buffer`` is left to the engine."""
+        return replace(
+            user or Knobs(),
+            n_persist=self.n_persist,
+            n_buffer=self.n_buffer if self.n_persist < self.n_chunks else None,
+            n_swap=self.n_swap,
+            n_checkpoint=self.n_checkpoint,
+            n_device_step=self.n_device_step,
+            chunk_size_bytes=self.chunk_size_bytes,
+            distributed_mode=self.distributed_mode,
+        )
 
     @property
     def predicted_tokens_per_s(self) -> float:

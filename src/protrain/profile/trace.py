@@ -72,9 +72,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from protrain.activations import apply_activation_knobs
 from protrain.activations.swap import is_parameter_like
 from protrain.chunks.buffers import output_head
 from protrain.distributed.process_group import NO_GROUP
+from protrain.engine import wrap as engine_wrap
+from protrain.knobs import Knobs, OptimizerSettings
 from protrain.model.blocks import discover_blocks
 from protrain.model.kernels import applied_kernels
 from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
@@ -659,9 +662,6 @@ def trace_model(
     training will run them. ``gpu_budget_bytes``: the plan's device budget, which the step
     with nothing recomputed must fit to be measured ([Note: the plain layout measured]).
     """
-    from protrain.activations import apply_activation_knobs
-    from protrain.engine import wrap as engine_wrap
-
     t_begin = time.perf_counter()
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -697,12 +697,10 @@ def trace_model(
     # the engine's own wrap: the profiler sits below "plan, then wrap" (planned_wrap.py)
     model, optimizer, chunk_layout = engine_wrap(
         model,
-        n_persist=n_persist,
-        n_buffer=n_buffer,
+        Knobs(n_persist=n_persist, n_buffer=n_buffer, chunk_size_bytes=table.chunk_size_bytes),
         device=device,
-        lr=0.0,
         compute_dtype=compute_dtype,
-        chunk_size_bytes=table.chunk_size_bytes,
+        optim=OptimizerSettings(lr=0.0),
         discard_offloaded_grads=True,  # stepped without host updates: never read
         process_group=NO_GROUP,
     )

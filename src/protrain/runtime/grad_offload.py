@@ -26,6 +26,20 @@ is cast on the device because the host optimizer reads fp32: a bf16 copy would h
 first gradient's bytes but cost the host a cast pass of about 45% of its AdamW per parameter
 ([Note: write-back on the device] in chunks/manager.py has the figures).
 
+[Note: gradients for the one pass]
+Where the host runs the one-pass AdamW (``optim/host_one_pass.py``), a first gradient of an
+offloaded chunk in ``one_pass_chunks`` lands in low precision in ``grad_staging``, not cast
+to fp32 into ``grad_acc``: the pass reads it there (2 bytes a parameter instead of 4, and no
+fp32 accumulator written). Its norm is taken on the device as before. If a later gradient
+comes for it (accumulation), the hook first makes ``grad_acc`` the fp32 value of the landed
+one (exact: every bf16 or fp16 value is an fp32 value) and the later gradients are added
+there as below, so the sums are torch's. Once a window has accumulated, first gradients of
+later windows go to ``grad_acc`` at once, as without the pass (``accumulates``), so that the
+conversion runs once; the last backward of a step armed by ``step_in_backward()`` lands
+low regardless when it brings the first gradient. A one-pass step unscales and clips as it
+reads; the stored gradient keeps its value, and the multipliers are applied to it before a
+backward adds onto it (torch changes ``.grad`` in place: ``ParamSlot.grad_pending_mul``).
+
 [Note: reusing a landing place]
 A parameter's landing place is reused by its next gradient (next micro-batch); before the
 device-to-host copy into it, the previous host accumulation of that parameter must have read
@@ -86,6 +100,7 @@ from torch.autograd import Variable
 from protrain.chunks.chunk import ParamSlot
 from protrain.chunks.copy_times import D2H
 from protrain.chunks.manager import ChunkManager, Phase
+from protrain.optim.host_one_pass import apply_pending
 from protrain.runtime.host_worker import URGENT, HostWorker
 
 _PIECE_NUMEL = 1 << 26  # elements cast to fp32 at a time on the device (256 MiB)
@@ -123,6 +138,10 @@ class GradSink:
         self._pending_ids: set[int] = set()
         self._pending_numel = 0
         self._flush_queued_for: int | None = None  # the backward whose end flushes
+        # chunks whose first gradients may land in low precision for the host's one-pass
+        # AdamW (set by the optimizer; see [Note: gradients for the one pass])
+        self.one_pass_chunks: frozenset[int] = frozenset()
+        self.accumulates = False  # a window has added a later gradient
 
     def watch(self, groups: dict[object, list[ParamSlot]], on_complete) -> None:
         """Call ``on_complete(key)`` once each group's slots (of one chunk each) all have
@@ -172,14 +191,38 @@ class GradSink:
                 self._wait(chunk.update_future)
                 chunk.update_future = chunk.update_progress = None
             if first:
+                slot.grad_low = self._lands_low(slot)
+                slot.grad_pending_mul = None
                 if not self._hold(slot, grad):
                     self.flush()  # batches stay in backward order
                     self._offload_first([(slot, grad)])
             else:
                 if id(slot) in self._pending_ids:  # its first gradient must land first
                     self.flush()
+                if slot.grad_low or slot.grad_pending_mul is not None:
+                    self._materialize(slot)
                 self._offload_later(slot, grad)
             self._landed_in(key, slot)
+
+    def _lands_low(self, slot: ParamSlot) -> bool:
+        """Whether ``slot``'s first gradient lands in low precision for the one pass."""
+        if slot.chunk not in self.one_pass_chunks or slot.grad_staging is None:
+            return False
+        return not self.accumulates or self._watched is not None
+
+    def _materialize(self, slot: ParamSlot) -> None:
+        """Before a later gradient is added: ``grad_acc`` holds the gradient so far as torch's
+        ``.grad`` would (the landed low-precision one in fp32, then any unscale and clip a
+        step applied); see [Note: gradients for the one pass]. On this thread: it runs once
+        per window, at the first accumulation."""
+        if slot.accumulate_future is not None:
+            self._wait(slot.accumulate_future)
+            slot.accumulate_future = None
+        if slot.grad_event is not None:
+            slot.grad_event.synchronize()
+        if slot.grad_low:
+            self.accumulates = True
+        apply_pending(slot)
 
     def flush(self) -> None:
         """Offload the first gradients held since the last flush, as one batch (see
@@ -265,10 +308,12 @@ class GradSink:
         times = self.manager.copy_times
         if not self.manager.is_cuda:
             for slot, grad in batch:
+                dst = slot.grad_staging if slot.grad_low else slot.grad_acc
                 with times.span(D2H) as span:
-                    span.add(4 * grad.numel())
-                    slot.grad_acc.copy_(grad)
-                slot.grad_norm = torch.linalg.vector_norm(slot.grad_acc)
+                    span.add(dst.element_size() * grad.numel())
+                    dst.copy_(grad)
+                # the norm of the fp32 values, as of an fp32 accumulator
+                slot.grad_norm = torch.linalg.vector_norm(dst.float())
             return
         stream = self.manager.grad_offload_stream
         stream.wait_event(torch.cuda.current_stream(self.manager.device).record_event())
@@ -281,8 +326,12 @@ class GradSink:
             for slot, grad in batch:
                 slot.grad_norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
             with times.span(D2H, stream) as span:  # the fp32 cast is part of the copy
-                span.add(4 * sum(grad.numel() for _, grad in batch))
                 for slot, grad in batch:
+                    if slot.grad_low:  # as it is: [Note: gradients for the one pass]
+                        span.add(grad.numel() * grad.element_size())
+                        slot.grad_staging.copy_(grad, non_blocking=True)
+                        continue
+                    span.add(4 * grad.numel())
                     src, dst = grad.reshape(-1), slot.grad_acc.view(-1)
                     for a in range(0, src.numel(), _PIECE_NUMEL):
                         dst[a : a + _PIECE_NUMEL].copy_(

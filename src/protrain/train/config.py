@@ -29,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from protrain.knobs import Knobs
 from protrain.train.data import DataSettings
 from protrain.train.data.errors import not_utf8_place
 from protrain.train.errors import ConfigError
@@ -361,16 +362,20 @@ class MemoryConfig(StrictModel):
             )
         return self
 
-    @property
-    def fixed_knobs(self) -> dict[str, int | None]:
-        """The planner's knobs as the user set them (None: searched)."""
-        return {
-            "n_persist": self.n_persist,
-            "n_buffer": self.n_buffer,
-            "n_swap": self.n_swap,
-            "n_checkpoint": self.n_checkpoint,
-            "n_device_step": self.n_device_step,
-        }
+    def knobs(self) -> Knobs:
+        """The section's placement knobs as the engine and the planner take them (None: the
+        engine's default, or searched with `auto`)."""
+        return Knobs(
+            n_persist=self.n_persist,
+            n_buffer=self.n_buffer,
+            n_swap=self.n_swap,
+            n_checkpoint=self.n_checkpoint,
+            n_device_step=self.n_device_step,
+            chunk_size_bytes=int(self.chunk_size) if self.chunk_size is not None else None,
+            distributed_mode=self.mode,
+            offload_checkpoint=self.offload_checkpoint,
+            tiled_mlp_tokens=self.tiled_mlp_tokens,
+        )
 
     @property
     def engine_enabled(self) -> bool:

@@ -381,6 +381,14 @@ def _float_dtype(model: nn.Module) -> torch.dtype:
     return torch.float32
 
 
+def check_layer_classes(model: nn.Module, cfg: TrainConfig) -> None:
+    """Refuse, in one line, the units `fsdp_config` names for ``model`` (built on the
+    meta device before the data and the weights load) where it lacks them."""
+    fsdp = cfg.fsdp
+    if fsdp is not None and fsdp.auto_wrap_policy == TRANSFORMER_BASED_WRAP:
+        _layer_classes(model, fsdp.transformer_layer_cls_to_wrap)
+
+
 def _layer_classes(model: nn.Module, listed: list[str] | None) -> list[str]:
     """The class names of TRANSFORMER_BASED_WRAP: as listed, or the discovered blocks'."""
     from protrain.model import BlockDiscoveryError, discover_blocks

@@ -38,11 +38,12 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
+from protrain.train import rank_failure, streamed_export
 from protrain.train import sharded_checkpoint as sharded
-from protrain.train import streamed_export
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
+    DataError,
     build_collator,
     build_eval_dataset,
     build_train_dataset,
@@ -51,6 +52,7 @@ from protrain.train.data import (
 from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.final_dir import publish, tmp_dir
 from protrain.train.final_dir import recover as recover_final
+from protrain.train.fsdp2_trainable import check_layer_classes
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
 from protrain.train.loss import count_trained_tokens
@@ -64,6 +66,7 @@ from protrain.train.modeling import (
     load_media_processor,
     load_tokenizer,
     model_auto_class,
+    model_on_meta,
     resolve_autocast_dtype,
     resolve_device,
     trained_adapter_names,
@@ -135,6 +138,7 @@ def _train(
         return found
 
     resume_from = ranks.on_main_patiently(check_output_dir)
+    rank_failure.note_checkpoint(resume_from)
     logger.info("resolved config:\n%s", _yaml(cfg))
     if ranks.several:
         logger.info(
@@ -152,6 +156,11 @@ def _train(
     # micro-batches of the stream per optimizer step, all ranks together
     window = cfg.gradient_accumulation_steps * ranks.world_size
 
+    if cfg.fsdp is not None:  # the layers named as FSDP2 units, before data and weights
+        meta_model = model_on_meta(cfg)
+        if meta_model is not None:
+            check_layer_classes(meta_model, cfg)
+
     # -- 2. tokenizer and data: every row is checked here, before any output is written
     tokenizer = load_tokenizer(cfg)
     processor = None  # a vision-language model's: its rows' images go through it
@@ -161,8 +170,11 @@ def _train(
     for line in describe_masking(cfg):
         logger.info(line)
     data_kwargs = dict(sequence_len=cfg.sequence_len, seed=cfg.seed, processor=processor)
-    train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
-    eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
+    try:
+        train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
+        eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
+    except DataError as exc:  # every rank reads and checks every row alike
+        raise alike(exc) from None  # printed once a node; --debug shows where
     collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
     stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
     total_steps = _total_steps(cfg, stream, window)
@@ -412,6 +424,7 @@ def _train(
 
                 if ranks.any(_save_due(cfg, step, total_steps, last_save_s)) or stopping:
                     last_saved = save(step)
+                    rank_failure.note_checkpoint(last_saved)
                     last_save_s = time.monotonic()
                     logger.info("saved %s", last_saved)
                     # a signal that came during the save stops the run here, not a step later
@@ -422,6 +435,7 @@ def _train(
             if stops.requested is not None:
                 if last_saved != output_dir / f"checkpoint-{step}":
                     last_saved = save(step)
+                    rank_failure.note_checkpoint(last_saved)
                 name = signal_name(stops.requested)
                 if ranks.is_main:  # the job's stop, said once
                     logger.warning(

@@ -256,6 +256,32 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def model_on_meta(cfg: TrainConfig) -> nn.Module | None:
+    """The model's modules built from its config on the meta device: its classes and
+    shapes, no weight read or allocated (a check of the model's structure before the
+    data and the weights load). None where the config alone cannot build it (code that
+    ships with the model, a class that refuses the meta device): the check then waits for
+    the loaded model."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if cfg.model.name_or_path == TINY:
+        spec = json.loads(TINY_MODEL_CONFIG.read_text())
+        config, auto_class = (
+            AutoConfig.for_model(spec.pop("model_type"), **spec),
+            AutoModelForCausalLM,
+        )
+    elif cfg.model.trust_remote_code:
+        return None
+    else:
+        config = _model_config(cfg)
+        auto_class = _auto_class_of(cfg, config)
+    try:
+        with torch.device("meta"):
+            return auto_class.from_config(config)
+    except Exception:  # the loaded model is checked all the same
+        return None
+
+
 def model_auto_class(cfg: TrainConfig) -> type:
     """The `transformers` auto class that loads `model.name_or_path` whole, read from its
     config alone (no weight is loaded): AutoModelForImageTextToText for a vision-language

@@ -6,17 +6,20 @@ the planner with the budgets and the knobs the user fixed. Used by `AutoTrainabl
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS
+from protrain.activations import UnsupportedHead, causal_lm_head
+from protrain.activations.fused_loss import fused_head
+from protrain.plan import NoPlanFits, PlanRequest, profile_and_plan, profile_model
+from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS, LossChunks
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.heaviest_batch import heaviest_batch
 from protrain.train.log import logger
-from protrain.train.loss import count_trained_tokens
+from protrain.train.loss import count_trained_tokens, loss_sum
 
 _GIB = 1 << 30
 
@@ -39,7 +42,6 @@ def sample_batch(cfg: TrainConfig, train_data, collate) -> dict[str, torch.Tenso
 
 def planner_loss(device: torch.device, chunked_loss_tokens: int | None):
     """The loop's loss (chunked when configured) as the planner's `loss_fn(model, batch)`."""
-    from protrain.train.loss import loss_sum
 
     def loss_fn(model: nn.Module, batch: dict) -> torch.Tensor:
         n = max(count_trained_tokens(batch["labels"]), 1)
@@ -53,10 +55,6 @@ def planner_loss_chunks(model: nn.Module, settings: PlanSettings):
     None where the user fixed `memory.chunked_loss_tokens`, the fused linear cross-entropy
     replaces the chunks (no logits at all: `protrain.model.kernels`), or the model's logits
     cannot be computed in chunks (`causal_lm_head` refuses its head: the whole logits)."""
-    from protrain.activations import UnsupportedHead, causal_lm_head
-    from protrain.activations.fused_loss import fused_head
-    from protrain.plan.loss_chunk import LossChunks
-
     if settings.chunked_loss_tokens is not None:
         return None
     get_base = getattr(model, "get_base_model", None)
@@ -88,27 +86,16 @@ def loss_chunk_of(plan, settings: PlanSettings) -> int | None:
 
 @dataclass
 class PlanSettings:
-    """The planner's arguments that come from the config and the device."""
+    """The application's planning: where it plans, the request from the config (budgets,
+    fixed knobs, the run's schedule and optimizer; the sample batch and the loss are added
+    when the plan is made, `plan_request`) and the loss chunk the user fixed, if any."""
 
     device: torch.device
     compute_dtype: torch.dtype
-    gpu_budget_bytes: int
-    cpu_budget_bytes: int | None
-    chunk_size_bytes: int | None
-    tiled_mlp_tokens: int | None
-    chunked_loss_tokens: int | None
-    # The host optimizer's schedule the plan assumes: after the whole backward in forward
-    # order (clipping, or fp16 whose overflow check needs every gradient), or inside the
-    # backward (EngineTrainable arms step_in_backward when neither applies).
-    clipping: bool = True
-    # Several ranks: the mode the user fixed (memory.mode; None: the planner chooses).
-    distributed_mode: str | None = None
+    request: PlanRequest
+    chunked_loss_tokens: int | None = None
     # The smallest loss chunk searched where chunked_loss_tokens is not set (plan/loss_chunk).
     loss_chunk_floor_tokens: int = LOSS_CHUNK_FLOOR_TOKENS
-    # memory.device_step_search: the search chooses n_device_step too
-    device_step_search: bool = False
-    # the engine's optimizer (config `optimizer`): the plan counts its device state
-    optimizer: str = "adamw"
 
     @classmethod
     def from_config(
@@ -120,41 +107,36 @@ class PlanSettings:
                 "memory.gpu_budget is not set: the planner needs the device memory it may "
                 "use, e.g. --set memory.auto=true --set memory.gpu_budget=24GiB"
             )
-        return cls(
-            device=device,
-            compute_dtype=autocast_dtype or torch.float32,
+        request = PlanRequest(
             gpu_budget_bytes=int(mem.gpu_budget),
             cpu_budget_bytes=int(mem.cpu_budget) if mem.cpu_budget is not None else None,
-            chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
-            tiled_mlp_tokens=mem.tiled_mlp_tokens,
-            chunked_loss_tokens=mem.chunked_loss_tokens,
+            knobs=mem.knobs(),
+            # The host optimizer's schedule the plan assumes: after the whole backward
+            # (clipping, or fp16 whose overflow check needs every gradient), or inside the
+            # backward (EngineTrainable arms step_in_backward when neither applies).
             clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
-            distributed_mode=mem.mode,
-            loss_chunk_floor_tokens=LOSS_CHUNK_FLOOR_TOKENS,
             device_step_search=mem.device_step_search,
             optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
         )
+        return cls(
+            device=device,
+            compute_dtype=autocast_dtype or torch.float32,
+            request=request,
+            chunked_loss_tokens=mem.chunked_loss_tokens,
+            loss_chunk_floor_tokens=LOSS_CHUNK_FLOOR_TOKENS,
+        )
 
 
-def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_knobs: dict):
+def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings):
     """Profile one step and search: `(plan, problem)`. The model is left as it was, and so
     is the RNG state (the trace's dropout draws do not shift the run's). Several ranks
     (the default group initialized): every rank calls this; the first traces its batch and
     searches, every rank gets that plan (the problem: the first rank only, None elsewhere)."""
-    from protrain.plan import NoPlanFits, profile_and_plan
-
+    request = plan_request(model, batch, settings)
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
         try:
             return profile_and_plan(
-                model,
-                batch,
-                **trace_kwargs(model, settings),
-                cpu_budget_bytes=settings.cpu_budget_bytes,
-                fixed_knobs=fixed_knobs,
-                clipping=settings.clipping,
-                distributed_mode=settings.distributed_mode,
-                device_step_search=settings.device_step_search,
-                optimizer=settings.optimizer,
+                model, request, device=settings.device, compute_dtype=settings.compute_dtype
             )
         except NoPlanFits as exc:
             raise ConfigError(no_plan_fits_message(exc, settings)) from None
@@ -164,33 +146,32 @@ def plan_memory(model: nn.Module, batch: dict, settings: PlanSettings, fixed_kno
 
 def profile_memory(model: nn.Module, batch: dict, settings: PlanSettings):
     """One traced step of the real model at the real batch (the planner's profile)."""
-    from protrain.plan import profile_model
-
+    request = plan_request(model, batch, settings)
     with torch.random.fork_rng(devices=_rng_devices(settings.device)):
-        return profile_model(model, batch, **trace_kwargs(model, settings))
+        return profile_model(
+            model, request, device=settings.device, compute_dtype=settings.compute_dtype
+        )
 
 
-def trace_kwargs(model: nn.Module, settings: PlanSettings) -> dict:
-    """What the trace needs from the settings, the same for planning and for profiling
-    (and for `benchmarks/plan_accuracy.py`, which plans as the application does)."""
-    return dict(
+def plan_request(model: nn.Module, batch: dict, settings: PlanSettings) -> PlanRequest:
+    """The settings' request with the sample batch and the loop's loss, the same for
+    planning and for profiling (and for `benchmarks/plan_accuracy.py`, which plans as the
+    application does)."""
+    return replace(
+        settings.request,
+        sample_batch=batch,
+        loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
         loss_chunks=planner_loss_chunks(model, settings),
         fixed_loss_chunk_tokens=settings.chunked_loss_tokens,
-        gpu_budget_bytes=settings.gpu_budget_bytes,
-        device=settings.device,
-        compute_dtype=settings.compute_dtype,
-        chunk_size_bytes=settings.chunk_size_bytes,
-        loss_fn=planner_loss(settings.device, settings.chunked_loss_tokens),
-        tiled_mlp_tokens=settings.tiled_mlp_tokens,
     )
 
 
 def no_plan_fits_message(exc, settings: PlanSettings) -> str:
     if getattr(exc, "kind", "gpu") == "host":
-        host = settings.cpu_budget_bytes
+        host = settings.request.cpu_budget_bytes
         budget = "memory.cpu_budget" + (f" = {_size(host)}" if host is not None else " (unset)")
         return f"{budget}: {_one_line(exc)}"
-    budget = f"memory.gpu_budget = {_size(settings.gpu_budget_bytes)}"
+    budget = f"memory.gpu_budget = {_size(settings.request.gpu_budget_bytes)}"
     smallest = exc.smallest_budget_bytes
     if smallest is None:
         # No smallest budget is known (the trace itself ran out of memory, say): the

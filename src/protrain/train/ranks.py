@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -33,16 +32,16 @@ import torch.distributed as dist
 # the process (see `stop_ranks`); torch.distributed.fsdp and torch._dynamo import it
 import torch.distributed.nn.functional  # noqa: F401
 
-from protrain.distributed.agree import from_main, on_main
+from protrain.distributed.agree import PATIENT_POLL_S, from_main, on_main_patiently
 from protrain.distributed.process_group import (
     SINGLE,
     DistContext,
     init_from_env,
     launched_distributed,
 )
+from protrain.train import rank_failure
 
 T = TypeVar("T")
-PATIENT_POLL_S = 30.0  # well inside the group's collective timeout (600 s)
 
 
 @dataclass(frozen=True)
@@ -93,35 +92,10 @@ class Ranks:
     def on_main_patiently(self, fn: Callable[[], T], poll_s: float = PATIENT_POLL_S) -> T:
         """``fn()`` run by rank 0, its result (or its exception) on every rank, for work
         that may outlast the group's collective timeout: at resume, rank 0 hashes every
-        file of the newest checkpoint, hundreds of GB on slow storage for a large model.
-        Waiting for it in one collective would end the job at the timeout, every time
-        that checkpoint is resumed. Rank 0 runs ``fn`` on a thread and meets the others
-        every ``poll_s`` in a one-number all-reduce that says whether it is done."""
-        if not self.several:
-            return fn()
-        box: dict[str, object] = {}
-        done = threading.Event()
-        if self.is_main:
-
-            def run() -> None:
-                try:
-                    box["value"] = fn()
-                except Exception as exc:  # raised on every rank below
-                    box["error"] = exc
-                finally:
-                    done.set()
-
-            # a daemon: a rank interrupted meanwhile exits without waiting for the work
-            threading.Thread(target=run, name="protrain-on-main", daemon=True).start()
-        while not self.any(done.wait(poll_s) if self.is_main else False):
-            pass
-
-        def result():
-            if "error" in box:
-                raise box["error"]  # type: ignore[misc]
-            return box["value"]
-
-        return on_main(self.ctx, result)
+        file of the newest checkpoint, hundreds of GB on slow storage for a large model
+        (``agree.on_main_patiently``; the poll on the CPU, which the application's group
+        serves with gloo beside NCCL)."""
+        return on_main_patiently(self.ctx, fn, poll_s=poll_s)
 
 
 _joined = False  # start_ranks ran under a launcher: errors after it may be this rank's own
@@ -148,6 +122,7 @@ def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     ctx = init_from_env(device.type)
+    rank_failure.join()  # so that a rank's failure reaches every node as one line
     return Ranks(ctx), device
 
 

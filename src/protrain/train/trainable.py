@@ -13,15 +13,20 @@ import abc
 import contextlib
 import statistics
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
+from protrain.knobs import OptimizerSettings
+from protrain.planned_wrap import apply_plan
+from protrain.planned_wrap import wrap as protrain_wrap
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
 from protrain.train.loss import loss_sum, unwrap_causal_lm
+from protrain.train.planning import PlanSettings, loss_chunk_of, plan_memory
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -34,6 +39,18 @@ def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[s
     if no_decay:
         groups.append({"params": no_decay, "weight_decay": 0.0})
     return groups
+
+
+def engine_optimizer(model: nn.Module, cfg: TrainConfig) -> OptimizerSettings:
+    """The engine's optimizer for the config's AdamW settings and weight-decay groups."""
+    return OptimizerSettings(
+        lr=cfg.learning_rate,
+        betas=(cfg.adam_beta1, cfg.adam_beta2),
+        eps=cfg.adam_epsilon,
+        weight_decay=cfg.weight_decay,
+        param_groups=optimizer_param_groups(model, cfg.weight_decay),
+        optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
+    )
 
 
 def trainable_names(model: nn.Module) -> list[str]:
@@ -323,32 +340,26 @@ class EngineTrainable(Trainable):
         autocast_dtype: torch.dtype | None,
         several_ranks: bool = False,
     ):
-        import protrain
-
         model.train()
         # The engine computes in `compute_dtype` itself: no autocast.
         super().__init__(model, device, None, cfg.memory.chunked_loss_tokens)
         mem = cfg.memory
-        # Several ranks (torchrun): each rank's loss is already divided by the tokens of the
-        # whole global batch, so the engine sums gradients over ranks (train/ranks.py).
-        ranks = {"distributed_mode": mem.mode, "grad_reduce": "sum"} if several_ranks else {}
+        # the activation knobs are applied by the trainable (apply_activation_knobs, below)
+        knobs = replace(mem.knobs(), n_swap=None, n_checkpoint=None, offload_checkpoint=False,
+                        tiled_mlp_tokens=None)  # fmt: skip
+        if not several_ranks:  # the mode is read with several ranks only
+            knobs = replace(knobs, distributed_mode=None)
         self._several_ranks = several_ranks
         try:
-            self.model, self.optimizer, self.layout = protrain.wrap(
+            self.model, self.optimizer, self.layout = protrain_wrap(
                 model,
-                n_persist=mem.n_persist,
-                n_buffer=mem.n_buffer,
-                n_device_step=mem.n_device_step or 0,
+                knobs,
                 device=device,
-                lr=cfg.learning_rate,
-                betas=(cfg.adam_beta1, cfg.adam_beta2),
-                eps=cfg.adam_epsilon,
-                weight_decay=cfg.weight_decay,
-                param_groups=optimizer_param_groups(model, cfg.weight_decay),
                 compute_dtype=autocast_dtype or torch.float32,
-                chunk_size_bytes=int(mem.chunk_size) if mem.chunk_size is not None else None,
-                optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
-                **ranks,
+                optim=engine_optimizer(model, cfg),
+                # Several ranks (torchrun): each rank's loss is already divided by the tokens
+                # of the whole global batch, so the engine sums gradients over ranks.
+                grad_reduce="sum" if several_ranks else "mean",
             )
         except ValueError as exc:  # a knob that cannot work for this model
             raise ConfigError(f"memory: {exc}") from None
@@ -491,8 +502,6 @@ class AutoTrainable(EngineTrainable):
         sample_batch: dict[str, torch.Tensor],
         several_ranks: bool = False,
     ):
-        from protrain.train.planning import PlanSettings, loss_chunk_of, plan_memory
-
         model.train()
         Trainable.__init__(self, model, device, None, cfg.memory.chunked_loss_tokens)
         # Several ranks: one plan for all, made on the first (plan_memory); the check after
@@ -500,8 +509,7 @@ class AutoTrainable(EngineTrainable):
         self._several_ranks = several_ranks
         self.cfg = cfg
         self.settings = PlanSettings.from_config(cfg, device, autocast_dtype)
-        self.plan, self.problem = plan_memory(model, sample_batch, self.settings,
-                                              cfg.memory.fixed_knobs)  # fmt: skip
+        self.plan, self.problem = plan_memory(model, sample_batch, self.settings)
         logger.info("memory plan:\n%s", self.plan)
         # the loss chunk the plan was made for (searched unless memory.chunked_loss_tokens)
         self.chunked_loss_tokens = loss_chunk_of(self.plan, self.settings)
@@ -522,24 +530,17 @@ class AutoTrainable(EngineTrainable):
         self._stats_after_warmup: dict | None = None  # the engine's counters then
 
     def _apply(self, plan) -> None:
-        from protrain.planned_wrap import apply_plan
-
         cfg = self.cfg
         try:
             self.model, self.optimizer, self.layout, self.activations = apply_plan(
                 self.model,
                 plan,
+                self.settings.request.knobs,
                 device=self.device,
                 compute_dtype=self.settings.compute_dtype,
-                tiled_mlp_tokens=self.settings.tiled_mlp_tokens,
-                lr=cfg.learning_rate,
-                betas=(cfg.adam_beta1, cfg.adam_beta2),
-                eps=cfg.adam_epsilon,
-                weight_decay=cfg.weight_decay,
-                param_groups=optimizer_param_groups(self.model, cfg.weight_decay),
-                optimizer=self.settings.optimizer,
+                optim=engine_optimizer(self.model, cfg),
                 # the loss is divided by the whole global batch's tokens (train/ranks.py)
-                **({"grad_reduce": "sum"} if self._several_ranks else {}),
+                grad_reduce="sum" if self._several_ranks else "mean",
             )
         except ValueError as exc:
             raise ConfigError(f"memory: {exc}") from None

@@ -12,6 +12,7 @@ Trainer's) and ``mode`` (one process).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -57,15 +58,9 @@ def memory_section(cfg: Mapping[str, Any]) -> MemoryConfig:
 def protrain_config(memory: MemoryConfig, compute_dtype: torch.dtype | None) -> ProTrainConfig:
     """The engine's knobs for ``ProTrainTrainer`` from the section (``auto``: planned from
     the heaviest micro-batch of the Trainer's dataset for ``gpu_budget``; knobs set next to it are kept)."""
-    return ProTrainConfig(
-        n_persist=memory.n_persist,
-        n_buffer=memory.n_buffer,
-        chunk_size_bytes=int(memory.chunk_size) if memory.chunk_size is not None else None,
+    planned = ProTrainConfig(
         compute_dtype=compute_dtype,
-        n_swap=memory.n_swap,
-        n_checkpoint=memory.n_checkpoint,
-        offload_checkpoint=memory.offload_checkpoint,
-        tiled_mlp_tokens=memory.tiled_mlp_tokens,
         gpu_budget=int(memory.gpu_budget) if memory.auto else None,
         cpu_budget=int(memory.cpu_budget) if memory.cpu_budget is not None else None,
     )
+    return replace(planned, **asdict(memory.knobs()))

@@ -7,23 +7,21 @@ clipping come from the ``TrainingArguments``; only what places model states live
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from protrain.plan import parse_bytes
+from protrain.knobs import Knobs, knobs_of
+from protrain.plan import PlanRequest, parse_bytes
 
 
 @dataclass(frozen=True)
-class ProTrainConfig:
-    """Knobs of ``protrain.wrap`` (see its docstring); None keeps the engine's default.
+class ProTrainConfig(Knobs):
+    """The engine's knobs (every field of ``protrain.knobs.Knobs``, which documents them;
+    None keeps the engine's default) and what the Trainer adds.
 
-    ``n_persist``: chunks kept on the device (None: all, nothing offloaded). ``n_buffer``:
-    offloaded chunks resident at once. ``chunk_size_bytes``: the chunk size (None: chosen by
-    the engine). ``compute_dtype``: float32 or bfloat16 (default bfloat16 on CUDA, float32
-    on the CPU); the masters and AdamW state are fp32 either way. ``n_swap``,
-    ``n_checkpoint``, ``offload_checkpoint``, ``tiled_mlp_tokens``: activation policies.
-    ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
+    ``compute_dtype``: float32 or bfloat16 (default bfloat16 on CUDA, float32 on the CPU);
+    the masters and AdamW state are fp32 either way. ``host_threads``: intra-op threads of
+    the host AdamW. ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
     last backward of the step (the same arithmetic, overlapped with the backward).
 
     ``gpu_budget`` (bytes or a size such as ``"24GiB"``): plan the knobs left None for the
@@ -34,14 +32,7 @@ class ProTrainConfig:
     the dataset's longest row (None: as wide as that row).
     """
 
-    n_persist: int | None = None
-    n_buffer: int | None = None
-    chunk_size_bytes: int | None = None
     compute_dtype: torch.dtype | None = None
-    n_swap: int | None = None
-    n_checkpoint: int | None = None
-    offload_checkpoint: bool = False
-    tiled_mlp_tokens: int | None = None
     host_threads: int | None = None
     step_in_backward: bool = True
     gpu_budget: int | str | None = None
@@ -91,16 +82,17 @@ class ProTrainConfig:
         """Whether the knobs left None are chosen by the planner when training starts."""
         return self.gpu_budget is not None
 
-    def wrap_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of ``protrain.wrap`` these knobs set."""
-        return {
-            "n_persist": self.n_persist,
-            "n_buffer": self.n_buffer,
-            "chunk_size_bytes": self.chunk_size_bytes,
-            "compute_dtype": self.compute_dtype,
-            "n_swap": self.n_swap,
-            "n_checkpoint": self.n_checkpoint,
-            "offload_checkpoint": self.offload_checkpoint,
-            "tiled_mlp_tokens": self.tiled_mlp_tokens,
-            "host_threads": self.host_threads,
-        }
+    def knobs(self) -> Knobs:
+        """The engine's knobs these fields set."""
+        return knobs_of(self)
+
+    def plan_request(self, sample_batch: dict, clipping: bool) -> PlanRequest:
+        """The planner's request for ``sample_batch`` (``clipping``: the host optimizer's
+        schedule the run uses, after the backward or inside it)."""
+        return PlanRequest(
+            gpu_budget_bytes=self.gpu_budget,
+            cpu_budget_bytes=self.cpu_budget,
+            sample_batch=sample_batch,
+            knobs=self.knobs(),
+            clipping=clipping,
+        )

@@ -62,6 +62,7 @@ from protrain.integrations.transformers.checkpoint import load_engine_state, sav
 from protrain.integrations.transformers.config import ProTrainConfig
 from protrain.integrations.transformers.export import save_pretrained_gathered
 from protrain.integrations.transformers.planning import planning_batch, rng_devices
+from protrain.knobs import OptimizerSettings
 from protrain.optim.hybrid_adamw import HybridAdamW
 
 TESTED_TRANSFORMERS = "5.24.0"
@@ -145,28 +146,28 @@ class ProTrainTrainer(Trainer):
         """``protrain.wrap`` with the Trainer's optimizer settings; with a ``sample_batch``,
         the knobs left None are planned for ``ProTrainConfig.gpu_budget``."""
         config = self.protrain_config
-        plan_kwargs = {}
-        if sample_batch is not None:
-            plan_kwargs = dict(
-                gpu_budget=config.gpu_budget,
-                cpu_budget=config.cpu_budget,
-                sample_batch=sample_batch,
-                # the host optimizer's schedule the run uses (inside backward or after it)
-                clipping=not self._step_in_backward,
-            )
+        request = None
+        if sample_batch is not None and config.planned:
+            # the host optimizer's schedule the run uses (inside backward or after it)
+            request = config.plan_request(sample_batch, clipping=not self._step_in_backward)
+        optim = OptimizerSettings(
+            lr=args.learning_rate,
+            betas=(args.adam_beta1, args.adam_beta2),
+            eps=args.adam_epsilon,
+            weight_decay=args.weight_decay,
+            param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
+            host_threads=config.host_threads,
+        )
         device = torch.device(args.device)
         with torch.random.fork_rng(devices=rng_devices(device)):  # the trace's dropout
             model, self.engine_optimizer, self.layout = protrain.wrap(
                 model,
+                None if request is not None else config.knobs(),
+                request=request,
+                optim=optim,
                 device=device,
-                lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon,
-                weight_decay=args.weight_decay,
-                param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
-                **{"clipping": self.max_grad_norm is not None, **config.wrap_kwargs(),
-                   **plan_kwargs},
-            )  # fmt: skip
+                compute_dtype=config.compute_dtype,
+            )
         self.engine_step.optimizer = self.engine_optimizer
         self.plan = protrain.plan_of(model)
         if self.plan is not None:

@@ -1,0 +1,253 @@
+// One pass of AdamW over offloaded parameters on the host: per element, read the gradient
+// (bf16, fp16 or fp32), unscale and clip it, update the fp32 master and both fp32 moments in
+// place, and write the updated master in the dtype the device computes in. See
+// protrain/optim/host_adam_ext.py for how it is built and loaded, and docs/design.md.
+//
+// [Note: same bits as torch's fused AdamW]
+// torch.optim.AdamW(fused=True) on the CPU (ATen's FusedAdamKernel.cpp, ADAMW mode) runs
+// every tensor in 64-byte task units, and within a thread's range a vector loop of
+// Vectorized<float> followed by a scalar loop for the last size % Vec::size() elements;
+// since every range but a tensor's last is a whole number of units (a multiple of every
+// vector width), only a tensor's last numel % Vec::size() elements take the scalar path.
+// This file does the same per segment (one segment = one parameter's tensor), with the same
+// operations in the same order on the same types: the decay as a multiply by
+// float(1 - lr * wd), the first moment by a lerp (fmadd and blendv in the lanes, the
+// two-branch form in the tail), the second moment as v * beta2 + (coef2 * g) * g, the
+// denominator as sqrt(v) / bc2_sqrt + eps, the master as p + (-step_size * m) / denom
+// (p - step_size * m / denom in the tail), every double constant rounded to float as torch
+// rounds it. It is compiled for the CPU capability torch dispatches to, with the same
+// defines, so Vectorized<float> and fmadd are the same instructions. Unscaling and
+// clipping are one multiply each, before the update, as GradScaler's unscale_ then
+// clip_grad_norm_ do: a lone multiply rounds the same in a lane or a scalar.
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kUnit = 16;    // fp32 elements of the 64-byte task unit
+constexpr int64_t kBlock = 1024;  // elements handled at once by a thread (a multiple of kUnit)
+
+// The per-segment constants, as torch derives them (in double, from the step count).
+struct Coefs {
+  float decay, coef1, beta2, coef2, bc2_sqrt, eps, step_size;
+  bool decays;
+};
+
+Coefs coefs_for(double step, double lr, double beta1, double beta2, double wd, double eps) {
+  const double bc1 = 1 - std::pow(beta1, step);
+  const double bc2 = 1 - std::pow(beta2, step);
+  return Coefs{float(1 - lr * wd), float(1 - beta1),    float(beta2), float(1 - beta2),
+               float(std::sqrt(bc2)), float(eps), float(lr / bc1), wd != 0.f};
+}
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+constexpr bool kFma = true;  // torch's build of these capabilities fuses where noted below
+#else
+constexpr bool kFma = false;  // no fma instruction: every operation rounds on its own
+#endif
+
+// v * beta2 + (coef2 * g) * g: torch's vector loop (and its compiler-vectorized tail) runs
+// this as one fma of (coef2 * g) and g onto v * beta2 where the ISA has fma.
+inline Vec second_moment(const Vec& v, const Vec& g, const Coefs& c) {
+  const Vec v_beta2 = v * Vec(c.beta2);
+  const Vec coef_g = Vec(c.coef2) * g;
+  return kFma ? at::vec::fmadd(coef_g, g, v_beta2) : v_beta2 + coef_g * g;
+}
+
+inline float second_moment(float v, float g, const Coefs& c) {
+  return kFma ? std::fma(c.coef2 * g, g, v * c.beta2) : v * c.beta2 + c.coef2 * g * g;
+}
+
+// Adam over n elements whose gradients are in g (already unscaled and clipped). Lanes for
+// the largest multiple of Vec::size(), scalars for the rest ([Note: same bits ...]).
+void adam_block(float* p, float* m, float* v, const float* g, int64_t n, const Coefs& c) {
+  const Vec w(c.coef1);
+  const auto small = w.abs() < Vec(0.5f);
+  const Vec lerp_coef = Vec::blendv(w - Vec(1.0f), w, small);
+  int64_t d = 0;
+  for (; d < n - n % Vec::size(); d += Vec::size()) {
+    Vec pv = Vec::loadu(p + d);
+    const Vec gv = Vec::loadu(g + d);
+    if (c.decays) pv = pv * Vec(c.decay);
+    Vec mv = Vec::loadu(m + d);
+    mv = at::vec::fmadd(lerp_coef, gv - mv, Vec::blendv(gv, mv, small));
+    const Vec vv = second_moment(Vec::loadu(v + d), gv, c);
+    mv.store(m + d);
+    vv.store(v + d);
+    const Vec denom = vv.sqrt() / Vec(c.bc2_sqrt) + Vec(c.eps);
+    pv = pv + Vec(-c.step_size) * mv / denom;
+    pv.store(p + d);
+  }
+  // The last n % Vec::size() elements of a tensor: torch's scalar loop, whose roundings
+  // depend on how torch's compiler built it (it fuses the lerp into an fma, and vectorizes
+  // part of the loop with other fusions): here the lerp and the second moment are fused as
+  // in the lanes. These at most 15 elements of a tensor agree with torch's to a few ulp
+  // (tests/optim/test_host_adam.py), every other element bit for bit.
+  const bool is_small = std::abs(c.coef1) < 0.5f;
+  for (; d < n; d++) {
+    const float gd = g[d];
+    float pd = p[d];
+    if (c.decays) pd = pd * c.decay;
+    float md = m[d];
+    if (is_small) {
+      md = kFma ? std::fma(c.coef1, gd - md, md) : md + c.coef1 * (gd - md);
+    } else {
+      md = kFma ? std::fma(-(gd - md), 1.0f - c.coef1, gd) : gd - (gd - md) * (1.0f - c.coef1);
+    }
+    const float vd = second_moment(v[d], gd, c);
+    m[d] = md;
+    v[d] = vd;
+    const float denom = std::sqrt(vd) / c.bc2_sqrt + c.eps;
+    p[d] = pd - c.step_size * md / denom;
+  }
+}
+
+// The gradient of n elements as fp32, times the inverse loss scale, then times the clip
+// coefficient (each a multiply of its own, where given).
+template <typename G>
+void load_grad(const G* src, float* dst, int64_t n, const float* inv_scale, const float* clip) {
+  at::vec::convert(src, dst, n);
+  if (inv_scale) {
+    const float s = *inv_scale;
+    at::vec::map([s](Vec x) { return x * Vec(s); }, dst, dst, n);
+  }
+  if (clip) {
+    const float k = *clip;
+    at::vec::map([k](Vec x) { return x * Vec(k); }, dst, dst, n);
+  }
+}
+
+struct Segment {
+  float* p;
+  float* m;
+  float* v;
+  const void* g;
+  void* out;  // nullptr: no copy written
+  at::ScalarType g_type, out_type;
+  int64_t numel;
+  Coefs c;
+};
+
+template <typename G>
+void write_out(const float* p, G* out, int64_t n) {
+  at::vec::convert(p, out, n);
+}
+
+// Elements [a, b) of one segment, a block at a time.
+void run_range(const Segment& s, int64_t a, int64_t b, const float* inv_scale, const float* clip) {
+  float gbuf[kBlock];
+  for (int64_t lo = a; lo < b; lo += kBlock) {
+    const int64_t n = std::min(kBlock, b - lo);
+    switch (s.g_type) {
+      case at::kFloat:
+        load_grad(static_cast<const float*>(s.g) + lo, gbuf, n, inv_scale, clip);
+        break;
+      case at::kBFloat16:
+        load_grad(static_cast<const c10::BFloat16*>(s.g) + lo, gbuf, n, inv_scale, clip);
+        break;
+      default:
+        load_grad(static_cast<const c10::Half*>(s.g) + lo, gbuf, n, inv_scale, clip);
+    }
+    adam_block(s.p + lo, s.m + lo, s.v + lo, gbuf, n, s.c);
+    if (!s.out) continue;
+    switch (s.out_type) {
+      case at::kFloat:
+        write_out(s.p + lo, static_cast<float*>(s.out) + lo, n);
+        break;
+      case at::kBFloat16:
+        write_out(s.p + lo, static_cast<c10::BFloat16*>(s.out) + lo, n);
+        break;
+      default:
+        write_out(s.p + lo, static_cast<c10::Half*>(s.out) + lo, n);
+    }
+  }
+}
+
+void check_segment(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v,
+                   const at::Tensor& g, const at::Tensor& out) {
+  const auto n = p.numel();
+  TORCH_CHECK(p.scalar_type() == at::kFloat && m.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "host_adam: masters and moments must be fp32");
+  TORCH_CHECK(m.numel() == n && v.numel() == n && g.numel() == n,
+              "host_adam: a segment's master, moments and gradient differ in size");
+  TORCH_CHECK(out.numel() == 0 || out.numel() == n, "host_adam: the copy's size differs");
+  for (const auto* t : {&p, &m, &v, &g, &out}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
+                "host_adam: every tensor must be contiguous and on the CPU");
+  }
+  const auto ok = [](at::ScalarType t) {
+    return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+  };
+  TORCH_CHECK(ok(g.scalar_type()) && (out.numel() == 0 || ok(out.scalar_type())),
+              "host_adam: gradients and copies must be fp32, bf16 or fp16");
+}
+
+}  // namespace
+
+// One AdamW step (one parameter group's hyperparameters) over every segment; steps[i] is
+// segment i's step count after this step's increment. out[i] of no elements: no copy.
+void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
+                std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> grads,
+                std::vector<at::Tensor> outs, std::vector<double> steps, double lr, double beta1,
+                double beta2, double weight_decay, double eps, std::optional<double> inv_scale,
+                std::optional<double> clip_coef) {
+  const size_t k = params.size();
+  TORCH_CHECK(exp_avgs.size() == k && exp_avg_sqs.size() == k && grads.size() == k &&
+                  outs.size() == k && steps.size() == k,
+              "host_adam: the lists differ in length");
+  std::vector<Segment> segs;
+  std::vector<int64_t> first_unit{0};  // prefix sums of the segments' task units
+  for (size_t i = 0; i < k; i++) {
+    check_segment(params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], outs[i]);
+    const bool has_out = outs[i].numel() > 0;
+    segs.push_back(Segment{params[i].data_ptr<float>(), exp_avgs[i].data_ptr<float>(),
+                           exp_avg_sqs[i].data_ptr<float>(), grads[i].data_ptr(),
+                           has_out ? outs[i].data_ptr() : nullptr, grads[i].scalar_type(),
+                           has_out ? outs[i].scalar_type() : at::kFloat, params[i].numel(),
+                           coefs_for(steps[i], lr, beta1, beta2, weight_decay, eps)});
+    first_unit.push_back(first_unit.back() + (params[i].numel() + kUnit - 1) / kUnit);
+  }
+  const float inv_f = inv_scale ? float(*inv_scale) : 1.0f;
+  const float clip_f = clip_coef ? float(*clip_coef) : 1.0f;
+  const float* inv_p = inv_scale ? &inv_f : nullptr;
+  const float* clip_p = clip_coef ? &clip_f : nullptr;
+  at::parallel_for(0, first_unit.back(), 0, [&](int64_t begin, int64_t end) {
+    // the segments this range of units covers, each over its own part of the range
+    size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), begin) -
+               first_unit.begin() - 1;
+    for (; i < k && first_unit[i] < end; i++) {
+      const int64_t u0 = std::max(begin, first_unit[i]) - first_unit[i];
+      const int64_t u1 = std::min(end, first_unit[i + 1]) - first_unit[i];
+      const int64_t a = u0 * kUnit, b = std::min(u1 * kUnit, segs[i].numel);
+      if (a < b) run_range(segs[i], a, b, inv_p, clip_p);
+    }
+  });
+}
+
+std::string capability() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "AVX512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "AVX2";
+#else
+  return "DEFAULT";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("adamw_step", &adamw_step, "one AdamW pass: gradient in, master and moments in place, "
+        "the master's copy out");
+  m.def("vec_size", [] { return int64_t(Vec::size()); }, "fp32 lanes of this build's vectors");
+  m.def("capability", &capability, "the CPU capability this build was compiled for");
+}

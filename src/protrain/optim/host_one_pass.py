@@ -1,0 +1,134 @@
+"""One piece of a chunk's host update in one pass over memory (the kernel of ``host_adam_ext``).
+
+Per parameter it reads the gradient where it is (the low-precision one where the device's
+copy left it, or the fp32 accumulator after several micro-batches: [Note: gradients for the
+one pass] in ``runtime/grad_offload.py``), unscales and clips it as it reads, updates the fp32
+master and both moments in place, and writes the updated weights into the chunk's host copy
+in the dtype the device computes in (rounded to nearest even, as ``.to()`` rounds), which the
+next gather copies as it is. The Adam state is :class:`~protrain.optim.flat_adamw.FlatAdamW`'s
+(same storage, same step counts, same ``state_dict``); only the arithmetic runs here.
+
+[Note: host bytes of the one pass]
+A parameter of bf16 weights stepped after one micro-batch moves 32 bytes of host memory a
+step: the device's copy writes its gradient (2), the pass reads it (2), reads and writes
+master and moments (24) and writes the weights (2), and the next gather's copy reads them
+(2). torch's fused AdamW with the cast on the device moved about 40: the fp32 gradient
+written by the copy (4) and read (4), the 24 of the update, a pass each for unscaling and
+clipping (8 each, when on), and the fp32 master read by the gather (4) with the cast weights
+written back (2). The counters ``host_update_bytes`` and ``host_update_params`` count the
+update's own bytes (without the copies, which ``copy_times`` counts) on either path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+from protrain.chunks.chunk import ParamSlot
+from protrain.optim.flat_adamw import FlatAdamW
+
+_STATE_BYTES = 24  # fp32 master and two fp32 moments, each read and written
+
+
+@dataclass
+class PieceReads:
+    """What one step's pass reads, fixed when the step is queued (``zero_grad`` may run
+    before the worker does): per slot, whether its gradient is the landed low-precision
+    one, and the multipliers an earlier pass applied that must reach the stored gradient
+    first (torch changed ``.grad`` in place)."""
+
+    low: list[bool]
+    earlier: list[tuple[float | None, float | None] | None]
+
+
+def plan_reads(with_grad: list[ParamSlot], inv_scale, clip_coef) -> PieceReads:
+    """On the thread that queues the step: fix what the pass reads, and record on each slot
+    the multipliers this pass applies (``ParamSlot.grad_pending_mul``)."""
+    pending = None if inv_scale is None and clip_coef is None else (inv_scale, clip_coef)
+    reads = PieceReads([], [])
+    for s in with_grad:
+        earlier = s.grad_pending_mul
+        reads.low.append(s.grad_low)
+        reads.earlier.append(earlier)
+        if earlier is not None:
+            s.grad_low = False  # the worker moves it into grad_acc before the pass
+        s.grad_pending_mul = pending
+    return reads
+
+
+def step_piece(
+    kernel: ModuleType,
+    adam: FlatAdamW,
+    with_grad: list[ParamSlot],
+    reads: PieceReads,
+    hyper: list[dict],
+    inv_scale: float | None,
+    clip_coef: float | None,
+    stats: dict,
+) -> None:
+    """One AdamW step of the slots ``with_grad`` (of ``adam``'s piece) at the outer groups'
+    hyperparameters ``hyper``: one kernel call per parameter group, as torch steps a group."""
+    grad_of = {}
+    for s, low, earlier in zip(with_grad, reads.low, reads.earlier):
+        if earlier is not None:  # a second step on the same gradient
+            _apply(s, low, earlier)
+        grad_of[id(s)] = (s.grad_staging if low and earlier is None else s.grad_acc).view(-1)
+    adam.ensure_state(set(map(id, with_grad)))
+    by_group: dict[int, list[ParamSlot]] = {}
+    for s in with_grad:
+        by_group.setdefault(adam.group_of(s), []).append(s)
+    moved = 0
+    for gi, slots in by_group.items():
+        h = hyper[gi]
+        steps = [adam.step_count(s) + 1.0 for s in slots]
+        moments = [adam.moments(s) for s in slots]
+        grads = [grad_of[id(s)] for s in slots]
+        outs = [s.host_view.view(-1) for s in slots]
+        kernel.adamw_step(
+            [s.master.view(-1) for s in slots],
+            [m.view(-1) for m, _ in moments],
+            [v.view(-1) for _, v in moments],
+            grads,
+            outs,
+            steps,
+            h["lr"],
+            h["betas"][0],
+            h["betas"][1],
+            h["weight_decay"],
+            h["eps"],
+            inv_scale,
+            clip_coef,
+        )
+        for s, step in zip(slots, steps):
+            adam.set_step_count(s, step)
+        moved += sum(
+            g.numel() * (g.element_size() + _STATE_BYTES + o.element_size())
+            for g, o in zip(grads, outs)
+        )
+    stats["host_update_bytes"] = stats.get("host_update_bytes", 0) + moved
+    stats["host_update_params"] = stats.get("host_update_params", 0) + sum(
+        s.master.numel() for s in with_grad
+    )
+
+
+def _apply(s: ParamSlot, low: bool, earlier: tuple) -> None:
+    """``grad_acc`` as torch's ``.grad`` after an earlier pass's unscale and clip."""
+    if low:
+        s.grad_acc.copy_(s.grad_staging)
+    for factor in earlier:
+        if factor is not None:
+            s.grad_acc.mul_(factor)
+
+
+def apply_pending(s: ParamSlot) -> None:
+    """Make ``s.grad_acc`` the gradient as torch's ``.grad`` holds it now: the landed
+    low-precision one in fp32 (exact), then the unscale and clip a one-pass step applied
+    as it read it (each a multiply, in that order)."""
+    if s.grad_low:
+        s.grad_acc.copy_(s.grad_staging)
+        s.grad_low = False
+    if s.grad_pending_mul is not None:
+        for factor in s.grad_pending_mul:
+            if factor is not None:
+                s.grad_acc.mul_(factor)
+        s.grad_pending_mul = None
