@@ -104,6 +104,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="protrain: the host update of offloaded chunks: the one-pass kernel where it "
              "builds (auto), or torch's fused AdamW (PROTRAIN_HOST_ADAM=torch)",
     )  # fmt: skip
+    p.add_argument(
+        "--kernels", choices=["auto", "none"], default="none",
+        help="protrain: Liger Kernel's fused kernels (model.kernels; auto: those of the family "
+             "on a CUDA GPU where liger-kernel is installed); the row records which ran",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -168,6 +173,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         checkpointing=not args.no_checkpointing,
         profiles=args.profiles,
         grad_accum=args.grad_accum,
+        kernels=args.kernels,
     )
 
 
@@ -337,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         "grad_accum": spec.grad_accum,
         "host_update": args.host_update,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
+        "kernels_setting": spec.kernels if spec.system == "protrain" else None,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,

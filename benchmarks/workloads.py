@@ -197,6 +197,11 @@ WORKLOADS: dict[str, Workload] = {
     "lora-14b": Workload(
         "qwen14b", "lora", (4,), 2048, 24, ("protrain", "plain", "fsdp2_offload", "ds_z3_offload")
     ),
+    # LoRA where the model fits the whole GPU: the compute path (kernels) decides the speed
+    "lora-8b": Workload("llama8b", "lora", (2, 4), 2048, 80, ("protrain", "plain", "plain_liger")),
+    "lora-14b-fits": Workload(
+        "qwen14b", "lora", (2, 4), 2048, 80, ("protrain", "plain", "plain_liger")
+    ),
     # LoRA, peft's all-linear: attention, router and the fused experts (through peft's
     # ParamWrapper): 1.0 B trainable beside a 30.5 B bf16 base (61 GB, on the host)
     "lora-moe30b": Workload("qwen3moe30b", "lora", (4,), 2048, 24, ("protrain", "fsdp2_offload")),
@@ -206,6 +211,8 @@ WORKLOADS: dict[str, Workload] = {
 
 SYSTEMS = (
     "plain",
+    # plain with Liger Kernel's RMSNorm, SwiGLU, RoPE and fused linear CE (axolotl's plugin)
+    "plain_liger",
     "fsdp2_offload",
     "ds_z3_offload",
     "ds_z2_offload",

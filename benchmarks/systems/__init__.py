@@ -43,6 +43,7 @@ class RowSpec:
     checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer
     profiles: Path | None = None  # protrain --auto: write the planner's profiles here
     grad_accum: int = 1  # micro-batches of `batch` rows per optimizer step
+    kernels: str = "none"  # protrain only: model.kernels (auto | none), Liger's fused kernels
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Trainer:
 
 _MODULES = {
     "plain": "systems.plain",
+    "plain_liger": "systems.plain_liger",
     "fsdp2_offload": "systems.fsdp2_offload",
     "ds_z3_offload": "systems.deepspeed_offload",
     "ds_z2_offload": "systems.deepspeed_offload",

@@ -21,6 +21,7 @@ def setup(spec: RowSpec) -> Trainer:
     import protrain
 
     model = build_for_mode(hf_config(spec.model), spec.mode, spec.lora_rank, spec.device)
+    kernels = put_kernels(model, spec)
     if not spec.auto and spec.checkpointing:  # auto: the plan's activation policies instead
         enable_checkpointing(model)
     model.train()
@@ -37,7 +38,8 @@ def setup(spec: RowSpec) -> Trainer:
         if v is not None
     }
     loss_fn = _hf_loss
-    if spec.chunked_loss_tokens:  # as `memory: {chunked_loss_tokens: N}` in the app
+    # as `memory: {chunked_loss_tokens: N}` in the app; the fused loss is the app's loss too
+    if spec.chunked_loss_tokens or kernels.fused_loss:
         from protrain.train.planning import planner_loss
 
         loss_fn = planner_loss(spec.device, spec.chunked_loss_tokens)
@@ -88,7 +90,30 @@ def setup(spec: RowSpec) -> Trainer:
                 "planned_n_device_step": chosen.n_device_step}  # fmt: skip
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
+    plan = {**(plan or {}), "kernels": list(kernels.names)}
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, StepCounters(model, optimizer))
+
+
+def put_kernels(model: torch.nn.Module, spec: RowSpec):
+    """Liger's kernels for ``spec.kernels`` (auto | none), as `model.kernels` in the app."""
+    from protrain.model.kernels import (
+        apply_kernels,
+        choose_kernels,
+        fused_head_problem,
+        liger_installed,
+    )
+
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    choice = choose_kernels(
+        spec.kernels,
+        causal_lm.config.model_type,
+        spec.device,
+        liger_available=liger_installed(),
+        head_problem=fused_head_problem(causal_lm),
+    )
+    print(choice.describe(), flush=True)
+    apply_kernels(causal_lm, choice)
+    return choice
 
 
 def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):

@@ -23,6 +23,7 @@ from protrain import engine
 from protrain.chunks.layout import ChunkLayout
 from protrain.distributed import NO_GROUP
 from protrain.knobs import Knobs, OptimizerSettings, field_names
+from protrain.model.kernels import applied_kernels
 from protrain.optim.adamw_8bit import check_optimizer
 from protrain.optim.hybrid_adamw import HybridAdamW
 from protrain.plan import Plan, PlanRequest, profile_and_plan
@@ -122,6 +123,19 @@ def wrap(
     )
 
 
+def check_plan_kernels(plan, model: nn.Module) -> None:
+    """Refuse to run ``plan`` on a model whose fused kernels (``protrain.model.kernels``)
+    differ from those its step was traced with: its memory and time are not the model's."""
+    get_base = getattr(model, "get_base_model", None)
+    runs = list(applied_kernels(get_base() if callable(get_base) else model))
+    traced = list(getattr(plan, "kernels", None) or [])
+    if runs != traced:
+        raise ValueError(
+            f"the plan was traced with kernels [{', '.join(traced)}], but the model runs "
+            f"[{', '.join(runs)}]; plan again with the model's kernels (model.kernels)"
+        )
+
+
 def _values(
     knobs: Knobs | None,
     optim: OptimizerSettings | None,
@@ -211,6 +225,7 @@ def apply_plan(
             f"apply_plan: optimizer={optim.optimizer!r}, but the plan was made for "
             f"optimizer={planned_for!r}; plan again with this optimizer, or leave it out"
         )
+    check_plan_kernels(plan, model)
     model, optimizer, layout = engine.wrap(
         model,
         plan.engine_knobs(knobs),

@@ -151,3 +151,14 @@ def test_protrain_auto_row_keeps_the_planners_profiles(tmp_path: Path) -> None:
     assert profile.n_blocks > 0 and hw.cpu_adam_params_per_s > 0
     refused = _run(tmp_path, "--workload", "full-3b", "--system", "protrain", "--profiles", "x")
     assert refused.returncode != 0 and "--profiles writes the planner's profiles" in refused.stderr
+
+
+def test_protrain_kernels_auto_row_records_the_kernels_that_ran(tmp_path: Path) -> None:
+    """--kernels auto on the CPU: Liger's Triton kernels cannot run, so none do, and the
+    row says so (the setting and the empty list the engine ran with)."""
+    proc = _run(tmp_path, "--workload", "lora-8b", "--system", "protrain", "--kernels", "auto")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "kernels: none (model.kernels: auto; no CUDA GPU (cpu)" in proc.stdout
+    row = json.loads((tmp_path / "rows.jsonl").read_text())
+    assert row["status"] == "ok" and row["mode"] == "lora"
+    assert row["kernels_setting"] == "auto" and row["plan"]["kernels"] == []

@@ -44,6 +44,8 @@ class Plan:
     # the optimizer whose device state the memory model counted (optim/adamw_8bit.py): the
     # engine runs the plan with it (planned_wrap.apply_plan)
     optimizer: str = "adamw"
+    # the fused kernels the traced step ran (protrain.model.kernels): the run must run them
+    kernels: list[str] = field(default_factory=list)
 
     @property
     def knobs(self) -> dict[str, int]:

@@ -598,6 +598,7 @@ def _make_plan(problem: PlanProblem, best: list[list[int]], n_device_step: int =
         loss_planned=p.loss_vocab_size is not None,
         n_device_step=n_device_step,
         optimizer=problem.optimizer,
+        kernels=list(p.kernels),
     )
     plan.reasons = reasons_for(plan, problem)
     return plan

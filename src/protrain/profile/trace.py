@@ -79,6 +79,7 @@ from protrain.distributed.process_group import NO_GROUP
 from protrain.engine import wrap as engine_wrap
 from protrain.knobs import Knobs, OptimizerSettings
 from protrain.model.blocks import discover_blocks
+from protrain.model.kernels import applied_kernels
 from protrain.profile.chunk_table import ChunkTable, chunk_table_and_index
 from protrain.profile.memory_clock import MemoryClock
 from protrain.profile.param_index import block_param_names, param_index
@@ -134,6 +135,12 @@ class Interval:
     @property
     def compute_s(self) -> float:
         return max(self.end_s - self.start_s - self.copy_wait_s, 0.0)
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
 
 
 @dataclass
@@ -200,6 +207,9 @@ class ModelProfile:
     # gathers that chunk again ([Note: a tied head] in plan/runtime.py). False in saved
     # profiles without it: no tied head counted.
     head_after_blocks: bool = False
+    # The fused kernels the traced model ran (``protrain.model.kernels``): the plan records
+    # them and the engine refuses to run it on a model with others.
+    kernels: list[str] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -822,6 +832,7 @@ def trace_model(
     # own backward (embedding gradients) has no hook of its own and stays in it.
     phase("summarize")  # the profile built from the trace: the parts then cover trace_s
     profile = ModelProfile(
+        kernels=list(applied_kernels(_causal_lm(model))),
         blocks=block_profiles,
         intervals=iv,
         chunks=table,

@@ -57,6 +57,10 @@ ENGINE_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_bnb_8bit": "adamw_8bit"}
 OPTIMIZERS = tuple(ENGINE_OPTIMIZERS)
 
 
+# protrain.model.kernels.KERNELS, spelled here so that the config imports no torch module
+KernelName = Literal["rms_norm", "swiglu", "geglu", "rope", "fused_linear_cross_entropy"]
+
+
 class StrictModel(BaseModel):
     """Base of every config section: unknown keys are errors, values are re-validated on set."""
 
@@ -88,6 +92,13 @@ class ModelConfig(StrictModel):
         "than flash on an H200.",
     )
     trust_remote_code: bool = False
+    kernels: Literal["auto", "none"] | list[KernelName] = Field(
+        "auto",
+        description="Liger Kernel's fused kernels (protrain[kernels]): auto = every kernel "
+        "of the family on a CUDA GPU where liger-kernel is installed, else none (logged); "
+        "none; or a list of rms_norm, swiglu, geglu, rope, fused_linear_cross_entropy "
+        "(the loss without a logits tensor; it replaces memory.chunked_loss_tokens).",
+    )
 
     @model_validator(mode="after")
     def _check_sdpa_backend(self) -> ModelConfig:

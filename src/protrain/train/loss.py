@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protrain.activations.fused_loss import fused_causal_lm_loss_sum, fused_head
+
 IGNORE_INDEX = -100
 
 
@@ -55,7 +57,9 @@ def loss_sum(
     chunked_loss_tokens: int | None = None,
 ) -> torch.Tensor:
     """Sum of token losses of one micro-batch, as the loop computes it (and the planner
-    traces it)."""
+    traces it): the fused linear cross-entropy where the model's kernels include it
+    (``protrain.model.kernels``; it replaces ``chunked_loss_tokens``), else the loss in
+    chunks of ``chunked_loss_tokens`` positions, else over the whole logits."""
     causal_lm = unwrap_causal_lm(model)
     if getattr(getattr(causal_lm, "config", None), "is_encoder_decoder", False):
         from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
@@ -65,26 +69,31 @@ def loss_sum(
     labels = batch["labels"]
     inputs = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k != "labels"}
     router = router_aux_loss(causal_lm)
-    if chunked_loss_tokens is None:
+    fused = fused_head(causal_lm)
+    if chunked_loss_tokens is None and fused is None:
         out = model(**inputs)
         total = causal_lm_loss_sum(out.logits, labels)
         if router is not None:
             total = total + router[0] * out.aux_loss.to(total.device) * count_trained_tokens(labels)
         return total
     # Full-sequence logits never exist: the body gives hidden states and the head runs
-    # chunk by chunk inside the loss, with the family's logit transform.
+    # fused with the loss (where the model's kernels include it: it replaces the chunks),
+    # or chunk by chunk inside the loss, with the family's logit transform.
     from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
 
-    head, transform = causal_lm_head(causal_lm)
     body = causal_lm.base_model(**inputs)
     hidden = body.last_hidden_state
-    total = chunked_causal_lm_loss_sum(
-        hidden,
-        head,
-        labels.to(hidden.device),
-        chunk_tokens=chunked_loss_tokens,
-        logit_transform=transform,
-    )
+    if fused is not None:
+        total = fused_causal_lm_loss_sum(hidden, fused, labels.to(hidden.device))
+    else:
+        head, transform = causal_lm_head(causal_lm)
+        total = chunked_causal_lm_loss_sum(
+            hidden,
+            head,
+            labels.to(hidden.device),
+            chunk_tokens=chunked_loss_tokens,
+            logit_transform=transform,
+        )
     if router is not None:
         aux = router[1](body.router_logits, inputs.get("attention_mask"))
         total = total + router[0] * aux.to(total.device) * count_trained_tokens(labels)

@@ -25,6 +25,7 @@ from protrain.train.config import (
     one_line,
 )
 from protrain.train.errors import ConfigError
+from protrain.train.kernels import put_kernels
 from protrain.train.log import logger, warn_once
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.adapter.enabled:
         model = attach_adapter(model, cfg.adapter)
+    put_kernels(cfg, model, resolve_device(cfg.device))
     return BuiltModel(model=model, tokenizer=tokenizer, is_tiny=is_tiny)
 
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from protrain.activations import UnsupportedHead, causal_lm_head
+from protrain.activations.fused_loss import fused_head
 from protrain.plan import NoPlanFits, PlanRequest, profile_and_plan, profile_model
 from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS, LossChunks
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
@@ -51,12 +52,17 @@ def planner_loss(device: torch.device, chunked_loss_tokens: int | None):
 
 def planner_loss_chunks(model: nn.Module, settings: PlanSettings):
     """The loop's loss as one the planner chunks (`protrain.plan.loss_chunk.LossChunks`), or
-    None where the user fixed `memory.chunked_loss_tokens` or the model's logits cannot be
-    computed in chunks (`causal_lm_head` refuses its head: the whole logits, as now)."""
+    None where the user fixed `memory.chunked_loss_tokens`, the fused linear cross-entropy
+    replaces the chunks (no logits at all: `protrain.model.kernels`), or the model's logits
+    cannot be computed in chunks (`causal_lm_head` refuses its head: the whole logits)."""
     if settings.chunked_loss_tokens is not None:
         return None
     get_base = getattr(model, "get_base_model", None)
     causal_lm = get_base() if callable(get_base) else model
+    if fused_head(causal_lm) is not None:
+        logger.info("memory: the loss is not searched in chunks: the fused linear "
+                    "cross-entropy holds no logits")  # fmt: skip
+        return None
     try:
         head, _ = causal_lm_head(causal_lm)
     except UnsupportedHead as exc:
