@@ -38,8 +38,8 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
+from protrain.train import frozen_inputs, streamed_export
 from protrain.train import sharded_checkpoint as sharded
-from protrain.train import streamed_export
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
@@ -91,12 +91,19 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step run here
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = False) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    new_global_batch: bool = False,
+    accept_changed_inputs: bool = False,
+) -> TrainResult:
     """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run,
     the output directory locked against a second run. Stopped by SIGINT or SIGTERM, it
     saves and raises `TrainingStopped` (a SystemExit of status 130 or 143).
     ``new_global_batch``: a resume may change the rows per optimizer step (see
-    `_check_data_order`)."""
+    `_check_data_order`); ``accept_changed_inputs``: a resume may read frozen inputs that
+    changed since the checkpoint (`train/frozen_inputs.py`)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
     ranks, device = start_ranks(resolve_device(cfg.device))
@@ -113,6 +120,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = Fa
             ranks=ranks,
             device=device,
             new_global_batch=new_global_batch,
+            accept_changed_inputs=accept_changed_inputs,
         )
     # Only after a run every rank finished: a failed rank leaves the group as it is (its
     # exit ends the job through torchrun), since tearing it down waits for the others.
@@ -128,9 +136,20 @@ def _train(
     ranks: Ranks,
     device: torch.device,
     new_global_batch: bool = False,
+    accept_changed_inputs: bool = False,
 ) -> TrainResult:
+    try:  # the files every rank reads alike, before any data or model is loaded
+        frozen_inputs.check_readable(cfg)
+    except ConfigError as exc:
+        raise alike(exc) from None
+    inputs = frozen_inputs.fingerprint(cfg)
+
     def check_output_dir() -> Path | None:  # rank 0 alone reads, hashes and moves files
         found = _check_output_dir(output_dir, resume)
+        if found is not None:
+            note = frozen_inputs.check_unchanged(found, inputs, cfg, accept_changed_inputs)
+            if note is not None:
+                logger.warning(note)
         check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, found), "a checkpoint")
         return found
 
@@ -178,6 +197,8 @@ def _train(
     # -- 3. model, optimizer (plain or chunked engine), scheduler
     _check_host_memory(cfg, ranks)
     built = build_model(cfg, tokenizer)
+    if frozen_inputs.MODEL_KEY not in inputs:  # a hub model downloaded just now
+        inputs = frozen_inputs.fingerprint(cfg)
     trainable = make_trainable(
         built.model,
         cfg,
@@ -261,6 +282,7 @@ def _train(
             "tokens_seen": tokens_seen,
             "data_order": data_order,
             "extra": trainable.extra_state(),
+            "frozen_inputs": inputs,  # compared at --resume
         }
 
     def save(step: int) -> Path:

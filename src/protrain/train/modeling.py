@@ -25,6 +25,7 @@ from protrain.train.config import (
     one_line,
 )
 from protrain.train.errors import ConfigError
+from protrain.train.frozen_inputs import check_adapter_dir
 from protrain.train.log import logger, warn_once
 
 if TYPE_CHECKING:
@@ -539,14 +540,8 @@ def _add_new_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str, task
 def _load_existing_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str) -> None:
     """A PEFT LoRA adapter directory loaded as adapter ``extra.name``: every one of its
     weights must land on a module of this model with its shape."""
-    path = Path(extra.path).expanduser()
+    path = check_adapter_dir(extra, key)
     config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"{key}.path = {extra.path!r} is not a PEFT adapter directory (no "
-            "adapter_config.json there); allowed: a directory written by peft's "
-            "save_pretrained, such as a LoRA run's final/"
-        )
     try:
         saved = json.loads(config_file.read_text())
     except ValueError as exc:
