@@ -150,7 +150,8 @@ def _train(
             note = frozen_inputs.check_unchanged(found, inputs, cfg, accept_changed_inputs)
             if note is not None:
                 logger.warning(note)
-        check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, found), "a checkpoint")
+        needed = ckpt.space_needed_bytes(_estimate_checkpoint_bytes(cfg, found))
+        check_free_space(output_dir, needed, "a checkpoint")
         return found
 
     resume_from = ranks.on_main_patiently(check_output_dir)
@@ -481,6 +482,9 @@ def _train(
             streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
         except NonFiniteError:
             raise  # it says what is kept
+        except OutputDirError as exc:  # one line: what failed, and what is kept
+            note = _export_failed_note(last_saved, step, total_steps)
+            raise OutputDirError(f"{exc}; {note}") from None
         except Exception:
             if ranks.is_main:
                 logger.error(_export_failed_note(last_saved, step, total_steps))
@@ -567,6 +571,23 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path, model
         shutil.rmtree(tmp)
     if model is None:
         model = trainable.export_model()
+    try:
+        _write_export(model, trainable, built, cfg, tmp)
+    except Exception as exc:  # a partial export is removed; the checkpoints are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = ckpt.as_os_error(exc, tmp)
+        if os_error is None:
+            raise
+        if ckpt.is_no_space(os_error):
+            raise OutputDirError(
+                f"no space left in output_dir {str(final_dir.parent)!r} while writing the "
+                f"final model ({tmp.name} removed)"
+            ) from None
+        raise os_error from None
+    publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
+
+
+def _write_export(model, trainable: Trainable, built, cfg: TrainConfig, tmp: Path) -> None:
     adapters = trained_adapter_names(model, trainable.names)
     if adapters is None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -576,7 +597,6 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path, model
     write_extra = _tiny_base_writer(cfg, built)
     if write_extra is not None:
         write_extra(tmp)
-    publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
 
 
 def _tiny_base_writer(cfg: TrainConfig, built):
