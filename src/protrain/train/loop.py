@@ -59,6 +59,7 @@ from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
     DTYPES,
     TINY,
+    beyond_positions_note,
     build_model,
     build_tiny_base,
     load_media_processor,
@@ -173,6 +174,9 @@ def _train(
     window = cfg.gradient_accumulation_steps * ranks.world_size
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
+    positions_note = beyond_positions_note(cfg)
+    if positions_note is not None and ranks.is_main:
+        logger.warning(positions_note)
     tokenizer = load_tokenizer(cfg)
     processor = None  # a vision-language model's: its rows' images go through it
     if cfg.model.name_or_path != TINY:

@@ -182,6 +182,33 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
+def beyond_positions_note(cfg: TrainConfig) -> str | None:
+    """The line to log when `sequence_len` passes the positions the model was trained at
+    (its `max_position_embeddings`, times a rope scaling's factor). A warning, not a refusal:
+    the config does not say whether a family computes past them (RoPE and ALiBi models do,
+    at a quality that falls off; learned position embeddings fail with an index error),
+    and only rows longer than that limit are concerned."""
+    if cfg.model.name_or_path == TINY:
+        config = _tiny_config()
+    else:
+        config = _model_config(cfg)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or cfg.sequence_len <= limit:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    factor = rope.get("factor") if rope.get("rope_type", "default") != "default" else None
+    if isinstance(factor, int | float) and cfg.sequence_len <= limit * factor:
+        return None
+    return (
+        f"sequence_len = {cfg.sequence_len} is beyond the {limit} positions of "
+        f"{cfg.model.name_or_path!r} (max_position_embeddings): rows longer than {limit} "
+        "tokens train at positions the model never saw (with RoPE at a lower quality, with "
+        "learned position embeddings not at all: an index error); lower sequence_len, or "
+        "extend the model's positions (rope_scaling in its config.json)"
+    )
+
+
 def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
     """The model in the config's dtype, on the CPU, with adapters attached when asked."""
     dtype = DTYPES[cfg.model.dtype]
@@ -205,11 +232,17 @@ def build_tiny_base(cfg: TrainConfig) -> nn.Module:
     return _build_tiny(cfg, DTYPES[cfg.model.dtype])
 
 
-def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _tiny_config():
+    from transformers import AutoConfig
 
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config()
     # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
     attn = _attn_implementation(cfg, AutoModelForCausalLM, config)
     with torch.random.fork_rng(devices=[]):
