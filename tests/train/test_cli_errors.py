@@ -291,3 +291,24 @@ def test_resume_with_a_garbage_recorded_config(finished_run, tmp_path, garbage, 
         f"error: --resume: the run's recorded config {str(recorded)!r}{problem}; restore it, "
         "or delete it to record this run's config instead"
     )
+
+
+def test_a_run_names_its_recorded_config_and_leaves_out_transformers_long_row_line(tmp_path):
+    """The resolved config goes to output_dir/config.yaml, the console says where in one
+    line; a row longer than the tokenizer's model_max_length (2048) is reported by
+    ProTrain's truncation line alone, not by transformers' "indexing errors" line too."""
+    data = tmp_path / "chat.jsonl"
+    short = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    }
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "so " * 3000}]}  # fmt: skip
+    data.write_text("\n".join(json.dumps(r) for r in [long] + [short] * 7) + "\n")
+    raw = tiny_config(tmp_path, datasets=[{"path": str(data), "type": "chat"}], max_steps=1)
+    raw.update(micro_batch_size=2, gradient_accumulation_steps=1)
+    proc = run_cli("train", str(write_config(tmp_path, raw)))
+    assert proc.returncode == 0, proc.stderr
+    recorded = tmp_path / "run" / "config.yaml"
+    assert f"resolved config (every key) written to {recorded}" in proc.stderr
+    assert "learning_rate:" not in proc.stderr and "learning_rate:" in recorded.read_text()
+    assert "1 sample(s) longer than sequence_len were truncated" in proc.stderr
+    assert "indexing errors" not in proc.stderr, proc.stderr

@@ -1,7 +1,6 @@
 """The training loop of `protrain train`, one story from config to exported model.
 
-1. lock the output directory (one run per folder) and check it, log the resolved config,
-   seed everything;
+1. lock the output directory (one run per folder) and check it, seed everything;
 2. tokenizer and data, validated in full before anything is written;
 3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
    engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
@@ -156,7 +155,6 @@ def _train(
         return found
 
     resume_from = ranks.on_main_patiently(check_output_dir)
-    logger.info("resolved config:\n%s", _yaml(cfg))
     if ranks.several:
         logger.info(
             "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
@@ -276,6 +274,7 @@ def _train(
         if set_aside_metrics(output_dir):
             logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
         (output_dir / "config.yaml").write_text(_yaml(cfg))
+        logger.info("resolved config (every key) written to %s", output_dir / "config.yaml")
     guard = NonFiniteGuard(
         cfg.nonfinite, learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm
     )
@@ -883,6 +882,7 @@ def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
     """Keep the run's recorded config; say which keys this resume changes."""
     if not path.exists():
         path.write_text(_yaml(cfg))
+        logger.info("resolved config (every key) written to %s", path)
         return
     before = yaml.safe_load(path.read_text()) or {}
     now = json.loads(cfg.model_dump_json())
