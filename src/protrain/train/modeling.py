@@ -26,6 +26,7 @@ from protrain.train.config import (
 )
 from protrain.train.errors import ConfigError
 from protrain.train.frozen_inputs import check_adapter_dir
+from protrain.train.hub_source import check_hub_source
 from protrain.train.log import logger, warn_once
 
 if TYPE_CHECKING:
@@ -87,6 +88,7 @@ def load_tokenizer(cfg: TrainConfig):
     )
     if _looks_like_path(source) and not Path(source).exists():
         raise ConfigError(f"{key} = {source!r}: no such file or directory")
+    check_hub_source(key, source, cfg.model.revision)
     if Path(source).is_dir() and not _has_tokenizer_files(Path(source)):
         hint = (
             ""
@@ -338,6 +340,7 @@ def _model_config(cfg: TrainConfig):
     name = cfg.model.name_or_path
     if _looks_like_path(name) and not Path(name).exists():
         raise ConfigError(f"model.name_or_path = {name!r}: no such file or directory")
+    check_hub_source("model.name_or_path", name, cfg.model.revision)
     try:
         config = AutoConfig.from_pretrained(
             name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
