@@ -199,6 +199,7 @@ def test_fsdp_config_in_axolotls_forms(tmp_path):
         ({"learning_rate": True}, "learning_rate = True"),
         ({"memory": {"n_persist": True}}, "memory.n_persist = True"),
         ({"eval": {"steps": True}}, "eval.steps = True"),
+        ({"val_set_size": True}, "val_set_size = True"),
     ],
 )
 def test_true_or_false_is_not_a_number(tmp_path, raw, key):
@@ -207,6 +208,17 @@ def test_true_or_false_is_not_a_number(tmp_path, raw, key):
         validate_config(tiny_config(tmp_path, **raw))
     assert str(err.value) == (
         f"config: {key} is not allowed: a number is needed here, not true or false"
+    )
+
+
+def test_true_is_not_a_number_of_samples(tmp_path):
+    raw = tiny_config(tmp_path)
+    raw["datasets"][0]["max_samples"] = True
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert str(err.value) == (
+        "config: datasets.0.max_samples = True is not allowed: a number is needed here, not "
+        "true or false"
     )
 
 

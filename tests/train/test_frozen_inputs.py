@@ -142,3 +142,16 @@ def test_a_bad_extra_adapter_path_is_found_before_the_data(tmp_path, monkeypatch
     }[case]
     assert str(info.value).startswith(expected), info.value
     assert not (tmp_path / "run").exists()
+
+
+def test_accept_changed_inputs_is_allowed_with_resume_only(tmp_path, capsys):
+    from protrain.cli import main
+
+    from .helpers import write_config
+
+    path = write_config(tmp_path, small_config(tmp_path))
+    assert main(["train", str(path), "--accept-changed-inputs"]) == 2
+    assert capsys.readouterr().err == (
+        "error: --accept-changed-inputs is allowed only with --resume\n"
+    )
+    assert not (tmp_path / "run").exists()
