@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
         "x gradient_accumulation_steps x ranks) differ from the checkpoint's; the data "
         "continues where it stopped, the schedule is recomputed for the steps left",
     )
+    p_train.add_argument(
+        "--accept-changed-inputs",
+        action="store_true",
+        help="with --resume: continue although a frozen input (the base model's files, an "
+        "adapter.extra[].path loaded frozen) differs from the files the checkpoint was "
+        "trained with; the run goes on with them as they are now",
+    )
 
     p_plan = sub.add_parser(
         "plan",
@@ -375,12 +382,21 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "train":
         from protrain.train.loop import train
 
-        if args.new_global_batch and not args.resume:
-            raise ConfigError("--new-global-batch is allowed only with --resume")
+        for flag, given in (
+            ("--new-global-batch", args.new_global_batch),
+            ("--accept-changed-inputs", args.accept_changed_inputs),
+        ):
+            if given and not args.resume:
+                raise ConfigError(f"{flag} is allowed only with --resume")
         if args.resume:
             _check_recorded_config(cfg)
 
-        result = train(cfg, resume=args.resume, new_global_batch=args.new_global_batch)
+        result = train(
+            cfg,
+            resume=args.resume,
+            new_global_batch=args.new_global_batch,
+            accept_changed_inputs=args.accept_changed_inputs,
+        )
         if os.environ.get("RANK", "0") == "0":  # torchrun: rank 0 speaks for the job
             print(f"done: {result.steps} steps; model written to {result.final_dir}")
         return 0

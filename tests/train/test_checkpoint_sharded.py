@@ -84,6 +84,15 @@ def test_convert_refuses_what_it_cannot_do(runs, tmp_path, capsys):
     assert not (tmp_path / "out").exists()  # refused before anything was made
 
 
+def test_convert_of_a_path_that_does_not_exist_says_so(tmp_path, capsys):
+    missing = tmp_path / "run" / "checkpoint-40"
+    assert main(["convert-checkpoint", str(missing), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (
+        f"error: convert-checkpoint: {str(missing)!r} does not exist\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
 def _resume_dir(tmp_path: Path, runs: Path) -> Path:
     """A run folder whose newest checkpoint is the sharded checkpoint-2, and an older intact
     one to fall back to (a plain copy named checkpoint-1)."""

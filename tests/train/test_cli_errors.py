@@ -291,3 +291,49 @@ def test_resume_with_a_garbage_recorded_config(finished_run, tmp_path, garbage, 
         f"error: --resume: the run's recorded config {str(recorded)!r}{problem}; restore it, "
         "or delete it to record this run's config instead"
     )
+
+
+def test_a_run_names_its_recorded_config_and_leaves_out_transformers_long_row_line(tmp_path):
+    """The resolved config goes to output_dir/config.yaml, the console says where in one
+    line; a row longer than the tokenizer's model_max_length (2048) is reported by
+    ProTrain's truncation line alone, not by transformers' "indexing errors" line too."""
+    data = tmp_path / "chat.jsonl"
+    short = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    }
+    long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "so " * 3000}]}  # fmt: skip
+    data.write_text("\n".join(json.dumps(r) for r in [long] + [short] * 7) + "\n")
+    raw = tiny_config(tmp_path, datasets=[{"path": str(data), "type": "chat"}], max_steps=1)
+    raw.update(micro_batch_size=2, gradient_accumulation_steps=1)
+    proc = run_cli("train", str(write_config(tmp_path, raw)))
+    assert proc.returncode == 0, proc.stderr
+    recorded = tmp_path / "run" / "config.yaml"
+    assert f"resolved config (every key) written to {recorded}" in proc.stderr
+    assert "learning_rate:" not in proc.stderr and "learning_rate:" in recorded.read_text()
+    assert "1 sample(s) longer than sequence_len were truncated" in proc.stderr
+    assert "indexing errors" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("offline", [False, True], ids=["hub-unreachable", "HF_HUB_OFFLINE"])
+def test_a_hub_name_that_cannot_be_had_is_one_line_at_once(tmp_path, offline):
+    """A typo'd hub id on a machine without the hub: one line before any retry (the hub's
+    client retried for about a minute against a refused connection)."""
+    import time
+
+    name = "Qwen/Qwen2.5-0.5B-Instrcut"
+    raw = tiny_config(tmp_path, model={"name_or_path": name})
+    env = {"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": "http://127.0.0.1:9"}
+    env.update({v: "" for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy")})
+    if offline:
+        env["HF_HUB_OFFLINE"] = "1"
+    start = time.monotonic()
+    line = the_error(run_cli("train", str(write_config(tmp_path, raw)), env=env))
+    took_s = time.monotonic() - start
+    why = "HF_HUB_OFFLINE is set" if offline else "Connection refused"
+    assert line == (
+        f"error: model.name_or_path = {name!r} is not a local directory nor in the Hugging Face "
+        f"cache, and the hub (http://127.0.0.1:9) cannot be reached: {why}; check the name "
+        "(a typo?), or give a local directory"
+    )
+    assert took_s < 50, took_s  # the imports, not a minute of retries
+    assert not (tmp_path / "run").exists()

@@ -188,3 +188,63 @@ def test_fsdp_config_in_axolotls_forms(tmp_path):
     )
     message = error(fsdp_version=2, fsdp_config={"state_dict_type": "LOCAL_STATE_DICT"})
     assert message.count("LOCAL_STATE_DICT") == 1
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"save_steps": True}, "save_steps = True"),
+        ({"max_steps": False}, "max_steps = False"),
+        ({"save_minutes": True}, "save_minutes = True"),
+        ({"learning_rate": True}, "learning_rate = True"),
+        ({"memory": {"n_persist": True}}, "memory.n_persist = True"),
+        ({"eval": {"steps": True}}, "eval.steps = True"),
+        ({"val_set_size": True}, "val_set_size = True"),
+    ],
+)
+def test_true_or_false_is_not_a_number(tmp_path, raw, key):
+    """pydantic would take true for 1 (a checkpoint every step)."""
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny_config(tmp_path, **raw))
+    assert str(err.value) == (
+        f"config: {key} is not allowed: a number is needed here, not true or false"
+    )
+
+
+def test_true_is_not_a_number_of_samples(tmp_path):
+    raw = tiny_config(tmp_path)
+    raw["datasets"][0]["max_samples"] = True
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert str(err.value) == (
+        "config: datasets.0.max_samples = True is not allowed: a number is needed here, not "
+        "true or false"
+    )
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "none"])
+def test_adapter_bits_without_qlora_is_refused(tmp_path, kind):
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny_config(tmp_path, adapter={"type": kind, "bits": 8}))
+    assert str(err.value) == (
+        f"config: adapter.bits = 8 set with adapter.type = {kind!r}: it is the quantized base "
+        "weights' bits and applies to type qlora only (lora and dora train on the unquantized "
+        "base); remove it, or set adapter.type = 'qlora'"
+    )
+    # the default written out, as a recorded config.yaml has it, says nothing
+    assert validate_config(tiny_config(tmp_path, adapter={"type": kind, "bits": 4}))
+
+
+def test_sequence_len_beyond_the_models_positions_warns_once(tmp_path, protrain_log):
+    from protrain.train.loop import train
+
+    cfg = tiny_config(tmp_path, sequence_len=4096, max_steps=1, micro_batch_size=1)
+    cfg["gradient_accumulation_steps"] = 1
+    train(validate_config(cfg))
+    notes = [line for line in protrain_log if "is beyond the" in line]
+    assert notes == [
+        "sequence_len = 4096 is beyond the 2048 positions of 'tiny' (max_position_embeddings): "
+        "rows longer than 2048 tokens train at positions the model never saw (with RoPE at a "
+        "lower quality, with learned position embeddings not at all: an index error); lower "
+        "sequence_len, or extend the model's positions (rope_scaling in its config.json)"
+    ]

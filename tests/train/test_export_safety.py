@@ -275,3 +275,77 @@ def test_resuming_a_finished_run_says_final_is_trained_again(tmp_path, protrain_
     loop.train(cfg, resume=True)  # again: from checkpoint-4, while final holds step 6
     said = [line for line in protrain_log if "are trained again" in line]
     assert len(said) == 1 and "checkpoint-4" in said[0] and "step 4" in said[0], said
+
+
+# The disk fills while the final model is written: safetensors' writer reports it as a
+# SafetensorError carrying the OS error (ENOSPC, 28), after a partial file.
+_DISK_FULL_IN_EXPORT = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import SafetensorError
+    from protrain.cli import main
+    from tests.train.helpers import tiny_config, write_config
+
+    def disk_full(tensors, filename, metadata=None):
+        Path(filename).write_bytes(b"partial")
+        raise SafetensorError(
+            'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+            '"No space left on device" })'
+        )
+
+    modeling_utils.safe_save_file = disk_full
+    tmp = Path(sys.argv[1])
+    cfg = tiny_config(tmp, max_steps=4, save_steps=2, micro_batch_size=2,
+                      gradient_accumulation_steps=1)
+    sys.argv = ["protrain", "train", str(write_config(tmp, cfg))]  # as the console script
+    sys.exit(main(sys.argv[1:]))
+    """
+)
+
+
+def test_a_disk_that_fills_during_the_export_is_one_line_and_keeps_the_checkpoints(tmp_path):
+    env = {**__import__("os").environ, "PROTRAIN_DEBUG": ""}
+    proc = run_script(_DISK_FULL_IN_EXPORT, tmp_path, env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    run = tmp_path / "run"
+    assert errors == [
+        f"error: no space left in output_dir {str(run)!r} while writing the final model "
+        "(final.tmp removed); the final model was not written; checkpoint-4 is the newest "
+        "checkpoint: after fixing the cause, protrain train "
+        f"{tmp_path / 'config.yaml'} --resume exports it"
+    ], proc.stderr[-3000:]
+    assert not (run / "final.tmp").exists() and not (run / "final").exists()
+    assert ckpt.verify(run / "checkpoint-4") is None and ckpt.verify(run / "checkpoint-2") is None
+
+    # with room again, --resume exports it
+    cfg = tiny_config(tmp_path, max_steps=4, save_steps=2, **SMALL)
+    result = loop.train(validate_config(cfg), resume=True)
+    assert (result.final_dir / "model.safetensors").is_file()
+
+
+def test_the_start_up_space_check_asks_what_a_save_asks(tmp_path, monkeypatch):
+    """Room for the checkpoint's tensors but not the margin every save keeps: refused before
+    anything loads, not at the first save after training."""
+    import shutil
+
+    cfg = validate_config(tiny_config(tmp_path, max_steps=2, save_steps=1, **SMALL))
+    estimate = loop._estimate_checkpoint_bytes(cfg, None)
+    real = shutil.disk_usage
+    free = {"bytes": estimate + (1 << 20)}
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=free["bytes"]))
+    with monkeypatch.context() as m:
+        m.setattr(loop, "load_tokenizer", lambda cfg: pytest.fail("loaded"))
+        with pytest.raises(OutputDirError, match="a checkpoint needs about"):
+            loop.train(cfg)
+    # what the start-up check asks (its estimate leaves out AdamW's step counters, 4 bytes
+    # a tensor): every save of the run fits
+    free["bytes"] = ckpt.space_needed_bytes(estimate) + (64 << 10)
+    result = loop.train(cfg)
+    assert [p.name for p in ckpt.list_checkpoints(result.output_dir)] == [
+        "checkpoint-1",
+        "checkpoint-2",
+    ]

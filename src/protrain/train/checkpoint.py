@@ -263,11 +263,12 @@ def save_checkpoint(
         fsync_path(tmp)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if is_no_space(exc):
             raise OutputDirError(
                 f"no space left in output_dir {str(output_dir)!r} while saving checkpoint-{step} "
                 f"(it needs about {_size(_tensor_bytes([model_state, opt_tensors]))}); nothing "
-                f"of it was kept, {_newest_note(output_dir)}; free some space, then resume"
+                f"of it was kept, {_newest_note(output_dir)}; free some space, then "
+                f"{_next_run(output_dir)}"
             ) from None
         raise
 
@@ -470,20 +471,31 @@ def _tensor_bytes(groups: list[dict[str, torch.Tensor]]) -> int:
     return sum(t.numel() * t.element_size() for g in groups for t in g.values())
 
 
+def space_needed_bytes(tensor_bytes: int) -> int:
+    """The free space a checkpoint of ``tensor_bytes`` of tensors asks for: the check at
+    start-up (on an estimate) and the check of every save (on the exact size) alike."""
+    return tensor_bytes + _SPACE_MARGIN_BYTES
+
+
 def _check_free_space(output_dir: Path, final: Path, groups: list[dict[str, torch.Tensor]]) -> None:
-    needed = _tensor_bytes(groups) + _SPACE_MARGIN_BYTES
+    needed = space_needed_bytes(_tensor_bytes(groups))
     free = shutil.disk_usage(output_dir).free
     if free < needed:
         raise OutputDirError(
             f"not enough space in output_dir {str(output_dir)!r} for {final.name}: it needs "
             f"about {_size(needed)}, {_size(free)} are free; nothing was written, "
-            f"{_newest_note(output_dir)}; free some space, then resume"
+            f"{_newest_note(output_dir)}; free some space, then {_next_run(output_dir)}"
         )
 
 
 def _newest_note(output_dir: Path) -> str:
     newest = latest_checkpoint(output_dir)
     return f"{newest.name} is the newest checkpoint" if newest else "no checkpoint was saved yet"
+
+
+def _next_run(output_dir: Path) -> str:
+    """What continues after space was freed: a resume, or (nothing saved) the run again."""
+    return "resume" if latest_checkpoint(output_dir) else "run it again"
 
 
 def _size(n: int) -> str:
@@ -493,12 +505,30 @@ def _size(n: int) -> str:
 def _save_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     try:
         save_file({k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}, str(path))
-    except SafetensorError as exc:  # its I/O errors as the OSError they are
-        code = re.search(r"os error (\d+)", str(exc))
-        if code is None:
+    except SafetensorError as exc:
+        os_error = as_os_error(exc, path)
+        if os_error is None:
             raise
-        raise OSError(int(code[1]), f"{os.strerror(int(code[1]))}: {path}") from None
+        raise os_error from None
     fsync_path(path)
+
+
+def as_os_error(exc: BaseException, path: Path) -> OSError | None:
+    """safetensors' I/O errors as the OSError they are (its writer reports them as
+    `SafetensorError` with the OS's error inside the text); None for any other error."""
+    if isinstance(exc, OSError):
+        return exc
+    if not isinstance(exc, SafetensorError):
+        return None
+    code = re.search(r"os error (\d+)|Os \{ code: (\d+)", str(exc))
+    if code is None:
+        return None
+    number = int(code[1] or code[2])
+    return OSError(number, os.strerror(number), str(path))
+
+
+def is_no_space(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _write_text(path: Path, text: str) -> None:

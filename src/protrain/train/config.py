@@ -61,10 +61,24 @@ OPTIMIZERS = tuple(ENGINE_OPTIMIZERS)
 KernelName = Literal["rms_norm", "swiglu", "geglu", "rope", "fused_linear_cross_entropy"]
 
 
+def _not_a_bool(cls: type[BaseModel], value: Any, info) -> Any:
+    """pydantic takes true for 1 in a number's field: `save_steps: true` would save every
+    step. A number's field (int or float, optional or not) refuses true and false."""
+    if not isinstance(value, bool):
+        return value
+    annotation = cls.model_fields[info.field_name].annotation
+    kinds = set(get_args(annotation)) | {annotation}
+    if bool not in kinds and kinds & {int, float}:
+        raise ValueError("a number is needed here, not true or false")
+    return value
+
+
 class StrictModel(BaseModel):
     """Base of every config section: unknown keys are errors, values are re-validated on set."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    _numbers_not_bools = field_validator("*", mode="before")(classmethod(_not_a_bool))
 
 
 class ModelConfig(StrictModel):
@@ -519,6 +533,8 @@ class TrainConfig(DataSettings, TrackingSettings):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    _numbers_not_bools = field_validator("*", mode="before")(classmethod(_not_a_bool))
+
     model: ModelConfig = Field(default_factory=ModelConfig)
     adapter: AdapterConfig = Field(default_factory=AdapterConfig)
 
@@ -627,6 +643,12 @@ class TrainConfig(DataSettings, TrackingSettings):
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
         adapter = self.adapter
+        if _set_off_default(adapter, {"bits"}) and adapter.type != "qlora":
+            raise ValueError(
+                f"adapter.bits = {adapter.bits} set with adapter.type = {adapter.type!r}: it is "
+                "the quantized base weights' bits and applies to type qlora only (lora and dora "
+                "train on the unquantized base); remove it, or set adapter.type = 'qlora'"
+            )
         is_int8 = (adapter.type, adapter.bits) == ("qlora", 8)
         if _set_off_default(adapter, {"int8_threshold"}) and not is_int8:
             raise ValueError(

@@ -36,6 +36,8 @@ def convert_checkpoint(src: Path, output_dir: Path) -> Path:
     """Write `src` (a `checkpoint-<step>` directory) into `output_dir` in the other
     format; the new checkpoint's path."""
     src, output_dir = Path(src), Path(output_dir)
+    if not src.exists():
+        raise OutputDirError(f"convert-checkpoint: {str(src)!r} does not exist")
     if not ckpt.CHECKPOINT_RE.match(src.name) or not src.is_dir():
         raise OutputDirError(f"convert-checkpoint: {str(src)!r} is not a checkpoint-<step> folder")
     problem = ckpt.verify(src)

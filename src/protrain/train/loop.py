@@ -1,7 +1,6 @@
 """The training loop of `protrain train`, one story from config to exported model.
 
-1. lock the output directory (one run per folder) and check it, log the resolved config,
-   seed everything;
+1. lock the output directory (one run per folder) and check it, seed everything;
 2. tokenizer and data, validated in full before anything is written;
 3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
    engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
@@ -38,7 +37,7 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
-from protrain.train import rank_failure, streamed_export
+from protrain.train import frozen_inputs, rank_failure, streamed_export
 from protrain.train import sharded_checkpoint as sharded
 from protrain.train.attention import sdpa_backend
 from protrain.train.config import TrainConfig
@@ -61,6 +60,7 @@ from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
     DTYPES,
     TINY,
+    beyond_positions_note,
     build_model,
     build_tiny_base,
     load_media_processor,
@@ -95,12 +95,19 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)  # one per optimizer step run here
 
 
-def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = False) -> TrainResult:
+def train(
+    cfg: TrainConfig,
+    *,
+    resume: bool = False,
+    new_global_batch: bool = False,
+    accept_changed_inputs: bool = False,
+) -> TrainResult:
     """Train as the config says; the SDPA kernel of `model.sdpa_backend` for the whole run,
     the output directory locked against a second run. Stopped by SIGINT or SIGTERM, it
     saves and raises `TrainingStopped` (a SystemExit of status 130 or 143).
     ``new_global_batch``: a resume may change the rows per optimizer step (see
-    `_check_data_order`)."""
+    `_check_data_order`); ``accept_changed_inputs``: a resume may read frozen inputs that
+    changed since the checkpoint (`train/frozen_inputs.py`)."""
     setup_logging()
     output_dir = Path(cfg.output_dir)
     check_trackers_installed(cfg)  # before any work, and before the ranks meet
@@ -118,6 +125,7 @@ def train(cfg: TrainConfig, *, resume: bool = False, new_global_batch: bool = Fa
             ranks=ranks,
             device=device,
             new_global_batch=new_global_batch,
+            accept_changed_inputs=accept_changed_inputs,
         )
     # Only after a run every rank finished: a failed rank leaves the group as it is (its
     # exit ends the job through torchrun), since tearing it down waits for the others.
@@ -133,15 +141,26 @@ def _train(
     ranks: Ranks,
     device: torch.device,
     new_global_batch: bool = False,
+    accept_changed_inputs: bool = False,
 ) -> TrainResult:
+    try:  # the files every rank reads alike, before any data or model is loaded
+        frozen_inputs.check_readable(cfg)
+    except ConfigError as exc:
+        raise alike(exc) from None
+    inputs = frozen_inputs.fingerprint(cfg)
+
     def check_output_dir() -> Path | None:  # rank 0 alone reads, hashes and moves files
         found = _check_output_dir(output_dir, resume)
-        check_free_space(output_dir, _estimate_checkpoint_bytes(cfg, found), "a checkpoint")
+        if found is not None:
+            note = frozen_inputs.check_unchanged(found, inputs, cfg, accept_changed_inputs)
+            if note is not None:
+                logger.warning(note)
+        needed = ckpt.space_needed_bytes(_estimate_checkpoint_bytes(cfg, found))
+        check_free_space(output_dir, needed, "a checkpoint")
         return found
 
     resume_from = ranks.on_main_patiently(check_output_dir)
     rank_failure.note_checkpoint(resume_from)
-    logger.info("resolved config:\n%s", _yaml(cfg))
     if ranks.several:
         logger.info(
             "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
@@ -164,6 +183,9 @@ def _train(
             check_layer_classes(meta_model, cfg)
 
     # -- 2. tokenizer and data: every row is checked here, before any output is written
+    positions_note = beyond_positions_note(cfg)
+    if positions_note is not None and ranks.is_main:
+        logger.warning(positions_note)
     tokenizer = load_tokenizer(cfg)
     processor = None  # a vision-language model's: its rows' images go through it
     if cfg.model.name_or_path != TINY:
@@ -192,6 +214,8 @@ def _train(
     # -- 3. model, optimizer (plain or chunked engine), scheduler
     _check_host_memory(cfg, ranks)
     built = build_model(cfg, tokenizer)
+    if frozen_inputs.MODEL_KEY not in inputs:  # a hub model downloaded just now
+        inputs = frozen_inputs.fingerprint(cfg)
     trainable = make_trainable(
         built.model,
         cfg,
@@ -264,6 +288,7 @@ def _train(
         if set_aside_metrics(output_dir):
             logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
         (output_dir / "config.yaml").write_text(_yaml(cfg))
+        logger.info("resolved config (every key) written to %s", output_dir / "config.yaml")
     guard = NonFiniteGuard(
         cfg.nonfinite, learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm
     )
@@ -275,6 +300,7 @@ def _train(
             "tokens_seen": tokens_seen,
             "data_order": data_order,
             "extra": trainable.extra_state(),
+            "frozen_inputs": inputs,  # compared at --resume
         }
 
     def save(step: int) -> Path:
@@ -480,6 +506,9 @@ def _train(
             streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
         except NonFiniteError:
             raise  # it says what is kept
+        except OutputDirError as exc:  # one line: what failed, and what is kept
+            note = _export_failed_note(last_saved, step, total_steps)
+            raise OutputDirError(f"{exc}; {note}") from None
         except Exception:
             if ranks.is_main:
                 logger.error(_export_failed_note(last_saved, step, total_steps))
@@ -566,6 +595,23 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path, model
         shutil.rmtree(tmp)
     if model is None:
         model = trainable.export_model()
+    try:
+        _write_export(model, trainable, built, cfg, tmp)
+    except Exception as exc:  # a partial export is removed; the checkpoints are untouched
+        shutil.rmtree(tmp, ignore_errors=True)
+        os_error = ckpt.as_os_error(exc, tmp)
+        if os_error is None:
+            raise
+        if ckpt.is_no_space(os_error):
+            raise OutputDirError(
+                f"no space left in output_dir {str(final_dir.parent)!r} while writing the "
+                f"final model ({tmp.name} removed)"
+            ) from None
+        raise os_error from None
+    publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
+
+
+def _write_export(model, trainable: Trainable, built, cfg: TrainConfig, tmp: Path) -> None:
     adapters = trained_adapter_names(model, trainable.names)
     if adapters is None:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -575,7 +621,6 @@ def export(trainable: Trainable, built, cfg: TrainConfig, final_dir: Path, model
     write_extra = _tiny_base_writer(cfg, built)
     if write_extra is not None:
         write_extra(tmp)
-    publish(tmp, final_dir)  # [Note: replacing final] in final_dir.py
 
 
 def _tiny_base_writer(cfg: TrainConfig, built):
@@ -858,6 +903,7 @@ def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
     """Keep the run's recorded config; say which keys this resume changes."""
     if not path.exists():
         path.write_text(_yaml(cfg))
+        logger.info("resolved config (every key) written to %s", path)
         return
     before = yaml.safe_load(path.read_text()) or {}
     now = json.loads(cfg.model_dump_json())

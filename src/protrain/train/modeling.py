@@ -25,6 +25,8 @@ from protrain.train.config import (
     one_line,
 )
 from protrain.train.errors import ConfigError
+from protrain.train.frozen_inputs import check_adapter_dir
+from protrain.train.hub_source import check_hub_source
 from protrain.train.kernels import put_kernels
 from protrain.train.log import logger, warn_once
 
@@ -87,6 +89,7 @@ def load_tokenizer(cfg: TrainConfig):
     )
     if _looks_like_path(source) and not Path(source).exists():
         raise ConfigError(f"{key} = {source!r}: no such file or directory")
+    check_hub_source(key, source, cfg.model.revision)
     if Path(source).is_dir() and not _has_tokenizer_files(Path(source)):
         hint = (
             ""
@@ -182,6 +185,33 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith((".", "/", "~")) or name.count("/") > 1 or Path(name).exists()
 
 
+def beyond_positions_note(cfg: TrainConfig) -> str | None:
+    """The line to log when `sequence_len` passes the positions the model was trained at
+    (its `max_position_embeddings`, times a rope scaling's factor). A warning, not a refusal:
+    the config does not say whether a family computes past them (RoPE and ALiBi models do,
+    at a quality that falls off; learned position embeddings fail with an index error),
+    and only rows longer than that limit are concerned."""
+    if cfg.model.name_or_path == TINY:
+        config = _tiny_config()
+    else:
+        config = _model_config(cfg)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    if not isinstance(limit, int) or cfg.sequence_len <= limit:
+        return None
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    factor = rope.get("factor") if rope.get("rope_type", "default") != "default" else None
+    if isinstance(factor, int | float) and cfg.sequence_len <= limit * factor:
+        return None
+    return (
+        f"sequence_len = {cfg.sequence_len} is beyond the {limit} positions of "
+        f"{cfg.model.name_or_path!r} (max_position_embeddings): rows longer than {limit} "
+        "tokens train at positions the model never saw (with RoPE at a lower quality, with "
+        "learned position embeddings not at all: an index error); lower sequence_len, or "
+        "extend the model's positions (rope_scaling in its config.json)"
+    )
+
+
 def build_model(cfg: TrainConfig, tokenizer) -> BuiltModel:
     """The model in the config's dtype, on the CPU, with adapters attached when asked."""
     dtype = DTYPES[cfg.model.dtype]
@@ -206,11 +236,17 @@ def build_tiny_base(cfg: TrainConfig) -> nn.Module:
     return _build_tiny(cfg, DTYPES[cfg.model.dtype])
 
 
-def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _tiny_config():
+    from transformers import AutoConfig
 
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    return AutoConfig.for_model(spec.pop("model_type"), **spec)
+
+
+def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config()
     # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
     attn = _attn_implementation(cfg, AutoModelForCausalLM, config)
     with torch.random.fork_rng(devices=[]):
@@ -332,6 +368,7 @@ def _model_config(cfg: TrainConfig):
     name = cfg.model.name_or_path
     if _looks_like_path(name) and not Path(name).exists():
         raise ConfigError(f"model.name_or_path = {name!r}: no such file or directory")
+    check_hub_source("model.name_or_path", name, cfg.model.revision)
     try:
         config = AutoConfig.from_pretrained(
             name, revision=cfg.model.revision, trust_remote_code=cfg.model.trust_remote_code
@@ -567,14 +604,8 @@ def _add_new_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str, task
 def _load_existing_adapter(model: nn.Module, extra: ExtraAdapterConfig, key: str) -> None:
     """A PEFT LoRA adapter directory loaded as adapter ``extra.name``: every one of its
     weights must land on a module of this model with its shape."""
-    path = Path(extra.path).expanduser()
+    path = check_adapter_dir(extra, key)
     config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise ConfigError(
-            f"{key}.path = {extra.path!r} is not a PEFT adapter directory (no "
-            "adapter_config.json there); allowed: a directory written by peft's "
-            "save_pretrained, such as a LoRA run's final/"
-        )
     try:
         saved = json.loads(config_file.read_text())
     except ValueError as exc:

@@ -131,6 +131,13 @@ class DatasetConfig(BaseModel):
         default=None, description="template variables for this dataset, over the top-level ones"
     )
 
+    @field_validator("max_samples", mode="before")
+    @classmethod
+    def _count_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):  # pydantic would take true for 1
+            raise ValueError("a number is needed here, not true or false")
+        return v
+
     @field_validator("roles_to_train")
     @classmethod
     def _known_roles(cls, v: list[str] | None) -> list[str] | None:

@@ -151,7 +151,8 @@ class DatasetEncoder:
             _, text = self.renderer.prepare(sample.messages, sample.template_kwargs)
         except TemplateRenderError as e:
             raise DataError(str(e), dataset=self.cfg.path, row=row_index, field="messages") from e
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        # verbose=False: rows are cut at sequence_len here (see `encoding.tokenize_labelled`)
+        ids = list(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         labels = boundary_labels(
             self.renderer, sample, text, ids, self.boundaries, self.mask, self.never_trained,
             dataset=self.cfg.path, row=row_index,

@@ -55,8 +55,17 @@ def tokenize_labelled(
     Tokenizers without offsets tokenize the text piece by piece between span edges, which
     can split a word differently from whole-text tokenization at a span edge (warned once).
     """
+    # verbose=False: transformers' line about rows longer than the tokenizer's
+    # model_max_length ("will result in indexing errors"); rows are cut at sequence_len and
+    # counted in the dataset's report, and a sequence_len past the model's positions is
+    # warned once at start (`modeling.beyond_positions_note`)
     try:
-        enc = tokenizer(text, add_special_tokens=add_special_tokens, return_offsets_mapping=True)
+        enc = tokenizer(
+            text,
+            add_special_tokens=add_special_tokens,
+            return_offsets_mapping=True,
+            verbose=False,
+        )
         offsets = [tuple(o) for o in enc["offset_mapping"]]
     except (NotImplementedError, KeyError, TypeError, ValueError):
         return _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens)
@@ -84,7 +93,7 @@ def _tokenize_by_pieces(tokenizer, text, spans, add_special_tokens):
     for a, b in zip(edges, edges[1:]):
         if a == b:
             continue
-        piece = list(tokenizer(text[a:b], add_special_tokens=False)["input_ids"])
+        piece = list(tokenizer(text[a:b], add_special_tokens=False, verbose=False)["input_ids"])
         trained = any(s <= a and b <= e for s, e in spans)
         ids += piece
         labels += piece if trained else [IGNORE_INDEX] * len(piece)
