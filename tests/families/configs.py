@@ -103,11 +103,17 @@ FAMILIES: dict[str, Family] = {
                state_size=8, expand=2, num_heads=8, head_dim=8, n_groups=1, chunk_size=4,
                pad_token_id=0, bos_token_id=1, eos_token_id=2), tiles=False,
                lora=_MAMBA_LORA),
-        Family("qwen3_next", "hybrid", dict(_MOE, head_dim=8, linear_num_key_heads=2,
-               linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-               layer_types=["linear_attention", "full_attention"], num_experts=4,
-               num_experts_per_tok=2, moe_intermediate_size=32,
-               shared_expert_intermediate_size=32)),
+        # a linear-attention (Qwen3-Next) or Mamba (Jamba) layer both first (swapped, keeps
+        # the cache) and second (recomputed, called without it)
+        Family("qwen3_next", "hybrid", dict(_MOE, num_hidden_layers=3, head_dim=8,
+               linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+               linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+               layer_types=["linear_attention", "linear_attention", "full_attention"],
+               moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+        Family("jamba", "hybrid", dict(_MOE, num_hidden_layers=3, attn_layer_period=3,
+               attn_layer_offset=2, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+               num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+               mamba_dt_rank=4, use_mamba_kernels=False), tiles=False),
         Family("bamba", "hybrid", dict(_DECODER, attn_layer_indices=[1], mamba_n_heads=8,
                mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8, mamba_chunk_size=4,
                mamba_expand=2)),
@@ -188,20 +194,20 @@ def lora_all_linear(model: nn.Module, name: str) -> nn.Module:
     return get_peft_model(model, cfg)
 
 
-def batches(name: str, n: int, seed: int = 1) -> list[dict]:
-    """``n`` batches of the family's inputs with a right-padded row (its tail masked and not
-    trained), and the model's default ``use_cache``."""
+def batches(name: str, n: int, seed: int = 1, seq: int = SEQ) -> list[dict]:
+    """``n`` batches of ``seq`` tokens of the family's inputs with a right-padded row (its
+    tail masked and not trained), and the model's default ``use_cache``."""
     family = FAMILIES[name]
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        ids = torch.randint(3, IMAGE_TOKEN, (BATCH, SEQ), generator=g)
+        ids = torch.randint(3, IMAGE_TOKEN, (BATCH, seq), generator=g)
         mask = torch.ones_like(ids)
         mask[1, -3:] = 0
         ids[1, -3:] = 0
         b = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
         if family.kind == "seq2seq":
-            labels = torch.randint(3, IMAGE_TOKEN, (BATCH, SEQ // 2), generator=g)
+            labels = torch.randint(3, IMAGE_TOKEN, (BATCH, seq // 2), generator=g)
             labels[1, -2:] = -100
             b["labels"] = labels
         if family.kind == "vlm":
