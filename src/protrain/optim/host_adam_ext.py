@@ -83,6 +83,11 @@ def kernel() -> ModuleType | None:
     return _loaded[cap]
 
 
+def compiler() -> str | None:
+    """The C++ compiler torch's build runs (``$CXX``, else ``c++``), where it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def cache_root() -> Path:
     """Where builds are kept ([Note: the kernel's build cache])."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
@@ -114,24 +119,15 @@ def _build(cap: str) -> ModuleType | None:
     if cap not in _ISA_FLAGS:  # another architecture's vectors: no build matches torch
         _report(cap, f"torch's CPU capability {cap!r} has no matching build")
         return None
+    if compiler() is None:
+        _report(cap, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+        return None
     name = build_name(cap)
     directory = cache_root() / name
     try:
-        from torch.utils import cpp_extension  # compiler tooling: only where a kernel is asked for
-
         directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / f"{name}.so").exists():
-            log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
         with _exclusive(directory), _ninja_on_path():
-            cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=[*build_flags(cap), f"-DPROTRAIN_OPS={name}"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,  # the library registers torch.ops.<name>
-                verbose=False,
-            )
+            _load(name, cap, directory)
         ops = getattr(torch.ops, name)
         built_for = ops.capability()
     except Exception as e:  # no compiler, no ninja, a compile error: torch's path runs
@@ -142,6 +138,24 @@ def _build(cap: str) -> ModuleType | None:
         return None
     _report(cap, None)
     return ops
+
+
+def _load(name: str, cap: str, directory: Path) -> None:
+    """Build (where not built yet) and load the library, whose operators register as
+    ``torch.ops.<name>``."""
+    from torch.utils import cpp_extension  # compiler tooling: only where a kernel is asked for
+
+    if not (directory / f"{name}.so").exists():
+        log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
+    cpp_extension.load(
+        name=name,
+        sources=[str(_SOURCE)],
+        extra_cflags=[*build_flags(cap), f"-DPROTRAIN_OPS={name}"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 @contextlib.contextmanager
@@ -167,6 +181,9 @@ def _ninja_on_path() -> Iterator[None]:
         import ninja  # the PyPI package: only where no ninja is on PATH
     except ImportError:
         yield  # torch's load says ninja is missing
+        return
+    if not ninja.BIN_DIR:  # the package without its program
+        yield
         return
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

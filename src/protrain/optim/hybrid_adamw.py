@@ -373,7 +373,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
-                grad = s.grad_staging.float() if s.grad_low else s.grad_acc
+                grad = s.landed_grad()
                 grad = grad if inv_scale is None else grad * inv_scale.cpu()
                 if grad.numel() == 0:  # a shard of no elements (the max of nothing fails)
                     norms.append(torch.zeros((), device=device))
