@@ -38,6 +38,7 @@ def test_a_dead_builders_baton_does_not_block(one_pass_kernel):
     that was killed is removed under the flock, so the next process loads."""
     cap = host_adam_ext.capability()
     directory = host_adam_ext.cache_root() / host_adam_ext.build_name(cap)
+    (directory / "built").unlink(missing_ok=True)  # through torch's load, as a first build
     (directory / "lock").touch()
     result = []
     loader = threading.Thread(target=lambda: result.append(host_adam_ext._build(cap)), daemon=True)
@@ -46,6 +47,7 @@ def test_a_dead_builders_baton_does_not_block(one_pass_kernel):
     assert not loader.is_alive(), "the build waited on a dead builder's lock"
     assert result == [one_pass_kernel]
     assert not (directory / "lock").exists()
+    assert (directory / "built").exists()  # later processes load it directly
 
 
 def test_ninja_from_the_package_when_none_is_on_path(monkeypatch, tmp_path):

@@ -76,7 +76,7 @@ class ParamSlot:
     has_grad: bool = False  # a gradient was accumulated since the last zero_grad
     grad_norm: torch.Tensor | None = None  # norm of grad_acc after the latest accumulation
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
-    grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
+    grad_event: object = None  # device-to-host copy of the first gradient done (landed_grad)
     update_piece: int = 0  # which piece of its chunk's host update writes this master
     # The gradient since zero_grad is one backward's, in grad_staging as it landed (low
     # precision), not in grad_acc: the host's one-pass AdamW reads it there (see [Note:
