@@ -20,12 +20,16 @@
 // clipping are one multiply each, before the update, as GradScaler's unscale_ then
 // clip_grad_norm_ do: a lone multiply rounds the same in a lane or a scalar.
 
+// Only the headers the kernel uses, and torch's operator registry (torch/library.h) rather
+// than torch/extension.h's pybind11 and all of ATen's operators: the first build of a CPU
+// capability takes about 10 s of one core instead of 35 (host_adam_ext.py).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -197,10 +201,9 @@ void check_segment(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v
 
 // One AdamW step (one parameter group's hyperparameters) over every segment; steps[i] is
 // segment i's step count after this step's increment. out[i] of no elements: no copy.
-void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
-                std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> grads,
-                std::vector<at::Tensor> outs, std::vector<double> steps, double lr, double beta1,
-                double beta2, double weight_decay, double eps, std::optional<double> inv_scale,
+void adamw_step(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList grads, at::TensorList outs, at::ArrayRef<double> steps, double lr,
+                double beta1, double beta2, double weight_decay, double eps, std::optional<double> inv_scale,
                 std::optional<double> clip_coef) {
   const size_t k = params.size();
   TORCH_CHECK(exp_avgs.size() == k && exp_avg_sqs.size() == k && grads.size() == k &&
@@ -235,6 +238,8 @@ void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs
   });
 }
 
+int64_t vec_size() { return Vec::size(); }
+
 std::string capability() {
 #if defined(CPU_CAPABILITY_AVX512)
   return "AVX512";
@@ -245,9 +250,17 @@ std::string capability() {
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "one AdamW pass: gradient in, master and moments in place, "
-        "the master's copy out");
-  m.def("vec_size", [] { return int64_t(Vec::size()); }, "fp32 lanes of this build's vectors");
-  m.def("capability", &capability, "the CPU capability this build was compiled for");
+// The operators torch.ops.<PROTRAIN_OPS>.*, PROTRAIN_OPS being the build's own name (one
+// namespace a build, so that two builds never register the same operator).
+#define PROTRAIN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands PROTRAIN_OPS first
+
+PROTRAIN_LIBRARY(PROTRAIN_OPS, m) {
+  // One AdamW pass: gradient in, master and moments in place, the master's copy out.
+  m.def(
+      "adamw_step(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor[] grads, Tensor(d!)[] outs, float[] steps, float lr, float beta1, float beta2, "
+      "float weight_decay, float eps, float? inv_scale, float? clip_coef) -> ()",
+      &adamw_step);
+  m.def("vec_size() -> int", &vec_size);      // fp32 lanes of this build's vectors
+  m.def("capability() -> str", &capability);  // the CPU capability this build is for
 }
