@@ -15,6 +15,7 @@ the log says once which path runs and why.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -28,6 +29,9 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "PROTRAIN_HOST_ADAM"  # "torch": always the fallback (tests, a suspect build)
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.cpp"
+# Headers the source includes: torch's build cache hashes only the sources and the flags, so
+# the headers' hash goes into the flags, and a changed header rebuilds.
+_HEADERS = [Path(__file__).with_name("csrc") / "state_codes.h"]
 # ATen's flags for each capability's kernels (cmake/Codegen.cmake); DEFAULT: none.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -76,6 +80,7 @@ def _build(cap: str) -> ModuleType | None:
                 *_ISA_FLAGS[cap],
                 f"-DCPU_CAPABILITY={cap}",
                 f"-DCPU_CAPABILITY_{cap}",
+                f"-DPROTRAIN_HEADERS_SHA={_headers_sha()}",
             ],  # fmt: skip
             extra_ldflags=["-fopenmp"],
             verbose=False,
@@ -88,6 +93,11 @@ def _build(cap: str) -> ModuleType | None:
         return None
     _report(cap, None)
     return module
+
+
+def _headers_sha() -> str:
+    digest = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS))
+    return digest.hexdigest()[:16]
 
 
 def _build_name(cap: str) -> str:
