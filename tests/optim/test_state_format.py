@@ -41,7 +41,10 @@ def _reference_step(fmt, p, st, g, step, seed, wd, inv_scale, clip):
     fused_adamw([p], [grad], [m], [v], [count], group)
     if fmt == "bf16":
         bits = sf.element_bits(sf.step_key(step, seed), p.numel()).view(p.shape)
-        return {"exp_avg": sf.round_stochastic(m, bits), "exp_avg_sq": sf.round_stochastic(v, bits >> 16)}
+        return {
+            "exp_avg": sf.round_stochastic(m, bits),
+            "exp_avg_sq": sf.round_stochastic(v, bits >> 16),
+        }
     return sf.encode_state(fmt, step, m.reshape(-1), v.reshape(-1))
 
 

@@ -188,3 +188,19 @@ def test_fsdp_config_in_axolotls_forms(tmp_path):
     )
     message = error(fsdp_version=2, fsdp_config={"state_dict_type": "LOCAL_STATE_DICT"})
     assert message.count("LOCAL_STATE_DICT") == 1
+
+
+def test_optimizer_state_needs_the_chunked_engine_without_device_step(tmp_path):
+    assert validate_config(tiny_config(tmp_path)).optimizer_state == "fp32"
+    ok = validate_config(tiny_config(tmp_path, optimizer_state="8bit", memory={"n_persist": 0}))
+    assert ok.optimizer_state == "8bit"
+    with pytest.raises(ConfigError, match="optimizer_state = 'bf16' needs the chunked engine"):
+        validate_config(tiny_config(tmp_path, optimizer_state="bf16"))
+    with pytest.raises(ConfigError, match="needs memory.n_device_step = 0"):
+        validate_config(
+            tiny_config(
+                tmp_path, optimizer_state="bf16", memory={"n_persist": 0, "n_device_step": 1}
+            )
+        )
+    with pytest.raises(ConfigError, match="optimizer_state"):
+        validate_config(tiny_config(tmp_path, optimizer_state="fp8"))
