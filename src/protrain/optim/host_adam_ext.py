@@ -5,21 +5,41 @@ builds its CPU Adam) for the CPU capability torch dispatches its own kernels to 
 (``torch.backends.cpu.get_cpu_capability()``, which ``ATEN_CPU_CAPABILITY`` lowers), with the
 defines and instruction-set flags ATen compiles that capability's kernels with, so that its
 ``Vectorized<float>`` arithmetic is the same instructions as torch's fused AdamW (see [Note:
-same bits as torch's fused AdamW] in the source). Each capability is a build of its own,
-cached under torch's extension directory and reused by later processes.
+same bits as torch's fused AdamW] in the source). It registers its operators with torch's
+dispatcher (``torch.ops.<build name>``), not as a pybind11 module: see [Note: the kernel's
+build cache].
 
 Where no compiler is present, the build fails, or ``PROTRAIN_HOST_ADAM=torch`` is set, the
 engine runs torch's fused AdamW as before (``optim/flat_adamw.py``) and casts on the device;
 the log says once which path runs and why.
+
+[Note: the kernel's build cache]
+A build lives in ``$TORCH_EXTENSIONS_DIR/<name>`` where that is set, else in
+``$XDG_CACHE_HOME/protrain/<name>`` (``~/.cache/protrain/<name>``). The name carries the
+capability and a hash of everything the binary depends on (the source, the flags, torch's
+version and install path, the Python ABI), so a directory's library never changes once
+built: a process that has it mapped is never rebuilt under, two checkouts or venvs never
+rebuild each other's, and an edited source is a new build. Ranks that start at once build it
+once: each takes an exclusive ``flock`` on the directory's ``build.lock`` around torch's
+``load``, which waits while another builds, then finds the build done (ninja's no-op). The
+kernel drops a ``flock`` when its holder dies, so a rank killed mid-build never blocks the
+next run; torch's own baton (a ``lock`` file, created and removed by the builder) would, so
+one found while holding the ``flock`` is a dead builder's and is removed. The first build
+takes about 10 s of one core per capability (most of it parsing ``torch/library.h``), later
+processes load it in well under a second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
-import re
+import shutil
+import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -29,8 +49,7 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "PROTRAIN_HOST_ADAM"  # "torch": always the fallback (tests, a suspect build)
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.cpp"
-# Headers the source includes: torch's build cache hashes only the sources and the flags, so
-# the headers' hash goes into the flags, and a changed header rebuilds.
+# The project's headers the source includes: part of the build's hash, as the source is.
 _HEADERS = [Path(__file__).with_name("csrc") / "state_codes.h"]
 # ATen's flags for each capability's kernels (cmake/Codegen.cmake); DEFAULT: none.
 _ISA_FLAGS = {
@@ -39,11 +58,11 @@ _ISA_FLAGS = {
     "DEFAULT": [],
 }
 # No contraction of a multiply and an add into one fma unless the source says fmadd: the
-# operations round as written, as torch's kernels do.
+# operations round as written, as torch's kernels do. -O3 and -O2 build equally fast.
 _COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}  # capability -> module (None: unavailable)
+_loaded: dict[str, ModuleType | None] = {}  # capability -> operators (None: unavailable)
 _reported: set[str] = set()
 
 
@@ -53,8 +72,9 @@ def capability() -> str:
 
 
 def kernel() -> ModuleType | None:
-    """The one-pass kernel for torch's current CPU capability, built on first use; None
-    where it is forced off, cannot be built, or the capability has no matching build."""
+    """The one-pass kernel's operators (``adamw_step``, ``vec_size``, ``capability``) for
+    torch's current CPU capability, built on first use; None where it is forced off, cannot
+    be built, or the capability has no matching build."""
     if os.environ.get(ENV_VAR, "").lower() == "torch":
         _report("torch", f"{ENV_VAR}=torch")
         return None
@@ -65,45 +85,99 @@ def kernel() -> ModuleType | None:
     return _loaded[cap]
 
 
+def cache_root() -> Path:
+    """Where builds are kept ([Note: the kernel's build cache])."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "protrain"
+
+
+def build_flags(cap: str) -> list[str]:
+    """The compiler flags of ``cap``'s build (without the operators' namespace)."""
+    return [*_COMMON_FLAGS, *_ISA_FLAGS[cap], f"-DCPU_CAPABILITY={cap}", f"-DCPU_CAPABILITY_{cap}"]
+
+
+def build_name(cap: str) -> str:
+    """The build's name (also its operators' namespace): the capability and a hash of what
+    the binary depends on."""
+    h = hashlib.sha256(_SOURCE.read_bytes())
+    for header in _HEADERS:
+        h.update(b"\0" + header.read_bytes())
+    for part in (
+        *build_flags(cap),
+        torch.__version__,
+        torch.__file__,
+        sys.implementation.cache_tag,
+    ):
+        h.update(b"\0" + part.encode())
+    return f"protrain_host_adam_{cap.lower()}_{h.hexdigest()[:16]}"
+
+
 def _build(cap: str) -> ModuleType | None:
     if cap not in _ISA_FLAGS:  # another architecture's vectors: no build matches torch
         _report(cap, f"torch's CPU capability {cap!r} has no matching build")
         return None
+    name = build_name(cap)
+    directory = cache_root() / name
     try:
-        from torch.utils import cpp_extension  # compiler tooling: only on first build
+        from torch.utils import cpp_extension  # compiler tooling: only where a kernel is asked for
 
-        module = cpp_extension.load(
-            name=_build_name(cap),
-            sources=[str(_SOURCE)],
-            extra_cflags=[
-                *_COMMON_FLAGS,
-                *_ISA_FLAGS[cap],
-                f"-DCPU_CAPABILITY={cap}",
-                f"-DCPU_CAPABILITY_{cap}",
-                f"-DPROTRAIN_HEADERS_SHA={_headers_sha()}",
-            ],  # fmt: skip
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        directory.mkdir(parents=True, exist_ok=True)
+        if not (directory / f"{name}.so").exists():
+            log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
+        with _exclusive(directory), _ninja_on_path():
+            cpp_extension.load(
+                name=name,
+                sources=[str(_SOURCE)],
+                extra_cflags=[*build_flags(cap), f"-DPROTRAIN_OPS={name}"],
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(directory),
+                is_python_module=False,  # the library registers torch.ops.<name>
+                verbose=False,
+            )
+        ops = getattr(torch.ops, name)
+        built_for = ops.capability()
     except Exception as e:  # no compiler, no ninja, a compile error: torch's path runs
-        _report(cap, f"the build failed: {type(e).__name__}: {_first_line(e)}")
+        _report(cap, f"the build in {directory} failed: {type(e).__name__}: {_first_line(e)}")
         return None
-    if module.capability() != cap:
-        _report(cap, f"the build is for {module.capability()}, torch runs {cap}")
+    if built_for != cap:
+        _report(cap, f"the build is for {built_for}, torch runs {cap}")
         return None
     _report(cap, None)
-    return module
+    return ops
 
 
-def _headers_sha() -> str:
-    digest = hashlib.sha256(b"".join(h.read_bytes() for h in _HEADERS))
-    return digest.hexdigest()[:16]
+@contextlib.contextmanager
+def _exclusive(directory: Path) -> Iterator[None]:
+    """One process at a time builds in ``directory``; a dead builder's baton is removed."""
+    with open(directory / "build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        try:
+            (directory / "lock").unlink(missing_ok=True)  # torch's baton: no live builder
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _build_name(cap: str) -> str:
-    """One build per capability and torch version (an extension is tied to torch's ABI)."""
-    version = re.sub(r"[^0-9A-Za-z]+", "_", torch.__version__)
-    return f"protrain_host_adam_{cap.lower()}_{version}"
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs ``ninja`` from PATH; a venv's ``ninja`` package (a dependency) puts it in
+    the venv's bin, which is on PATH only in an activated venv: add it for the build."""
+    if shutil.which("ninja") is not None:
+        yield
+        return
+    try:
+        import ninja  # the PyPI package: only where no ninja is on PATH
+    except ImportError:
+        yield  # torch's load says ninja is missing
+        return
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
 
 
 def _first_line(e: Exception) -> str:

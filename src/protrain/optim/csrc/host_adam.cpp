@@ -21,12 +21,16 @@
 // clipping are one multiply each, before the update, as GradScaler's unscale_ then
 // clip_grad_norm_ do: a lone multiply rounds the same in a lane or a scalar.
 
+// Only the headers the kernel uses, and torch's operator registry (torch/library.h) rather
+// than torch/extension.h's pybind11 and all of ATen's operators: the first build of a CPU
+// capability takes about 10 s of one core instead of 35 (host_adam_ext.py).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -326,10 +330,9 @@ void check_compact(StateFormat f, const at::Tensor& p, const at::Tensor& m, cons
 
 // One AdamW step (one parameter group's hyperparameters) over every segment; steps[i] is
 // segment i's step count after this step's increment. out[i] of no elements: no copy.
-void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
-                std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> grads,
-                std::vector<at::Tensor> outs, std::vector<double> steps, double lr, double beta1,
-                double beta2, double weight_decay, double eps, std::optional<double> inv_scale,
+void adamw_step(at::TensorList params, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                at::TensorList grads, at::TensorList outs, at::ArrayRef<double> steps, double lr,
+                double beta1, double beta2, double weight_decay, double eps, std::optional<double> inv_scale,
                 std::optional<double> clip_coef) {
   const size_t k = params.size();
   TORCH_CHECK(exp_avgs.size() == k && exp_avg_sqs.size() == k && grads.size() == k &&
@@ -359,12 +362,11 @@ void adamw_step(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs
 // adamw_step with compact moments ([Note: compact moments]): format 1 (bf16: exp_avgs and
 // exp_avg_sqs bf16, absmaxes unused) or 2 (8bit: uint8 codes and one fp32 absmax per block
 // of each); seeds[i]: segment i's parameter's seed of the stochastic rounding.
-void adamw_step_compact(std::vector<at::Tensor> params, std::vector<at::Tensor> exp_avgs,
-                        std::vector<at::Tensor> exp_avg_sqs, std::vector<at::Tensor> absmax_avgs,
-                        std::vector<at::Tensor> absmax_sqs, std::vector<at::Tensor> grads,
-                        std::vector<at::Tensor> outs, std::vector<double> steps,
-                        std::vector<int64_t> seeds, int64_t format, double lr, double beta1,
-                        double beta2, double weight_decay, double eps,
+void adamw_step_compact(at::TensorList params, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList absmax_avgs,
+                        at::TensorList absmax_sqs, at::TensorList grads, at::TensorList outs,
+                        at::ArrayRef<double> steps, at::ArrayRef<int64_t> seeds, int64_t format,
+                        double lr, double beta1, double beta2, double weight_decay, double eps,
                         std::optional<double> inv_scale, std::optional<double> clip_coef) {
   TORCH_CHECK(format == 1 || format == 2, "host_adam: compact format ", format,
               " is neither 1 (bf16) nor 2 (8bit)");
@@ -402,12 +404,7 @@ void adamw_step_compact(std::vector<at::Tensor> params, std::vector<at::Tensor> 
   });
 }
 
-// The magnitudes of the 8-bit codes (signed: exp_avg's 128; else exp_avg_sq's 256), for the
-// tests' comparison with optim/state_format.py.
-at::Tensor code_values(bool is_signed) {
-  const auto& c = is_signed ? state_codes::signed_code() : state_codes::unsigned_code();
-  return at::from_blob(const_cast<float*>(c.value), {c.n}, at::kFloat).clone();
-}
+int64_t vec_size() { return Vec::size(); }
 
 std::string capability() {
 #if defined(CPU_CAPABILITY_AVX512)
@@ -419,11 +416,25 @@ std::string capability() {
 #endif
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("adamw_step", &adamw_step, "one AdamW pass: gradient in, master and moments in place, "
-        "the master's copy out");
-  m.def("adamw_step_compact", &adamw_step_compact, "adamw_step with bf16 or 8-bit moments");
-  m.def("code_values", &code_values, "the 8-bit codes' magnitudes");
-  m.def("vec_size", [] { return int64_t(Vec::size()); }, "fp32 lanes of this build's vectors");
-  m.def("capability", &capability, "the CPU capability this build was compiled for");
+// The operators torch.ops.<PROTRAIN_OPS>.*, PROTRAIN_OPS being the build's own name (one
+// namespace a build, so that two builds never register the same operator).
+#define PROTRAIN_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)  // expands PROTRAIN_OPS first
+
+PROTRAIN_LIBRARY(PROTRAIN_OPS, m) {
+  // One AdamW pass: gradient in, master and moments in place, the master's copy out.
+  m.def(
+      "adamw_step(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "Tensor[] grads, Tensor(d!)[] outs, float[] steps, float lr, float beta1, float beta2, "
+      "float weight_decay, float eps, float? inv_scale, float? clip_coef) -> ()",
+      &adamw_step);
+  // adamw_step with bf16 or 8-bit moments ([Note: compact moments]).
+  m.def(
+      "adamw_step_compact(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] absmax_avgs, Tensor(e!)[] absmax_sqs, "
+      "Tensor[] grads, Tensor(f!)[] outs, float[] steps, int[] seeds, int format, float lr, "
+      "float beta1, float beta2, float weight_decay, float eps, float? inv_scale, "
+      "float? clip_coef) -> ()",
+      &adamw_step_compact);
+  m.def("vec_size() -> int", &vec_size);      // fp32 lanes of this build's vectors
+  m.def("capability() -> str", &capability);  // the CPU capability this build is for
 }
