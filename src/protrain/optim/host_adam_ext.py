@@ -59,7 +59,9 @@ _ISA_FLAGS = {
 }
 # No contraction of a multiply and an add into one fma unless the source says fmadd: the
 # operations round as written, as torch's kernels do. -O3 and -O2 build equally fast.
-_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# -fno-trapping-math (no trap is ever enabled; no value changes) lets the compact moments'
+# loops compute both sides of a select, so that they vectorize (csrc/state_codes.h).
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}  # capability -> operators (None: unavailable)

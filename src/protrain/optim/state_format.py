@@ -175,7 +175,7 @@ def quantize_blockwise(x: torch.Tensor, signed: bool) -> tuple[torch.Tensor, tor
     blocks = blocks.view(-1, QBLOCK)
     absmax = blocks.abs().amax(dim=1)
     a = absmax[:, None]
-    r = torch.where(a > 0, blocks.abs() / torch.where(a > 0, a, 1.0), 0.0)
+    r = blocks.abs() / torch.where(a > 0, a, 1.0)  # a block of zeros: every r is 0
     code = code_values(signed)
     mids = (code[:-1] + code[1:]) / 2
     idx = torch.bucketize(r, mids, right=True)

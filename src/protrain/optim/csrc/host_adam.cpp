@@ -259,10 +259,8 @@ void decode(const Compact& q, StateFormat f, int64_t lo, int64_t n, float* m, fl
   if (f == StateFormat::kBf16) {
     const auto* mq = static_cast<const uint16_t*>(q.m) + lo;
     const auto* vq = static_cast<const uint16_t*>(q.v) + lo;
-    for (int64_t i = 0; i < n; i++) {
-      m[i] = bf16_to_float(mq[i]);
-      v[i] = bf16_to_float(vq[i]);
-    }
+    for (int64_t i = 0; i < n; i++) m[i] = bf16_to_float(mq[i]);
+    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(vq[i]);
     return;
   }
   for (int64_t j = 0; j < n; j += kQBlock) {
@@ -278,8 +276,9 @@ void encode(const Compact& q, StateFormat f, int64_t lo, int64_t n, const float*
   if (f == StateFormat::kBf16) {
     auto* mq = static_cast<uint16_t*>(q.m) + lo;
     auto* vq = static_cast<uint16_t*>(q.v) + lo;
+    const uint32_t base = uint32_t(lo);
     for (int64_t i = 0; i < n; i++) {
-      const uint32_t r = element_bits(q.key, uint32_t(lo + i));
+      const uint32_t r = element_bits(q.key, base + uint32_t(i));
       mq[i] = round_stochastic(m[i], r);
       vq[i] = round_stochastic(v[i], r >> 16);
     }
