@@ -317,9 +317,10 @@ class FlatAdamW:
         for k in sorted(want - {"step"}):
             dst, src = run.view(k, i), state[k]
             if src.numel() != dst.numel():
+                whose = "its master has" if k in MOMENTS else "its blocks are"
                 raise ValueError(
                     f"protrain: AdamW state {k!r} of {s.name} has {src.numel()} elements; "
-                    f"this optimizer keeps {dst.numel()}"
+                    f"{whose} {dst.numel()}"
                 )
             dst.copy_(src.reshape(dst.shape))
         self._step[id(s)] = float(state["step"])
