@@ -50,11 +50,14 @@ def _offloaded_slots(model) -> list:
 
 
 def _poison(model) -> None:
-    """Accumulators hold nan and no norm: a read of a gradient that has not landed shows.
-    (Helpers take the model, not its slots: pytest's report of a failure would print a
-    slot's parameter, whose released chunk has no storage.)"""
+    """Accumulators and landing places hold nan and no norm: a read of a gradient that has
+    not landed shows, wherever it lands (the one-pass host AdamW's first gradients land in
+    grad_staging). (Helpers take the model, not its slots: pytest's report of a failure
+    would print a slot's parameter, whose released chunk has no storage.)"""
     for s in _offloaded_slots(model):
-        s.grad_acc.fill_(math.nan)
+        for t in (s.grad_acc, s.grad_staging):
+            if t is not None:
+                t.fill_(math.nan)
         s.grad_norm = None
 
 
@@ -98,8 +101,9 @@ def _check_landed(model) -> None:
     for s in _offloaded_slots(model):
         if s.has_grad:
             assert s.grad_norm is not None, s.name
-            assert torch.isfinite(s.grad_acc).all(), s.name
-            assert s.grad_norm == torch.linalg.vector_norm(s.grad_acc), s.name
+            grad = s.landed_grad()
+            assert torch.isfinite(grad).all(), s.name
+            assert s.grad_norm == torch.linalg.vector_norm(grad), s.name
 
 
 @pytest.mark.parametrize("armed", [False, True])

@@ -53,10 +53,13 @@ class ParamSlot:
     ``host_view``: the same bytes in the host copy (offloaded chunks only).
     ``master``: fp32 master weight (trainable only; on the device for persistent chunks, in
     pinned host memory for offloaded ones); ``grad_acc`` the fp32 gradient accumulated across
-    micro-batches, next to it (on the device only from the first gradient to ``zero_grad``). ``grad_staging``: pinned host landing place of a low-precision
-    gradient of a later micro-batch, added into ``grad_acc`` on the host (offloaded trainable
-    only, made at the run's first accumulation by ``ChunkManager.ensure_grad_staging``; the
-    first micro-batch's gradient lands in ``grad_acc`` directly, as fp32).
+    micro-batches, next to it (on the device only from the first gradient to ``zero_grad``).
+    ``grad_staging``: pinned host landing place of a low-precision gradient of a later
+    micro-batch, added into ``grad_acc`` on the host (offloaded trainable only, made at the
+    run's first accumulation, or with the one-pass host AdamW at the start, by
+    ``ChunkManager.ensure_grad_staging``). The first micro-batch's gradient lands in
+    ``grad_acc`` directly, as fp32, or for the one pass in ``grad_staging`` as it is
+    (``grad_low``); ``landed_grad()`` reads it wherever it is.
     """
 
     param: torch.nn.Parameter
@@ -73,7 +76,7 @@ class ParamSlot:
     has_grad: bool = False  # a gradient was accumulated since the last zero_grad
     grad_norm: torch.Tensor | None = None  # norm of grad_acc after the latest accumulation
     accumulate_future: Future | None = None  # host accumulation of the latest gradient
-    grad_event: object = None  # device-to-host copy of the first gradient into grad_acc done
+    grad_event: object = None  # device-to-host copy of the first gradient done (landed_grad)
     update_piece: int = 0  # which piece of its chunk's host update writes this master
     # The gradient since zero_grad is one backward's, in grad_staging as it landed (low
     # precision), not in grad_acc: the host's one-pass AdamW reads it there (see [Note:
@@ -91,6 +94,13 @@ class ParamSlot:
     @property
     def name(self) -> str:
         return self.placement.names[0]
+
+    def landed_grad(self) -> torch.Tensor:
+        """An offloaded slot's gradient since ``zero_grad`` in fp32, where it landed: the
+        low-precision one in ``grad_staging`` (a copy, exact) or ``grad_acc``; without any
+        multiplier a one-pass step applied as it read it (``grad_pending_mul``). Only once
+        it has landed (``grad_event``)."""
+        return self.grad_staging.float() if self.grad_low else self.grad_acc
 
 
 class UpdateProgress:

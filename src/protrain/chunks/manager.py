@@ -32,20 +32,38 @@ exposed: on a 769 MiB chunk of full-3b, about 5 ms instead of the 28 ms of the c
 masters.
 
 [Note: write-back on the device]
-The host optimizer updates fp32 masters only. The first gather after a step copies the
-masters (fp32, in pieces of ``_PIECE_NUMEL``) to the device and casts them into the chunk
-there; the device-to-host stream then copies the cast parameters back into the host copy
-(the trainable byte runs only: frozen bytes never change), which later gathers of the same
-step read. The cast is the same rounding the host would do, so the
-bytes are the same; the host spends no time on it, and the write-back uses the otherwise idle
-device-to-host direction during forward. The price is link bytes: 4 bytes a trainable
-parameter in and 2 back, where a bf16 host copy cast by the host would need 2 in. A cast as a
-pass of its own costs the host about 45% of its AdamW per parameter (torch, one thread:
-0.5 ns against 1.1), which the host optimizer, the step's other bound, cannot spare; cast
-in the AdamW's own pass (a kernel that also writes the bf16 weights) it cost nothing
-measurable (1.14 ns against 1.14). A device-stepped chunk (``optim/device_step.py``)
-is cast on the device by its step instead, which copies the bf16 bytes into the host copy:
-its next gather reads them (after ``note_host_write``'s event), and writes nothing back.
+The host optimizer's update reaches the device's bf16 (or fp16) chunk in one of two ways.
+With the one-pass kernel (``optim/host_one_pass.py``) the update itself writes the rounded
+weights into the host copy as it steps (``Chunk.host_updating``), and the next gather copies
+the host copy as it is, 2 bytes a parameter, piece by piece as the update writes it ([Note:
+gathering an updating chunk]); nothing is cast or written back. With torch's fused AdamW
+(the fallback), the update writes fp32 masters only (``Chunk.host_stale``): the first gather
+after a step copies the masters (fp32, in pieces of ``_PIECE_NUMEL``) to the device and
+casts them into the chunk there, and the device-to-host stream copies the cast parameters
+back into the host copy (the trainable byte runs only: frozen bytes never change), which
+later gathers of the same step read. Either way the bytes are those of ``.to()``
+(round to nearest even). Casting on the device costs link bytes (4 a trainable parameter
+in and 2 back) but no host time; a cast as a host pass of its own would cost about 45% of
+torch's AdamW per parameter (one thread: 0.5 ns against 1.1), while inside the one pass it
+costs nothing measurable (1.14 ns against 1.14). A device-stepped chunk
+(``optim/device_step.py``) is cast on the device by its step instead, which copies the bf16
+bytes into the host copy: its next gather reads them (after ``note_host_write``'s event),
+and writes nothing back.
+
+[Note: the one pass writes the host copy in backward]
+An update started from inside a backward (``HybridAdamW.step_in_backward``) marks its
+chunk's host copy neither stale nor updating until ``step()``, so a gather later in that
+backward (recomputation, a LoRA chunk's frozen weights, a tied embedding) copies the host
+copy as it is. torch's path leaves the host copy alone until then; the one pass writes it
+while that gather may read it, but only the bytes of parameters whose gradients are
+complete (a piece starts once every gradient of it has landed), and nothing later in the
+same backward reads those: autograd accumulates a parameter's gradient once, after every
+node that uses it (tied weights included), recomputation re-runs the forward of a segment
+before that segment's gradients, and frozen bytes are never written. (Reentrant
+checkpointing, which hands over a parameter's gradient once per segment, is refused at
+the second gradient: [Note: chunks complete in backward] in runtime/grad_offload.py.) What
+such a gather reads of those parameters may be half written and is never used: ``step()``
+releases every offloaded chunk, and the next gather waits for the update's pieces.
 
 [Note: prefetch by recorded use]
 The first step records, per phase, the offloaded chunks in the order they are first used
@@ -441,8 +459,9 @@ class ChunkManager:
         """Start the copy-in of ``c`` if it is not on the device. False if there is no room."""
         if c.state in (ChunkState.RESIDENT, ChunkState.IN_FLIGHT):
             return True
-        # An update started in backward (step_in_backward) leaves the host copy as it was
-        # until step() marks it stale: gathers before then read the old weights, as they must.
+        # An update started in backward (step_in_backward) is not waited for until step()
+        # marks the chunk: gathers before then read the weights this backward still uses
+        # ([Note: the one pass writes the host copy in backward]).
         updating = c.update_future is not None and (c.host_stale or c.host_updating)
         if c.shard is not None:  # collectives never depend on timing: [Note: sharded chunks]
             blocking_update = True

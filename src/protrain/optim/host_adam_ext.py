@@ -17,16 +17,18 @@ the log says once which path runs and why.
 A build lives in ``$TORCH_EXTENSIONS_DIR/<name>`` where that is set, else in
 ``$XDG_CACHE_HOME/protrain/<name>`` (``~/.cache/protrain/<name>``). The name carries the
 capability and a hash of everything the binary depends on (the source, the flags, torch's
-version and install path, the Python ABI), so a directory's library never changes once
+version and install path, the Python ABI), and it compiles its own copy of the source, so
+ninja's command is the same from any checkout and a directory's library never changes once
 built: a process that has it mapped is never rebuilt under, two checkouts or venvs never
 rebuild each other's, and an edited source is a new build. Ranks that start at once build it
 once: each takes an exclusive ``flock`` on the directory's ``build.lock`` around torch's
 ``load``, which waits while another builds, then finds the build done (ninja's no-op). The
-kernel drops a ``flock`` when its holder dies, so a rank killed mid-build never blocks the
+operating system drops a ``flock`` when its holder dies, so a rank killed mid-build never blocks the
 next run; torch's own baton (a ``lock`` file, created and removed by the builder) would, so
 one found while holding the ``flock`` is a dead builder's and is removed. The first build
-takes about 10 s of one core per capability (most of it parsing ``torch/library.h``), later
-processes load it in well under a second.
+takes about 10 s of one core per capability (most of it parsing ``torch/library.h``); once
+it has loaded, a ``built`` stamp lets later processes load the library directly, in a few
+milliseconds.
 """
 
 from __future__ import annotations
@@ -87,6 +89,11 @@ def kernel() -> ModuleType | None:
     return _loaded[cap]
 
 
+def compiler() -> str | None:
+    """The C++ compiler torch's build runs (``$CXX``, else ``c++``), where it is on PATH."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def cache_root() -> Path:
     """Where builds are kept ([Note: the kernel's build cache])."""
     if os.environ.get("TORCH_EXTENSIONS_DIR"):
@@ -120,24 +127,15 @@ def _build(cap: str) -> ModuleType | None:
     if cap not in _ISA_FLAGS:  # another architecture's vectors: no build matches torch
         _report(cap, f"torch's CPU capability {cap!r} has no matching build")
         return None
+    if compiler() is None:
+        _report(cap, f"no C++ compiler ({os.environ.get('CXX', 'c++')}) on PATH")
+        return None
     name = build_name(cap)
     directory = cache_root() / name
     try:
-        from torch.utils import cpp_extension  # compiler tooling: only where a kernel is asked for
-
         directory.mkdir(parents=True, exist_ok=True)
-        if not (directory / f"{name}.so").exists():
-            log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
         with _exclusive(directory), _ninja_on_path():
-            cpp_extension.load(
-                name=name,
-                sources=[str(_SOURCE)],
-                extra_cflags=[*build_flags(cap), f"-DPROTRAIN_OPS={name}"],
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(directory),
-                is_python_module=False,  # the library registers torch.ops.<name>
-                verbose=False,
-            )
+            _load(name, cap, directory)
         ops = getattr(torch.ops, name)
         built_for = ops.capability()
     except Exception as e:  # no compiler, no ninja, a compile error: torch's path runs
@@ -150,11 +148,37 @@ def _build(cap: str) -> ModuleType | None:
     return ops
 
 
+def _load(name: str, cap: str, directory: Path) -> None:
+    """Build (where not built yet) and load the library, whose operators register as
+    ``torch.ops.<name>``. A build that loaded once is stamped ``built``: later processes
+    load it without torch's build tooling (its import alone takes a second or two)."""
+    library, stamp = directory / f"{name}.so", directory / "built"
+    if stamp.exists():
+        torch.ops.load_library(str(library))
+        return
+    from torch.utils import cpp_extension  # compiler tooling: only where a build may run
+
+    log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
+    source = directory / _SOURCE.name  # the same path from every checkout: one command
+    if not source.exists():
+        source.write_bytes(_SOURCE.read_bytes())
+    cpp_extension.load(
+        name=name,
+        sources=[str(source)],
+        extra_cflags=[*build_flags(cap), f"-DPROTRAIN_OPS={name}"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    stamp.touch()
+
+
 @contextlib.contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """One process at a time builds in ``directory``; a dead builder's baton is removed."""
     with open(directory / "build.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # released by the kernel if this process dies
+        fcntl.flock(f, fcntl.LOCK_EX)  # released by the system if this process dies
         try:
             (directory / "lock").unlink(missing_ok=True)  # torch's baton: no live builder
             yield
@@ -173,6 +197,9 @@ def _ninja_on_path() -> Iterator[None]:
         import ninja  # the PyPI package: only where no ninja is on PATH
     except ImportError:
         yield  # torch's load says ninja is missing
+        return
+    if not ninja.BIN_DIR:  # the package without its program
+        yield
         return
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path

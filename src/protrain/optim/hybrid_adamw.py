@@ -1,14 +1,23 @@
 """Hybrid AdamW: one optimizer object over parameters that live in chunks on two devices.
 
-Inside it, PyTorch's own fused AdamW does every update: one ``torch.optim.AdamW(fused=True)``
-over the fp32 masters of all persistent chunks, on the compute device (one multi-tensor
-launch, followed by one ``_foreach_copy_`` of the masters into the chunks), and, on the
-host, torch's functional fused AdamW over each piece of an offloaded chunk's pinned fp32
-masters as flat views (:class:`~protrain.optim.flat_adamw.FlatAdamW`: one tensor per run of
-masters that lie back to back, not one per parameter; see [Note: flat runs] there). Nothing
-of Adam is written here; this class only decides when each update runs. The cast of
-updated offloaded masters into the low-precision chunk happens on the device at the chunk's
-next gather (see [Note: write-back on the device] in ``chunks/manager.py``). The last
+Nothing of Adam is written here; this class only decides when each update runs. The
+persistent chunks' fp32 masters are stepped on the compute device by one
+``torch.optim.AdamW(fused=True)`` (one multi-tensor launch, then one ``_foreach_copy_`` of
+the masters into the chunks). Each offloaded chunk is stepped on the host, in pieces, by
+one of two paths, chosen once (``optim/host_adam_ext.py``; the log says which):
+
+- the one-pass kernel (``optim/host_one_pass.py``): reads each gradient where it landed
+  (bf16/fp16, or the fp32 accumulator after several micro-batches), unscales and clips as
+  it reads, updates master and moments in place and writes the rounded weights into the
+  chunk's host copy, which the next gather copies as it is;
+- torch's functional fused AdamW (the fallback: no compiler, or ``PROTRAIN_HOST_ADAM=torch``)
+  over the pinned fp32 masters as flat views (:class:`~protrain.optim.flat_adamw.FlatAdamW`:
+  one tensor per run of masters that lie back to back; see [Note: flat runs] there), the
+  masters then cast on the device at the chunk's next gather.
+
+Both keep the same Adam state (``FlatAdamW``'s) and do torch's arithmetic (the one pass bit
+for bit but in a tensor's last ``numel % vec_size`` elements, a few ulp: see its kernel);
+[Note: write-back on the device] in ``chunks/manager.py`` says how each reaches the device. The last
 ``n_device_step`` offloaded chunks are stepped on the device instead, their gradients
 (accumulated on the host as every offloaded chunk's), masters and moments streamed in and
 out (``optim/device_step.py``): in ``step()`` after the host tasks are queued, or, armed by
@@ -62,10 +71,11 @@ that the next backward is the last of the window and that ``step()`` follows it 
 clipping or loss scaling, at the hyperparameters ``param_groups`` hold now. The gradient
 sink then watches each offloaded chunk (see [Note: chunks complete in backward] in
 ``runtime/grad_offload.py``) and the chunk's step task is queued on the host worker from
-inside the backward, right behind its gradient's device-to-host copy. The chunk's host copy
-is marked stale only by ``step()``: a gather later in the same backward (a LoRA chunk's
-frozen weights, say) still reads the weights the forward used, and does not wait for the
-update. ``step()`` then steps the persistent chunks on the device and queues the chunks that
+inside the backward, right behind its gradient's device-to-host copy. The chunk is marked
+stale (or updating) only by ``step()``: a gather later in the same backward (a LoRA chunk's
+frozen weights, say) does not wait for the update, and reads every weight the backward
+still uses as the forward did ([Note: the one pass writes the host copy in backward] in
+``chunks/manager.py``). ``step()`` then steps the persistent chunks on the device and queues the chunks that
 never completed (parameters without a gradient) as usual. Each update does the same
 arithmetic as in ``step()``; only its start moves. Calling ``clip_grad_norm_``,
 ``zero_grad``, saving or loading state, or changing a hyperparameter between the two calls is
@@ -420,7 +430,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 _refuse_if_discarded(manager, f"a gradient norm (norm_type={norm_type:g})")
                 if s.grad_event is not None:
                     s.grad_event.synchronize()
-                grad = s.grad_staging.float() if s.grad_low else s.grad_acc
+                grad = s.landed_grad()
                 grad = grad if inv_scale is None else grad * inv_scale.cpu()
                 if grad.numel() == 0:  # a shard of no elements (the max of nothing fails)
                     norms.append(torch.zeros((), device=device))
