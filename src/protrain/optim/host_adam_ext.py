@@ -160,8 +160,9 @@ def _load(name: str, cap: str, directory: Path) -> None:
 
     log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
     source = directory / _SOURCE.name  # the same path from every checkout: one command
-    if not source.exists():
-        source.write_bytes(_SOURCE.read_bytes())
+    for path in (_SOURCE, *_HEADERS):  # the headers beside it, as #include "..." finds them
+        if not (directory / path.name).exists():
+            (directory / path.name).write_bytes(path.read_bytes())
     cpp_extension.load(
         name=name,
         sources=[str(source)],
