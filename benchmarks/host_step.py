@@ -5,7 +5,8 @@ Times the update of ``--numel`` parameters (bf16 weights): today's path (the fp3
 read by torch's fused AdamW, with a pass each for unscaling and clipping when asked) and the
 one pass (the bf16 gradient read, unscale and clip inside, the bf16 copy written). Reports
 seconds, the update's own bytes a parameter (as the engine's ``host_update_bytes`` counts
-them) and the GB/s that makes. Appends one JSON row per path to ``--out``.
+them) and the GB/s that makes. ``--states bf16 8bit`` adds the one pass over compact moments
+(``optimizer_state``, ``optim/state_format.py``). Appends one JSON row per path to ``--out``.
 
     PYTHONPATH=src python benchmarks/host_step.py --numel 50000000 --clip --out rows.jsonl
 """
@@ -20,6 +21,7 @@ import time
 import torch
 
 from protrain.optim import host_adam_ext
+from protrain.optim import state_format as sf
 from protrain.optim.flat_adamw import fused_adamw
 
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
@@ -53,6 +55,20 @@ def _one_pass(kernel, st: dict, step: int, inv: float | None, clip: float | None
                       HYPER["eps"], inv, clip)  # fmt: skip
 
 
+def _compact_pass(kernel, st: dict, fmt: str, step: int, inv, clip) -> None:
+    """The one pass over ``st``'s master with moments in ``fmt`` (made on first use)."""
+    if fmt not in st:
+        n = st["master"].numel()
+        st[fmt] = sf.new_moments(fmt, n, sf.n_blocks(n))
+    q = st[fmt]
+    none = torch.empty(0)
+    kernel.adamw_step_compact([st["master"]], [q["exp_avg"]], [q["exp_avg_sq"]],
+                              [q.get(sf.ABSMAX[0], none)], [q.get(sf.ABSMAX[1], none)],
+                              [st["grad_low"]], [st["out"]], [float(step)], [12345],
+                              sf.KERNEL_FORMAT[fmt], HYPER["lr"], *HYPER["betas"],
+                              HYPER["weight_decay"], HYPER["eps"], inv, clip)  # fmt: skip
+
+
 def _time(fn, repeats: int) -> float:
     fn(1)  # first touch and thread start-up
     best = float("inf")
@@ -69,6 +85,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--clip", action="store_true", help="unscale and clip too (fp16, clipping)")
     ap.add_argument("--out", default=None, help="append JSON rows here")
+    ap.add_argument("--states", nargs="*", default=[], choices=["bf16", "8bit"])
     args = ap.parse_args()
     inv, clip = (1.0 / 1024, 0.5) if args.clip else (None, None)
     kernel = host_adam_ext.kernel()
@@ -76,6 +93,12 @@ def main() -> None:
     paths = {"torch_fused": (lambda s: _torch_step(st, s, inv, clip), 28 + (16 if clip else 0))}
     if kernel is not None:
         paths["one_pass"] = (lambda s: _one_pass(kernel, st, s, inv, clip), 2 + 24 + 2)
+        for fmt in args.states:
+            nbytes = sf.host_update_bytes_per_param(torch.bfloat16, fmt, bool(clip))
+            paths[f"one_pass_{fmt}"] = (
+                lambda s, fmt=fmt: _compact_pass(kernel, st, fmt, s, inv, clip),
+                nbytes,
+            )
     for name, (fn, nbytes) in paths.items():
         seconds = _time(fn, args.repeats)
         row = {

@@ -512,6 +512,7 @@ def wrap(
             sink=sink,
             device_step=device_step,
             optimizer=optim.optimizer,
+            state_format=optim.optimizer_state,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)

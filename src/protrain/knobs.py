@@ -61,8 +61,10 @@ class Knobs:
 class OptimizerSettings:
     """The engine's optimizer: AdamW's hyperparameters and parameter groups, which AdamW
     (``"adamw"``, fp32 moments, or ``"adamw_8bit"``), fp16's ``loss_scaling`` (the keywords
-    of ``torch.amp.GradScaler``) and the host update's ``host_threads`` (None: the engine's
-    default)."""
+    of ``torch.amp.GradScaler``), the host update's ``host_threads`` (None: the engine's
+    default) and ``optimizer_state``, how the host keeps the offloaded chunks' Adam moments:
+    ``"fp32"`` (torch's), or opt-in ``"bf16"`` or ``"8bit"``, which change the math
+    (``protrain/optim/state_format.py``)."""
 
     lr: float = 1e-3
     betas: tuple[float, float] = (0.9, 0.999)
@@ -72,6 +74,7 @@ class OptimizerSettings:
     optimizer: str = "adamw"
     loss_scaling: dict | None = None
     host_threads: int | None = None
+    optimizer_state: str = "fp32"
 
 
 def field_names(cls: type) -> tuple[str, ...]:

@@ -64,7 +64,13 @@ def from_keywords(keywords: dict) -> tuple[Knobs, OptimizerSettings, PlanRequest
         )
     if asked.get("gpu_budget_bytes") is None:
         return knobs, optim, None
-    return knobs, optim, PlanRequest(knobs=knobs, optimizer=optim.optimizer, **asked)
+    return (
+        knobs,
+        optim,
+        PlanRequest(
+            knobs=knobs, optimizer=optim.optimizer, optimizer_state=optim.optimizer_state, **asked
+        ),
+    )
 
 
 def wrap(

@@ -16,7 +16,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain
-from protrain.engine import wrap
+from protrain import wrap
 from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, state_bytes_8bit
 from protrain.plan.memory import device_optimizer_bytes
 from protrain.profile.chunk_table import chunk_table

@@ -85,3 +85,19 @@ def test_the_search_plans_with_the_8bit_state():
 
     with pytest.raises(ValueError, match="the plan was made for optimizer='adamw_8bit'"):
         apply_plan(torch.nn.Linear(2, 2), plan, optim=OptimizerSettings(optimizer="adamw"))
+
+
+def test_host_bytes_follow_the_optimizer_state():
+    """The host's moments in ``optimizer_state``'s format: 8, 4 or 2 bytes a parameter (8-bit:
+    and an absmax per block, each tensor's last counted whole); the device side unchanged."""
+    p = profile(6, 8)
+    t = p.chunks
+    trn = np.asarray(t.trainable_numel, dtype=np.int64)
+    tensors = np.asarray(t.trainable_tensors, dtype=np.int64)
+    fp32 = MemoryModel(p)
+    saved = {"bf16": 4 * trn, "8bit": 6 * trn - np.ceil(trn / 32).astype(np.int64) - 8 * tensors}
+    for fmt, less in saved.items():
+        m = MemoryModel(p, optimizer_state=fmt)
+        want = fp32.host_suffix - np.concatenate([np.cumsum(less[::-1])[::-1], [0]])
+        assert np.array_equal(m.host_suffix, want), fmt
+        assert np.array_equal(m.model_states, fp32.model_states)

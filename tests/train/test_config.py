@@ -248,3 +248,19 @@ def test_sequence_len_beyond_the_models_positions_warns_once(tmp_path, protrain_
         "lower quality, with learned position embeddings not at all: an index error); lower "
         "sequence_len, or extend the model's positions (rope_scaling in its config.json)"
     ]
+
+
+def test_optimizer_state_needs_the_chunked_engine_without_device_step(tmp_path):
+    assert validate_config(tiny_config(tmp_path)).optimizer_state == "fp32"
+    ok = validate_config(tiny_config(tmp_path, optimizer_state="8bit", memory={"n_persist": 0}))
+    assert ok.optimizer_state == "8bit"
+    with pytest.raises(ConfigError, match="optimizer_state = 'bf16' needs the chunked engine"):
+        validate_config(tiny_config(tmp_path, optimizer_state="bf16"))
+    with pytest.raises(ConfigError, match="needs memory.n_device_step = 0"):
+        validate_config(
+            tiny_config(
+                tmp_path, optimizer_state="bf16", memory={"n_persist": 0, "n_device_step": 1}
+            )
+        )
+    with pytest.raises(ConfigError, match="optimizer_state"):
+        validate_config(tiny_config(tmp_path, optimizer_state="fp8"))

@@ -34,6 +34,15 @@ import torch
 from torch.optim.adamw import adamw
 
 from protrain.chunks.chunk import ParamSlot
+from protrain.optim.state_format import (
+    ABSMAX,
+    MOMENTS,
+    check_state_format,
+    n_blocks,
+    new_moments,
+    param_seed,
+    state_keys,
+)
 
 
 def fused_adamw(
@@ -66,7 +75,6 @@ def fused_adamw(
 
 
 _LANE_UNIT = 16  # fp32 elements of the kernel's 64-byte task unit
-_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(eq=False)
@@ -78,19 +86,26 @@ class _Run:
     offsets: list[int]  # element offset of each slot in the run, and the run's size last
     master: torch.Tensor
     grad: torch.Tensor
-    moments: dict[str, torch.Tensor] = field(default_factory=dict)  # made at first use
+    block_offsets: list[int]  # as offsets, of the 8-bit state's absmaxes (a block per slot)
+    # the moments (and 8-bit absmaxes) in the optimizer's state format, made at first use
+    moments: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def ensure_moments(self) -> None:
+    def ensure_moments(self, state_format: str) -> None:
         if not self.moments:
-            self.moments = {k: torch.zeros_like(self.master) for k in _MOMENTS}
+            numel = self.offsets[-1]
+            self.moments = new_moments(state_format, numel, self.block_offsets[-1])
 
     def span(self, key: str, a: int, b: int) -> torch.Tensor:
         """Slots ``a .. b-1`` of the run as one flat view of ``key``."""
+        if key in ABSMAX:
+            return self.moments[key][self.block_offsets[a] : self.block_offsets[b]]
         flat = self.master if key == "param" else self.grad if key == "grad" else self.moments[key]
         return flat[self.offsets[a] : self.offsets[b]]
 
     def view(self, key: str, i: int) -> torch.Tensor:
-        return self.span(key, i, i + 1).view(self.slots[i].master.shape)
+        """Slot ``i``'s ``key`` in its master's shape (an absmax: flat)."""
+        flat = self.span(key, i, i + 1)
+        return flat if key in ABSMAX else flat.view(self.slots[i].master.shape)
 
 
 def _back_to_back(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -127,9 +142,10 @@ def _runs(slots: list[ParamSlot], groups: list[int]) -> list[_Run]:
     out = []
     for idx in runs:
         members = [slots[i] for i in idx]
-        offsets = [0]
+        offsets, block_offsets = [0], [0]
         for s in members:
             offsets.append(offsets[-1] + s.master.numel())
+            block_offsets.append(block_offsets[-1] + n_blocks(s.master.numel()))
         out.append(
             _Run(
                 slots=members,
@@ -137,6 +153,7 @@ def _runs(slots: list[ParamSlot], groups: list[int]) -> list[_Run]:
                 offsets=offsets,
                 master=_flat([s.master for s in members], offsets[-1]),
                 grad=_flat([s.grad_acc for s in members], offsets[-1]),
+                block_offsets=block_offsets,
             )
         )
     return out
@@ -153,11 +170,17 @@ class FlatBatch:
 class FlatAdamW:
     """torch's fused AdamW (its functional API, ``fused=True``) over the fp32 masters of
     ``slots``, one flat tensor per stepping span of a run; see [Note: flat runs].
-    ``groups[i]``: the parameter group of ``slots[i]``."""
+    ``groups[i]``: the parameter group of ``slots[i]``. ``state_format``: how the moments
+    are kept (``optim/state_format.py``); torch's AdamW steps fp32 ones only, the one pass
+    (``optim/host_one_pass.py``) every format."""
 
-    def __init__(self, slots: list[ParamSlot], groups: list[int]) -> None:
+    def __init__(
+        self, slots: list[ParamSlot], groups: list[int], state_format: str = "fp32"
+    ) -> None:
         if len(slots) != len(groups):
             raise ValueError(f"FlatAdamW: {len(slots)} slots but {len(groups)} group indices")
+        check_state_format(state_format)
+        self.state_format = state_format
         self.slots = slots
         self.runs = _runs(slots, groups)
         self._where = {id(s): (run, i) for run in self.runs for i, s in enumerate(run.slots)}
@@ -190,6 +213,11 @@ class FlatAdamW:
     def step(self, batch: FlatBatch, hyper: list[dict]) -> None:
         """One AdamW step of ``batch`` at the outer groups' hyperparameters ``hyper``: one
         fused call per parameter group, as torch's ``AdamW.step``."""
+        if self.state_format != "fp32":
+            raise RuntimeError(
+                f"protrain: torch's fused AdamW steps fp32 moments only, not "
+                f"optimizer_state={self.state_format!r} (the one pass steps it)"
+            )
         by_group: dict[int, list[int]] = {}
         for k, (run, _, _) in enumerate(batch.spans):
             by_group.setdefault(run.group, []).append(k)
@@ -221,16 +249,28 @@ class FlatAdamW:
                 self.init_state(s)
 
     def moments(self, s: ParamSlot) -> tuple[torch.Tensor, torch.Tensor]:
-        """``exp_avg`` and ``exp_avg_sq`` of ``s``: the flat moments' own views, which an
-        update elsewhere (``optim/device_step.py``) reads and writes in place."""
+        """``exp_avg`` and ``exp_avg_sq`` of ``s``: the flat moments' own views (in the
+        state format's dtype), which an update elsewhere (``optim/device_step.py``, the one
+        pass) reads and writes in place."""
         run, i = self._where[id(s)]
         return run.view("exp_avg", i), run.view("exp_avg_sq", i)
+
+    def absmaxes(self, s: ParamSlot) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 8-bit state's absmaxes of ``s`` (one per block); empty in other formats."""
+        if self.state_format != "8bit":
+            return torch.empty(0), torch.empty(0)
+        run, i = self._where[id(s)]
+        return run.view(ABSMAX[0], i), run.view(ABSMAX[1], i)
+
+    def seed(self, s: ParamSlot) -> int:
+        """The seed of ``s``'s stochastic rounding (bf16 state)."""
+        return param_seed(s.name)
 
     def pin_moments(self) -> None:
         """Move the flat moments to page-locked memory (the views handed out are made anew
         on each read), so that a device step's copies of them are asynchronous."""
         for run in self.runs:
-            if run.moments and not run.moments["exp_avg"].is_pinned():
+            if run.moments and not run.moments[MOMENTS[0]].is_pinned():
                 run.moments = {k: v.pin_memory() for k, v in run.moments.items()}
 
     def group_of(self, s: ParamSlot) -> int:
@@ -247,8 +287,8 @@ class FlatAdamW:
 
     def init_state(self, s: ParamSlot) -> None:
         run, i = self._where[id(s)]
-        run.ensure_moments()
-        for k in _MOMENTS:
+        run.ensure_moments(self.state_format)
+        for k in run.moments:
             run.view(k, i).zero_()
         self._step[id(s)] = 0.0
 
@@ -257,26 +297,30 @@ class FlatAdamW:
 
     def state_of(self, s: ParamSlot) -> dict[str, torch.Tensor]:
         """torch's per-parameter state: the step count (a 0-d fp32 tensor, as the fused
-        AdamW keeps it) and the moments as views of the flat ones."""
+        AdamW keeps it) and the moments as views of the flat ones (in the state format:
+        bf16, or 8-bit codes with their absmaxes; ``optim/state_format.py``)."""
         run, i = self._where[id(s)]
         step = torch.tensor(self._step[id(s)], dtype=torch.float32)
-        return {"step": step, **{k: run.view(k, i) for k in _MOMENTS}}
+        return {"step": step, **{k: run.view(k, i) for k in run.moments}}
 
     def set_state(self, s: ParamSlot, state: dict) -> None:
-        """Copy torch's per-parameter state ``state`` in (values are copied)."""
-        if set(state) != {"step", *_MOMENTS}:
+        """Copy a per-parameter state ``state`` of this state format in (values are
+        copied; a value of another dtype is cast as ``copy_`` casts)."""
+        want = state_keys(self.state_format)
+        if set(state) != want:
             raise ValueError(
-                f"protrain: AdamW state of {s.name} has keys {sorted(state)}; allowed: "
-                f"{sorted(['step', *_MOMENTS])}"
+                f"protrain: AdamW state of {s.name} has keys {sorted(state)}; "
+                f"optimizer_state={self.state_format!r} keeps {sorted(want)}"
             )
         run, i = self._where[id(s)]
-        run.ensure_moments()
-        for k in _MOMENTS:
+        run.ensure_moments(self.state_format)
+        for k in sorted(want - {"step"}):
             dst, src = run.view(k, i), state[k]
             if src.numel() != dst.numel():
+                whose = "its master has" if k in MOMENTS else "its blocks are"
                 raise ValueError(
                     f"protrain: AdamW state {k!r} of {s.name} has {src.numel()} elements; "
-                    f"its master has {dst.numel()}"
+                    f"{whose} {dst.numel()}"
                 )
             dst.copy_(src.reshape(dst.shape))
         self._step[id(s)] = float(state["step"])

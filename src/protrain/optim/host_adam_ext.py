@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 
 ENV_VAR = "PROTRAIN_HOST_ADAM"  # "torch": always the fallback (tests, a suspect build)
 _SOURCE = Path(__file__).with_name("csrc") / "host_adam.cpp"
+# The project's headers the source includes: part of the build's hash, as the source is.
+_HEADERS = [Path(__file__).with_name("csrc") / "state_codes.h"]
 # ATen's flags for each capability's kernels (cmake/Codegen.cmake); DEFAULT: none.
 _ISA_FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -59,7 +61,9 @@ _ISA_FLAGS = {
 }
 # No contraction of a multiply and an add into one fma unless the source says fmadd: the
 # operations round as written, as torch's kernels do. -O3 and -O2 build equally fast.
-_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+# -fno-trapping-math (no trap is ever enabled; no value changes) lets the compact moments'
+# loops compute both sides of a select, so that they vectorize (csrc/state_codes.h).
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}  # capability -> operators (None: unavailable)
@@ -107,6 +111,8 @@ def build_name(cap: str) -> str:
     """The build's name (also its operators' namespace): the capability and a hash of what
     the binary depends on."""
     h = hashlib.sha256(_SOURCE.read_bytes())
+    for header in _HEADERS:
+        h.update(b"\0" + header.read_bytes())
     for part in (
         *build_flags(cap),
         torch.__version__,
@@ -154,8 +160,9 @@ def _load(name: str, cap: str, directory: Path) -> None:
 
     log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
     source = directory / _SOURCE.name  # the same path from every checkout: one command
-    if not source.exists():
-        source.write_bytes(_SOURCE.read_bytes())
+    for path in (_SOURCE, *_HEADERS):  # the headers beside it, as #include "..." finds them
+        if not (directory / path.name).exists():
+            (directory / path.name).write_bytes(path.read_bytes())
     cpp_extension.load(
         name=name,
         sources=[str(source)],

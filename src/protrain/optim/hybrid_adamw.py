@@ -27,7 +27,9 @@ several ranks: its reduced gradient) is on its way to the host.
 With ``optimizer="adamw_8bit"`` the persistent chunks' moments are bitsandbytes' blockwise
 8-bit state, stepped by its ``AdamW8bit`` instead of the fused AdamW (``optim/adamw_8bit.py``);
 offloaded chunks keep fp32 moments on the host either way (see [Note: 8-bit state on the
-host] there).
+host] there). ``state_format`` (``optimizer_state``: fp32, bf16 or 8bit) is how the host
+keeps the moments of the chunks the one pass steps (``optim/state_format.py``); opt-in, as
+it changes the math.
 
 To the user it is a ``torch.optim.Optimizer``: ``param_groups`` holds the model's own
 parameters (so LR schedulers work on it), ``state_dict`` is keyed by parameter index like
@@ -122,6 +124,12 @@ from protrain.optim.device_step import DeviceStep
 from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.host_one_pass import plan_reads, step_piece
 from protrain.optim.loss_scaler import LossScaler
+from protrain.optim.state_format import (
+    check_state_format,
+    decode_state,
+    encode_state,
+    state_keys,
+)
 from protrain.runtime.grad_offload import GradSink
 from protrain.runtime.host_worker import HostWorker
 
@@ -169,9 +177,12 @@ class HybridAdamW(torch.optim.Optimizer):
         sink: GradSink | None = None,
         device_step: DeviceStep | None = None,
         optimizer: str = "adamw",
+        state_format: str = "fp32",
     ):
         check_optimizer(optimizer)
+        check_state_format(state_format)
         self.optimizer_name = optimizer  # "adamw" or "adamw_8bit" (optim/adamw_8bit.py)
+        self.state_format = state_format  # the host's moments (optim/state_format.py)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         self._ready = False
         super().__init__(param_groups, defaults)
@@ -210,14 +221,50 @@ class HybridAdamW(torch.optim.Optimizer):
             )
         self._host_opts: dict[int, list[FlatAdamW]] = {
             c.index: [
-                FlatAdamW(piece, [self._group_of[id(s)] for s in piece])
+                FlatAdamW(piece, [self._group_of[id(s)] for s in piece], state_format)
                 for piece in _pieces(c.trainable_slots)
             ]
             for c in manager.offloaded
             if c.trainable_slots
         }
         self._one_pass = self._choose_one_pass()
+        if state_format != "fp32":
+            self._check_compact_state()
         self._ready = True
+
+    def _check_compact_state(self) -> None:
+        """Refuse a compact ``state_format`` where something other than the one pass would
+        step its moments, and say once what it changes."""
+        fmt, manager = self.state_format, self._manager
+        where = None
+        if manager.collectives is not None:
+            where = "with several ranks (their checkpoints gather fp32 moments)"
+        elif self._device_step is not None:
+            where = "with n_device_step > 0 (the device step streams fp32 moments)"
+        elif self._one_pass is None and not manager.discard_offloaded_grads and self._host_opts:
+            where = "without the host's one-pass kernel (the log's line on the host AdamW says why)"
+        if where is not None:
+            raise ValueError(
+                f"optimizer_state={fmt!r} is not supported {where}; use optimizer_state='fp32'"
+            )
+        host = sum(s.master.numel() for opts in self._host_opts.values()
+                   for a in opts for s in a.slots)  # fmt: skip
+        total = sum(s.master.numel() for s in self._slots)
+        how = {
+            "bf16": "bf16, rounded stochastically",
+            "8bit": "8 bits an element with an fp32 absmax a block of 256 (a floating-point "
+            "code relative to the absmax)",
+        }[fmt]
+        log.info(
+            "protrain: optimizer_state=%r (opt-in; it changes the math): the Adam moments of "
+            "%d of %d trainable parameters (the offloaded chunks') are kept on the host in %s "
+            "and updated in fp32; masters stay fp32, and the persistent chunks' moments fp32 "
+            "on the device",
+            fmt,
+            host,
+            total,
+            how,
+        )
 
     def _choose_one_pass(self):
         """The one-pass kernel for the host-stepped offloaded chunks (``optim/host_one_pass.py``),
@@ -744,6 +791,7 @@ class HybridAdamW(torch.optim.Optimizer):
         # which choice saved it: a load converts a parameter's state only between placements
         # under the same choice (convert_state), and refuses the other choice's checkpoint
         out = {"state": state, "param_groups": groups, "optimizer": self.optimizer_name}
+        out["optimizer_state"] = self.state_format  # the host moments' format
         if self.scaler.enabled:
             out["loss_scaler"] = self.scaler.state_dict()
         return out
@@ -787,6 +835,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 f"{saved_choice!r}, this engine's is {self.optimizer_name!r}; resume with the "
                 "optimizer it was saved with"
             )
+        self._check_saved_format(state_dict)
         ordered = [pid for sg in saved_groups for pid in sg["params"]]
         converted = 0
         for s, pid in zip(self._slots, ordered):
@@ -801,8 +850,12 @@ class HybridAdamW(torch.optim.Optimizer):
             want = (
                 device_state_keys(self.optimizer_name, s.master.numel())
                 if persistent
-                else TORCH_STATE_KEYS
+                else state_keys(self.state_format)
             )
+            if self.state_format != "fp32" and _is_compact(st) == persistent:
+                # another plan placed it on the other side of the host's compact moments
+                st = _convert_host_state(st, persistent, self.state_format)
+                converted += 1
             if set(st) != want:  # another plan placed it on the other side (same choice)
                 st = convert_state(st, want, opt if isinstance(opt, DeviceAdamW8bit) else None)
                 converted += 1
@@ -813,6 +866,17 @@ class HybridAdamW(torch.optim.Optimizer):
                 "fp32 (host) moments: this plan places them on the other side than the one "
                 "that saved them",
                 converted,
+            )
+
+    def _check_saved_format(self, state_dict: dict) -> None:
+        """Refuse a state saved with another ``optimizer_state`` (saved before the marker:
+        fp32). Not converted: a changed format changes the math of the resumed run."""
+        saved = state_dict.get("optimizer_state", "fp32")
+        if saved != self.state_format:
+            raise ValueError(
+                f"optimizer state_dict does not match: it was saved with optimizer_state="
+                f"{saved!r}, this engine's is {self.state_format!r}; resume with the "
+                "optimizer_state it was saved with"
             )
 
     def _check_device_state(self, s: ParamSlot, pid, st: dict) -> None:
@@ -866,6 +930,25 @@ def _loaded(opt, key: str, value, s: ParamSlot):
     if isinstance(opt, DeviceAdamW8bit) and key in QMAP_KEYS:
         return opt.shared_qmap(key, out)
     return out
+
+
+def _is_compact(st: dict) -> bool:
+    """Whether a saved state is a host's compact one (bf16 or 8-bit moments), not the
+    device's (torch's fp32 state or bitsandbytes')."""
+    return "exp_avg" in st and st["exp_avg"].dtype != torch.float32
+
+
+def _convert_host_state(st: dict, persistent: bool, state_format: str) -> dict:
+    """A host state of ``state_format`` as torch's fp32 state (exact: decoded), which the
+    caller converts on to the device optimizer's; or a device state as the host's (via
+    torch's fp32 state, then encoded once: bf16 rounded to nearest)."""
+    if persistent:
+        m, v = decode_state(state_format, st)
+        return encode_state("fp32", st["step"], m, v)
+    if set(st) != TORCH_STATE_KEYS:  # bitsandbytes' state of a persistent parameter
+        st = convert_state(st, TORCH_STATE_KEYS)
+    m, v = decode_state("fp32", st)
+    return encode_state(state_format, st["step"], m, v)
 
 
 def _refuse_if_discarded(manager: ChunkManager, what: str) -> None:

@@ -298,6 +298,7 @@ def _plan_here(
             mode_fixed=mode_fixed,
             device_step_search=request.device_step_search,
             optimizer=request.optimizer,
+            optimizer_state=request.optimizer_state,
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":

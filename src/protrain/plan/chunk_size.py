@@ -142,6 +142,7 @@ def search_chunk_sizes(
     mode_fixed: bool = True,
     device_step_search: bool = False,
     optimizer: str = "adamw",
+    optimizer_state: str = "fp32",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes and, with several ranks and
     ``mode_fixed`` false, over both modes (``plan/world.py``), with the problem it solved;
@@ -151,7 +152,7 @@ def search_chunk_sizes(
                              cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
                              clipping=clipping, chunk_size_fixed=chunk_size_fixed,
                              world=world, device_step_search=device_step_search,
-                             optimizer=optimizer)  # fmt: skip
+                             optimizer=optimizer, optimizer_state=optimizer_state)  # fmt: skip
     found, errors = {}, []
     for mode in MODES:
         try:
@@ -160,7 +161,7 @@ def search_chunk_sizes(
                                         clipping=clipping, chunk_size_fixed=chunk_size_fixed,
                                         world=world.with_mode(mode),
                                         device_step_search=device_step_search,
-                                        optimizer=optimizer)  # fmt: skip
+                                        optimizer=optimizer, optimizer_state=optimizer_state)  # fmt: skip
         except NoPlanFits as exc:
             errors.append(exc)
     if not found:
@@ -192,6 +193,7 @@ def _search_sizes(
     world: World,
     device_step_search: bool = False,
     optimizer: str = "adamw",
+    optimizer_state: str = "fp32",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
@@ -240,6 +242,7 @@ def _search_sizes(
             world=world,
             device_step_search=device_step_search,
             optimizer=optimizer,
+            optimizer_state=optimizer_state,
         )
         for size, p in profiles.items()
     }

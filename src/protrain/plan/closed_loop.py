@@ -177,6 +177,7 @@ def _like(problem: PlanProblem, **changes) -> PlanProblem:
         world=problem.world,
         device_step_search=problem.device_step_search,
         optimizer=problem.optimizer,
+        optimizer_state=problem.optimizer_state,
     )
     hardware = changes.pop("hardware", problem.hardware)
     profile = changes.pop("profile", problem.profile)

@@ -12,8 +12,9 @@
   table has each chunk's trainable elements and tensors, not each tensor's size, so this
   count is a bound (exact for a chunk of one trainable tensor): every tensor's last block
   counted whole, and up to ``MIN_8BIT_SIZE - 1`` elements per tensor counted as small (at
-  most 24 KiB a tensor over), never more than fp32 moments. The host's state is fp32
-  either way.
+  most 24 KiB a tensor over), never more than fp32 moments. The host's moments are in
+  ``optimizer_state``'s format (``optim/state_format.py``: 8, 4 or 2 + 1/32 bytes a
+  parameter) either way.
 - **buffer pool**: ``n_buffer`` chunks.
 - **activations**: the traced step (every block checkpointed) gives the peak of every interval
   between block hooks, relative to the step's start (see ``protrain.profile.trace``). A plan's
@@ -57,6 +58,7 @@ import numpy as np
 
 from protrain.optim.adamw_8bit import BLOCK, MIN_8BIT_SIZE, QMAP_BYTES, check_optimizer
 from protrain.optim.device_step import PIECE_NUMEL, staging_bytes
+from protrain.optim.state_format import moment_bytes_per_param
 from protrain.plan.world import SINGLE, World
 from protrain.profile.trace import ModelProfile
 
@@ -109,7 +111,13 @@ def policy_matrix(n_blocks: int, n_swap: np.ndarray, n_checkpoint: np.ndarray) -
 class MemoryModel:
     """The terms above, precomputed from a profile for fast evaluation of many knobs."""
 
-    def __init__(self, profile: ModelProfile, world: World = SINGLE, optimizer: str = "adamw"):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        world: World = SINGLE,
+        optimizer: str = "adamw",
+        optimizer_state: str = "fp32",
+    ):
         self.profile = profile
         self.world = world
         self.optimizer = optimizer  # optim/adamw_8bit.py: the persistent chunks' state
@@ -131,10 +139,13 @@ class MemoryModel:
             [[0], np.cumsum(self.chunk_bytes + device_optimizer_bytes(trn, tensors))]
         )
         # host: offloaded chunk copies, fp32 master + accumulator + low-precision landing
-        # place per trainable parameter, fp32 Adam moments + step on the host
+        # place per trainable parameter, Adam moments (in the state format) + step on the host
         itemsize = np.asarray(t.trainable_bytes, dtype=np.int64) // np.maximum(trn, 1)
-        host_chunk = self.chunk_bytes + _align(4 * trn) * 2 + _align(itemsize * trn) + 8 * trn
+        moments = np.ceil(moment_bytes_per_param(optimizer_state) * trn).astype(np.int64)
+        host_chunk = self.chunk_bytes + _align(4 * trn) * 2 + _align(itemsize * trn) + moments
         host_chunk += ADAM_STEP_BYTES_PER_TENSOR * tensors
+        if optimizer_state == "8bit":  # a bound: each tensor's last absmax block counted whole
+            host_chunk += 8 * tensors
         # sharded: a rank holds its shard of each offloaded chunk's host state (World)
         host_chunk = -(-host_chunk // world.shards)
         self.host_suffix = np.concatenate([np.cumsum(host_chunk[::-1])[::-1], [0]])

@@ -42,7 +42,8 @@ class PlanRequest:
     the user fixed one (named by the error of a trace that runs out of memory).
     ``device_step_search``: the search also chooses ``n_device_step`` where it is not fixed.
     ``optimizer``: the engine's (``"adamw"`` or ``"adamw_8bit"``), whose device state the
-    memory model counts.
+    memory model counts. ``optimizer_state``: the host's Adam moments (``"fp32"``,
+    ``"bf16"`` or ``"8bit"``, ``optim/state_format.py``), whose host bytes it counts.
     """
 
     gpu_budget_bytes: int | str
@@ -55,6 +56,7 @@ class PlanRequest:
     fixed_loss_chunk_tokens: int | None = None
     device_step_search: bool = False
     optimizer: str = "adamw"
+    optimizer_state: str = "fp32"
 
     def __post_init__(self) -> None:
         # sizes as bytes from here on: a bad size is refused where the request is made

@@ -109,6 +109,7 @@ class PlanProblem:
         world: World = SINGLE,
         device_step_search: bool = False,
         optimizer: str = "adamw",
+        optimizer_state: str = "fp32",
     ):
         fixed = _known_knobs(fixed_knobs)
         self.world = world
@@ -121,7 +122,9 @@ class PlanProblem:
         self.extra_bytes = int(extra_bytes)
         # the optimizer the plan is for: its device state (optim/adamw_8bit.py)
         self.optimizer = optimizer
-        self.memory = MemoryModel(profile, world, optimizer)
+        # the host's Adam moments (optim/state_format.py): their host bytes a parameter
+        self.optimizer_state = optimizer_state
+        self.memory = MemoryModel(profile, world, optimizer, optimizer_state)
         # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
         self.clipping = bool(clipping)
         self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)

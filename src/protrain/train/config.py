@@ -560,6 +560,13 @@ class TrainConfig(DataSettings, TrackingSettings):
         "chunks keep fp32 moments on the host (bitsandbytes' CPU update ran 20x slower than "
         "the host's fused AdamW).",
     )
+    optimizer_state: Literal["fp32", "bf16", "8bit"] = Field(
+        "fp32",
+        description="How the host keeps the offloaded chunks' Adam moments (chunked engine): "
+        "fp32 (torch's AdamW); opt-in, changing the math: bf16 (stochastic rounding) or 8bit "
+        "(blockwise, an fp32 absmax per 256). Masters stay fp32. Not with several GPUs or "
+        "memory.n_device_step.",
+    )
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="null turns clipping off.")
 
     mixed_precision: Literal["auto", "no", "bf16", "fp16"] = Field(
@@ -627,6 +634,7 @@ class TrainConfig(DataSettings, TrackingSettings):
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainConfig:
         self._check_fsdp()
+        self._check_optimizer_state()
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if self.gradient_checkpointing and self.memory.auto:
@@ -657,6 +665,20 @@ class TrainConfig(DataSettings, TrackingSettings):
                 "threshold and applies to type qlora with bits 8 only; remove it, or set those"
             )
         return self
+
+    def _check_optimizer_state(self) -> None:
+        if self.optimizer_state == "fp32":
+            return
+        where = (
+            "the chunked engine: set memory.n_persist or memory.auto (the offloaded chunks' "
+            "host state is what it compresses)"
+            if not self.memory.engine_enabled or self.fsdp_version is not None
+            else "memory.n_device_step = 0 (the device step streams fp32 moments)"
+            if self.memory.n_device_step or self.memory.device_step_search
+            else None
+        )
+        if where is not None:
+            raise ValueError(f"optimizer_state = {self.optimizer_state!r} needs {where}")
 
     def _check_fsdp(self) -> None:
         if self.fsdp_config is not None and self.fsdp_version is None:

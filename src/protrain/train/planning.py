@@ -117,6 +117,7 @@ class PlanSettings:
             clipping=cfg.max_grad_norm is not None or autocast_dtype == torch.float16,
             device_step_search=mem.device_step_search,
             optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
+            optimizer_state=cfg.optimizer_state,
         )
         return cls(
             device=device,

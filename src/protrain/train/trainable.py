@@ -50,6 +50,7 @@ def engine_optimizer(model: nn.Module, cfg: TrainConfig) -> OptimizerSettings:
         weight_decay=cfg.weight_decay,
         param_groups=optimizer_param_groups(model, cfg.weight_decay),
         optimizer=ENGINE_OPTIMIZERS[cfg.optimizer],
+        optimizer_state=cfg.optimizer_state,
     )
 
 

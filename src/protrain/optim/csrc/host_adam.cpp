@@ -1,7 +1,8 @@
 // One pass of AdamW over offloaded parameters on the host: per element, read the gradient
 // (bf16, fp16 or fp32), unscale and clip it, update the fp32 master and both fp32 moments in
 // place, and write the updated master in the dtype the device computes in. See
-// protrain/optim/host_adam_ext.py for how it is built and loaded, and docs/design.md.
+// protrain/optim/host_adam_ext.py for how it is built and loaded, and docs/design.md. A second
+// entry point keeps the moments in bf16 or 8 bits (optimizer_state; [Note: compact moments]).
 //
 // [Note: same bits as torch's fused AdamW]
 // torch.optim.AdamW(fused=True) on the CPU (ATen's FusedAdamKernel.cpp, ADAMW mode) runs
@@ -32,8 +33,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <vector>
+
+#include "state_codes.h"
 
 namespace {
 
@@ -147,33 +151,44 @@ void write_out(const float* p, G* out, int64_t n) {
   at::vec::convert(p, out, n);
 }
 
+// Elements [lo, lo + n) of a segment's gradient into gbuf, as fp32, unscaled and clipped.
+void load_segment_grad(const Segment& s, int64_t lo, int64_t n, float* gbuf,
+                       const float* inv_scale, const float* clip) {
+  switch (s.g_type) {
+    case at::kFloat:
+      load_grad(static_cast<const float*>(s.g) + lo, gbuf, n, inv_scale, clip);
+      break;
+    case at::kBFloat16:
+      load_grad(static_cast<const c10::BFloat16*>(s.g) + lo, gbuf, n, inv_scale, clip);
+      break;
+    default:
+      load_grad(static_cast<const c10::Half*>(s.g) + lo, gbuf, n, inv_scale, clip);
+  }
+}
+
+// Elements [lo, lo + n) of a segment's master into its copy, where it has one.
+void write_segment_out(const Segment& s, int64_t lo, int64_t n) {
+  if (!s.out) return;
+  switch (s.out_type) {
+    case at::kFloat:
+      write_out(s.p + lo, static_cast<float*>(s.out) + lo, n);
+      break;
+    case at::kBFloat16:
+      write_out(s.p + lo, static_cast<c10::BFloat16*>(s.out) + lo, n);
+      break;
+    default:
+      write_out(s.p + lo, static_cast<c10::Half*>(s.out) + lo, n);
+  }
+}
+
 // Elements [a, b) of one segment, a block at a time.
 void run_range(const Segment& s, int64_t a, int64_t b, const float* inv_scale, const float* clip) {
   float gbuf[kBlock];
   for (int64_t lo = a; lo < b; lo += kBlock) {
     const int64_t n = std::min(kBlock, b - lo);
-    switch (s.g_type) {
-      case at::kFloat:
-        load_grad(static_cast<const float*>(s.g) + lo, gbuf, n, inv_scale, clip);
-        break;
-      case at::kBFloat16:
-        load_grad(static_cast<const c10::BFloat16*>(s.g) + lo, gbuf, n, inv_scale, clip);
-        break;
-      default:
-        load_grad(static_cast<const c10::Half*>(s.g) + lo, gbuf, n, inv_scale, clip);
-    }
+    load_segment_grad(s, lo, n, gbuf, inv_scale, clip);
     adam_block(s.p + lo, s.m + lo, s.v + lo, gbuf, n, s.c);
-    if (!s.out) continue;
-    switch (s.out_type) {
-      case at::kFloat:
-        write_out(s.p + lo, static_cast<float*>(s.out) + lo, n);
-        break;
-      case at::kBFloat16:
-        write_out(s.p + lo, static_cast<c10::BFloat16*>(s.out) + lo, n);
-        break;
-      default:
-        write_out(s.p + lo, static_cast<c10::Half*>(s.out) + lo, n);
-    }
+    write_segment_out(s, lo, n);
   }
 }
 
@@ -197,6 +212,119 @@ void check_segment(const at::Tensor& p, const at::Tensor& m, const at::Tensor& v
               "host_adam: gradients and copies must be fp32, bf16 or fp16");
 }
 
+
+// fn(i, a, b) over every segment's elements, cut into task units of `unit` elements that
+// at::parallel_for shares among the threads (each segment's own ranges, in order).
+template <typename F>
+void parallel_over_segments(const std::vector<int64_t>& numels, int64_t unit, const F& fn) {
+  std::vector<int64_t> first_unit{0};  // prefix sums of the segments' task units
+  for (const int64_t n : numels) first_unit.push_back(first_unit.back() + (n + unit - 1) / unit);
+  const size_t k = numels.size();
+  at::parallel_for(0, first_unit.back(), 0, [&](int64_t begin, int64_t end) {
+    // the segments this range of units covers, each over its own part of the range
+    size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), begin) -
+               first_unit.begin() - 1;
+    for (; i < k && first_unit[i] < end; i++) {
+      const int64_t u0 = std::max(begin, first_unit[i]) - first_unit[i];
+      const int64_t u1 = std::min(end, first_unit[i + 1]) - first_unit[i];
+      const int64_t a = u0 * unit, b = std::min(u1 * unit, numels[i]);
+      if (a < b) fn(i, a, b);
+    }
+  });
+}
+
+// ---- compact moments (optimizer_state: bf16 | 8bit) -------------------------------------
+//
+// [Note: compact moments]
+// A block's moments are decoded into fp32 buffers, stepped by adam_block exactly as fp32
+// moments are, and encoded back: the update is the fp32 state's arithmetic on the decoded
+// moments; the master stays fp32. bf16: each moment rounded stochastically with 16 bits of
+// a hash of (the parameter's seed, its step count, the element's offset), so a run and its
+// resume draw the same bits on any number of threads. 8bit: per block of kQBlock elements of
+// a parameter its absmax (fp32) and a byte an element (state_codes.h); threads take whole
+// blocks (task units of kQBlock), since a block's absmax needs all of it.
+
+enum class StateFormat : int64_t { kBf16 = 1, k8bit = 2 };
+
+struct Compact {
+  void* m;  // bf16 or uint8, as the format says
+  void* v;
+  float* absmax_m;  // 8bit: one per block
+  float* absmax_v;
+  uint32_t key;  // bf16: state_codes::step_key of this step
+};
+
+void decode(const Compact& q, StateFormat f, int64_t lo, int64_t n, float* m, float* v) {
+  using namespace state_codes;
+  if (f == StateFormat::kBf16) {
+    const auto* mq = static_cast<const uint16_t*>(q.m) + lo;
+    const auto* vq = static_cast<const uint16_t*>(q.v) + lo;
+    for (int64_t i = 0; i < n; i++) m[i] = bf16_to_float(mq[i]);
+    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(vq[i]);
+    return;
+  }
+  for (int64_t j = 0; j < n; j += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - j), blk = (lo + j) / kQBlock;
+    dequantize_signed(static_cast<const uint8_t*>(q.m) + lo + j, q.absmax_m[blk], m + j, len);
+    dequantize_unsigned(static_cast<const uint8_t*>(q.v) + lo + j, q.absmax_v[blk], v + j, len);
+  }
+}
+
+void encode(const Compact& q, StateFormat f, int64_t lo, int64_t n, const float* m,
+            const float* v) {
+  using namespace state_codes;
+  if (f == StateFormat::kBf16) {
+    auto* mq = static_cast<uint16_t*>(q.m) + lo;
+    auto* vq = static_cast<uint16_t*>(q.v) + lo;
+    const uint32_t base = uint32_t(lo);
+    for (int64_t i = 0; i < n; i++) {
+      const uint32_t r = element_bits(q.key, base + uint32_t(i));
+      mq[i] = round_stochastic(m[i], r);
+      vq[i] = round_stochastic(v[i], r >> 16);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < n; j += kQBlock) {
+    const int64_t len = std::min(kQBlock, n - j), blk = (lo + j) / kQBlock;
+    q.absmax_m[blk] = quantize_signed(m + j, static_cast<uint8_t*>(q.m) + lo + j, len);
+    q.absmax_v[blk] = quantize_unsigned(v + j, static_cast<uint8_t*>(q.v) + lo + j, len);
+  }
+}
+
+// Elements [a, b) of one segment with compact moments ([Note: compact moments]).
+void run_range_compact(const Segment& s, const Compact& q, StateFormat f, int64_t a, int64_t b,
+                       const float* inv_scale, const float* clip) {
+  float gbuf[kBlock], mbuf[kBlock], vbuf[kBlock];
+  for (int64_t lo = a; lo < b; lo += kBlock) {
+    const int64_t n = std::min(kBlock, b - lo);
+    load_segment_grad(s, lo, n, gbuf, inv_scale, clip);
+    decode(q, f, lo, n, mbuf, vbuf);
+    adam_block(s.p + lo, mbuf, vbuf, gbuf, n, s.c);
+    encode(q, f, lo, n, mbuf, vbuf);
+    write_segment_out(s, lo, n);
+  }
+}
+
+void check_compact(StateFormat f, const at::Tensor& p, const at::Tensor& m, const at::Tensor& v,
+                   const at::Tensor& am, const at::Tensor& av) {
+  const auto n = p.numel();
+  const auto want = f == StateFormat::kBf16 ? at::kBFloat16 : at::kByte;
+  TORCH_CHECK(m.scalar_type() == want && v.scalar_type() == want,
+              "host_adam: compact moments must be ", want, " for this format");
+  TORCH_CHECK(m.numel() == n && v.numel() == n,
+              "host_adam: a segment's master and moments differ in size");
+  if (f == StateFormat::k8bit) {
+    const int64_t blocks = (n + state_codes::kQBlock - 1) / state_codes::kQBlock;
+    TORCH_CHECK(am.scalar_type() == at::kFloat && av.scalar_type() == at::kFloat &&
+                    am.numel() == blocks && av.numel() == blocks,
+                "host_adam: 8-bit moments need one fp32 absmax per block of ",
+                state_codes::kQBlock, " elements");
+  }
+  for (const auto* t : {&m, &v, &am, &av}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous(),
+                "host_adam: every tensor must be contiguous and on the CPU");
+  }
+}
 }  // namespace
 
 // One AdamW step (one parameter group's hyperparameters) over every segment; steps[i] is
@@ -210,7 +338,7 @@ void adamw_step(at::TensorList params, at::TensorList exp_avgs, at::TensorList e
                   outs.size() == k && steps.size() == k,
               "host_adam: the lists differ in length");
   std::vector<Segment> segs;
-  std::vector<int64_t> first_unit{0};  // prefix sums of the segments' task units
+  std::vector<int64_t> numels;
   for (size_t i = 0; i < k; i++) {
     check_segment(params[i], exp_avgs[i], exp_avg_sqs[i], grads[i], outs[i]);
     const bool has_out = outs[i].numel() > 0;
@@ -219,22 +347,59 @@ void adamw_step(at::TensorList params, at::TensorList exp_avgs, at::TensorList e
                            has_out ? outs[i].data_ptr() : nullptr, grads[i].scalar_type(),
                            has_out ? outs[i].scalar_type() : at::kFloat, params[i].numel(),
                            coefs_for(steps[i], lr, beta1, beta2, weight_decay, eps)});
-    first_unit.push_back(first_unit.back() + (params[i].numel() + kUnit - 1) / kUnit);
+    numels.push_back(params[i].numel());
   }
   const float inv_f = inv_scale ? float(*inv_scale) : 1.0f;
   const float clip_f = clip_coef ? float(*clip_coef) : 1.0f;
   const float* inv_p = inv_scale ? &inv_f : nullptr;
   const float* clip_p = clip_coef ? &clip_f : nullptr;
-  at::parallel_for(0, first_unit.back(), 0, [&](int64_t begin, int64_t end) {
-    // the segments this range of units covers, each over its own part of the range
-    size_t i = std::upper_bound(first_unit.begin(), first_unit.end(), begin) -
-               first_unit.begin() - 1;
-    for (; i < k && first_unit[i] < end; i++) {
-      const int64_t u0 = std::max(begin, first_unit[i]) - first_unit[i];
-      const int64_t u1 = std::min(end, first_unit[i + 1]) - first_unit[i];
-      const int64_t a = u0 * kUnit, b = std::min(u1 * kUnit, segs[i].numel);
-      if (a < b) run_range(segs[i], a, b, inv_p, clip_p);
-    }
+  parallel_over_segments(numels, kUnit, [&](size_t i, int64_t a, int64_t b) {
+    run_range(segs[i], a, b, inv_p, clip_p);
+  });
+}
+
+// adamw_step with compact moments ([Note: compact moments]): format 1 (bf16: exp_avgs and
+// exp_avg_sqs bf16, absmaxes unused) or 2 (8bit: uint8 codes and one fp32 absmax per block
+// of each); seeds[i]: segment i's parameter's seed of the stochastic rounding.
+void adamw_step_compact(at::TensorList params, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList absmax_avgs,
+                        at::TensorList absmax_sqs, at::TensorList grads, at::TensorList outs,
+                        at::ArrayRef<double> steps, at::ArrayRef<int64_t> seeds, int64_t format,
+                        double lr, double beta1, double beta2, double weight_decay, double eps,
+                        std::optional<double> inv_scale, std::optional<double> clip_coef) {
+  TORCH_CHECK(format == 1 || format == 2, "host_adam: compact format ", format,
+              " is neither 1 (bf16) nor 2 (8bit)");
+  const auto f = static_cast<StateFormat>(format);
+  const size_t k = params.size();
+  TORCH_CHECK(exp_avgs.size() == k && exp_avg_sqs.size() == k && absmax_avgs.size() == k &&
+                  absmax_sqs.size() == k && grads.size() == k && outs.size() == k &&
+                  steps.size() == k && seeds.size() == k,
+              "host_adam: the lists differ in length");
+  std::vector<Segment> segs;
+  std::vector<Compact> qs;
+  std::vector<int64_t> numels;
+  for (size_t i = 0; i < k; i++) {
+    // the master stands in for the moments, whose own checks are check_compact's
+    check_segment(params[i], params[i], params[i], grads[i], outs[i]);
+    check_compact(f, params[i], exp_avgs[i], exp_avg_sqs[i], absmax_avgs[i], absmax_sqs[i]);
+    const bool has_out = outs[i].numel() > 0;
+    segs.push_back(Segment{params[i].data_ptr<float>(), nullptr, nullptr, grads[i].data_ptr(),
+                           has_out ? outs[i].data_ptr() : nullptr, grads[i].scalar_type(),
+                           has_out ? outs[i].scalar_type() : at::kFloat, params[i].numel(),
+                           coefs_for(steps[i], lr, beta1, beta2, weight_decay, eps)});
+    const bool q8 = f == StateFormat::k8bit;
+    qs.push_back(Compact{exp_avgs[i].data_ptr(), exp_avg_sqs[i].data_ptr(),
+                         q8 ? absmax_avgs[i].data_ptr<float>() : nullptr,
+                         q8 ? absmax_sqs[i].data_ptr<float>() : nullptr,
+                         state_codes::step_key(uint64_t(steps[i]), uint32_t(seeds[i]))});
+    numels.push_back(params[i].numel());
+  }
+  const float inv_f = inv_scale ? float(*inv_scale) : 1.0f;
+  const float clip_f = clip_coef ? float(*clip_coef) : 1.0f;
+  const float* inv_p = inv_scale ? &inv_f : nullptr;
+  const float* clip_p = clip_coef ? &clip_f : nullptr;
+  parallel_over_segments(numels, state_codes::kQBlock, [&](size_t i, int64_t a, int64_t b) {
+    run_range_compact(segs[i], qs[i], f, a, b, inv_p, clip_p);
   });
 }
 
@@ -261,6 +426,14 @@ PROTRAIN_LIBRARY(PROTRAIN_OPS, m) {
       "Tensor[] grads, Tensor(d!)[] outs, float[] steps, float lr, float beta1, float beta2, "
       "float weight_decay, float eps, float? inv_scale, float? clip_coef) -> ()",
       &adamw_step);
+  // adamw_step with bf16 or 8-bit moments ([Note: compact moments]).
+  m.def(
+      "adamw_step_compact(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+      "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] absmax_avgs, Tensor(e!)[] absmax_sqs, "
+      "Tensor[] grads, Tensor(f!)[] outs, float[] steps, int[] seeds, int format, float lr, "
+      "float beta1, float beta2, float weight_decay, float eps, float? inv_scale, "
+      "float? clip_coef) -> ()",
+      &adamw_step_compact);
   m.def("vec_size() -> int", &vec_size);      // fp32 lanes of this build's vectors
   m.def("capability() -> str", &capability);  // the CPU capability this build is for
 }

@@ -1,0 +1,149 @@
+// The compact encodings of Adam's moments on the host (optimizer_state: bf16 | 8bit), as
+// host_adam.cpp's compact pass reads and writes them. protrain/optim/state_format.py holds
+// the same arithmetic in torch (the tests' reference and the checkpoints' conversions) and
+// the reasons for each choice; every operation here is integer arithmetic or one IEEE fp32
+// operation, so both give the same bits on any vector width.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace state_codes {
+
+// ---- bf16 with stochastic rounding ----------------------------------------------------------
+
+// Chris Wellons' lowbias32: a bijective 32-bit mix, cheap and well spread.
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7feb352dU;
+  x ^= x >> 15;
+  x *= 0x846ca68bU;
+  x ^= x >> 16;
+  return x;
+}
+
+// The key of one parameter's step: its seed (fixed per parameter) and its step count, so a
+// resumed run draws the same bits.
+inline uint32_t step_key(uint64_t step, uint32_t seed) {
+  return mix32((uint32_t(step) * 0x9E3779B9U) ^ seed);
+}
+
+// 32 random bits of element `offset` of the parameter: the low half rounds exp_avg, the high
+// half exp_avg_sq.
+inline uint32_t element_bits(uint32_t key, uint32_t offset) { return mix32(key ^ offset); }
+
+inline uint32_t float_bits(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  return b;
+}
+
+inline float bits_float(uint32_t b) {
+  float x;
+  std::memcpy(&x, &b, 4);
+  return x;
+}
+
+// x rounded to bf16 up or down in magnitude with probability of its distance (16 random bits
+// added below the bf16 mantissa, then truncation): unbiased. Inf stays inf; NaN stays NaN.
+// Branch-free, so that the compiler vectorizes the loops that call it.
+inline uint16_t round_stochastic(float x, uint32_t r16) {
+  const uint32_t b = float_bits(x);
+  const bool special = (b & 0x7f800000U) == 0x7f800000U;
+  const uint32_t kept = (b >> 16) | ((b & 0x007fffffU) ? 0x40U : 0U);
+  return uint16_t(special ? kept : (b + (r16 & 0xffffU)) >> 16);
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
+
+// ---- 8-bit blockwise ------------------------------------------------------------------------
+
+constexpr int64_t kQBlock = 256;  // elements per absmax
+
+// A floating-point code of EBITS exponent bits and 3 mantissa bits for r = |x| / absmax in
+// [0, 1]: index i = E * 8 + M is 2^(E - top) * (1 + M/8) for E >= 1 and 2^(1 - top) * M/8 for
+// E = 0 (top = 2^EBITS - 1: the largest binade is [1, 2), so r = 1, a block's largest
+// element, is exact). exp_avg: sign and 4 exponent bits (128 magnitudes); exp_avg_sq: 5
+// exponent bits (256 magnitudes). Encoding rounds to the nearest index, ties up (as
+// state_format.py's comparison with the midpoints), with integer operations on r's bits.
+template <int EBITS>
+struct Code {
+  static constexpr int kTop = (1 << EBITS) - 1;
+  static constexpr int kN = 8 << EBITS;
+  static constexpr uint32_t kBias = uint32_t(127 - kTop) << 3;  // fp32 exponent bias - top
+  static constexpr float kSubScale = float(1ull << (kTop + 2));  // r / (step below the normals)
+  static constexpr float kMinNormal = 8.0f / kSubScale;         // 2^(1 - top)
+
+  static int encode(float r) {
+    // normals: round half up to 3 mantissa bits by adding half the last kept bit's unit
+    const int normal = int((float_bits(r) + 0x80000U) >> 20) - int(kBias);
+    // below: steps of 2^(-top-2); y = r * kSubScale (exact) in [0, 8) rounded half up from
+    // its bits, mantissa * 2^-shift (no float-to-int conversion: the loop vectorizes)
+    const uint32_t y = float_bits(r * kSubScale);
+    const uint32_t mantissa = (y & 0x007fffffU) | 0x00800000U;
+    const int exponent = int(y >> 23) - 127;
+    const uint32_t shift = uint32_t(std::min(23 - exponent, 31));
+    const int sub = int((mantissa + (1U << (shift - 1))) >> shift);
+    const int i = r >= kMinNormal ? normal : sub;
+    return i < kN - 1 ? i : kN - 1;  // a NaN's bits
+  }
+
+  static float decode(uint32_t i) {
+    const uint32_t e = i >> 3, m = i & 7;
+    const uint32_t normal = (e << 23) + (m << 20) + (kBias << 20);
+    // m * 2^(-top-2), by the exponent's bits (an integer select: the loop vectorizes)
+    const uint32_t m_bits = float_bits(float(int(m)));
+    const uint32_t sub = m == 0 ? 0U : m_bits - (uint32_t(kTop + 2) << 23);
+    return bits_float(e == 0 ? sub : normal);
+  }
+};
+
+using SignedCode = Code<4>;
+using UnsignedCode = Code<5>;
+
+// The largest |x| of a block, from the bits (an integer max vectorizes; a NaN's bits exceed
+// every number's, as torch's amax propagates it).
+inline float block_absmax(const float* x, int64_t n) {
+  uint32_t a = 0;
+  for (int64_t i = 0; i < n; i++) a = std::max(a, float_bits(x[i]) & 0x7fffffffU);
+  return bits_float(a);
+}
+
+// exp_avg of n elements (one block) to a sign bit and a 7-bit magnitude index; its absmax.
+inline float quantize_signed(const float* x, uint8_t* q, int64_t n) {
+  const float a = block_absmax(x, n);
+  const float d = a > 0.0f ? a : 1.0f;  // a block of zeros: every r is 0
+  for (int64_t i = 0; i < n; i++) {
+    const float r = std::abs(x[i]) / d;
+    q[i] = uint8_t((x[i] < 0.0f ? 0x80 : 0) | SignedCode::encode(r));
+  }
+  return a;
+}
+
+inline void dequantize_signed(const uint8_t* q, float a, float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) {
+    const float mag = SignedCode::decode(q[i] & 0x7fU) * a;
+    x[i] = bits_float(float_bits(mag) | (uint32_t(q[i] & 0x80U) << 24));  // the sign bit
+  }
+}
+
+// exp_avg_sq of n elements (one block): a nonzero value never encodes to zero, whose
+// denominator would be eps alone (the second moment's zero point, Li et al. 2023).
+inline float quantize_unsigned(const float* x, uint8_t* q, int64_t n) {
+  const float a = block_absmax(x, n);
+  const float d = a > 0.0f ? a : 1.0f;  // a block of zeros: every r is 0
+  for (int64_t i = 0; i < n; i++) {
+    const float r = std::abs(x[i]) / d;
+    const int k = UnsignedCode::encode(r);
+    q[i] = uint8_t(k | int((k == 0) & (r > 0.0f)));
+  }
+  return a;
+}
+
+inline void dequantize_unsigned(const uint8_t* q, float a, float* x, int64_t n) {
+  for (int64_t i = 0; i < n; i++) x[i] = UnsignedCode::decode(q[i]) * a;
+}
+
+}  // namespace state_codes
