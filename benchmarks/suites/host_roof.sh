@@ -21,6 +21,7 @@ N=${NUMEL:-$((1 << 28))}
 timeout 150 python3 benchmarks/host_adam_ranks.py --procs ${PROCS:-1} --numel "$N" \
   --out "$OUT/host_roof.jsonl"
 for clip in "" "--clip"; do
-  timeout 90 python3 benchmarks/host_step.py --numel "$N" $clip --out "$OUT/host_step.jsonl"
+  timeout 120 python3 benchmarks/host_step.py --numel "$N" $clip --states bf16 8bit \
+    --out "$OUT/host_step.jsonl"
 done
 echo "elapsed $((SECONDS - T0)) s"
