@@ -105,6 +105,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
              "builds (auto), or torch's fused AdamW (PROTRAIN_HOST_ADAM=torch)",
     )  # fmt: skip
     p.add_argument(
+        "--optimizer-state", choices=["fp32", "bf16", "8bit"], default="fp32",
+        help="protrain: how the host keeps offloaded chunks' Adam moments (opt-in compact "
+             "formats change the math: optimizer_state)",
+    )  # fmt: skip
+    p.add_argument(
         "--kernels", choices=["auto", "none"], default="none",
         help="protrain: Liger Kernel's fused kernels (model.kernels; auto: those of the family "
              "on a CUDA GPU where liger-kernel is installed); the row records which ran",
@@ -342,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_grad_norm": spec.max_grad_norm,
         "grad_accum": spec.grad_accum,
         "host_update": args.host_update,
+        "optimizer_state": spec.optimizer_state,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
         "kernels_setting": spec.kernels if spec.system == "protrain" else None,
         "steps": args.steps,

@@ -8,6 +8,7 @@
 #              with and without recompute, batch 1 and 8); default "full-3b"
 #   GA         micro-batches a step for the full-* rows (default 1; 4 as fine-tuning recipes)
 #   TORCH_PATH 1: also a ProTrain auto row on torch's fused AdamW (--host-update torch)
+#   STATES     also ProTrain auto rows with these opt-in host moment formats (e.g. "bf16 8bit")
 #   STEPS, WARMUP  timed and warm-up steps (default 5 and 2)
 #   START      continue at row k on the same warm machine (with the same RID)
 # One device call (600 s) holds about one workload; the ds row JIT-builds DeepSpeed's CPU Adam.
@@ -22,6 +23,7 @@ for w in ${WORKLOADS:-full-3b}; do
     A="--workload $w --grad-accum ${GA:-1}"
     specs+=("200 $A $AUTO")
     [ "${TORCH_PATH:-0}" = 1 ] && specs+=("200 $A $AUTO --host-update torch")
+    for st in ${STATES:-}; do specs+=("200 $A $AUTO --optimizer-state $st"); done
     specs+=("160 $A --system fsdp2_offload" "240 $A --system ds_z3_offload") ;;
   lora-14b) specs+=("200 --workload lora-14b $AUTO"
                     "200 --workload lora-14b --system fsdp2_offload --batch 2") ;;

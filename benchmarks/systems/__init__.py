@@ -43,6 +43,7 @@ class RowSpec:
     checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer
     profiles: Path | None = None  # protrain --auto: write the planner's profiles here
     grad_accum: int = 1  # micro-batches of `batch` rows per optimizer step
+    optimizer_state: str = "fp32"  # protrain only: the host's Adam moments (fp32, bf16, 8bit)
     kernels: str = "none"  # protrain only: model.kernels (auto | none), Liger's fused kernels
 
 

@@ -34,6 +34,7 @@ def setup(spec: RowSpec) -> Trainer:
             ("host_threads", spec.host_threads),
             ("n_device_step", spec.n_device_step),
             ("distributed_mode", spec.distributed_mode),
+            ("optimizer_state", None if spec.optimizer_state == "fp32" else spec.optimizer_state),
         )
         if v is not None
     }
