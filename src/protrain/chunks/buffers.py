@@ -11,13 +11,20 @@ the same input gradients, so their chunks are held together). A buffer pool smal
 this fails in the middle of a step; `protrain.wrap` and the planner check it before
 anything moves.
 
+A module's call holds, besides its own parameters, those of every module around it that
+is running (each pins its chunks from its pre-hook to its post-hook, and through its
+backward until its gradients are accumulated): the Mamba mixer holds ``A_log`` and ``D``
+while its ``in_proj`` runs, SigLIP's pooling head its ``probe`` around its attention.
+
 A recomputed (checkpointed) block needs more: its recompute runs while the module whose
-backward started it still holds its chunk, and a head tied to the input embedding keeps the
-embedding's chunk held until the embedding's own gradient arrives at the end of backward.
-So with recompute a module's group needs one chunk more, and one more again for a tied
-head (:func:`recompute_extra_chunks`; without it Pegasus, Marian, Qwen3-MoE, Mixtral and
-OLMoE fail in the first backward under the module rule); a block group
-holds its whole block already.
+backward started it, a module of the same block, still holds its chunks, and a head tied to
+the input embedding keeps the embedding's chunk held until the embedding's own gradient
+arrives at the end of backward. So with recompute a block needs the most chunks any two of
+its modules hold together (:func:`recompute_held_chunks`: Jamba's experts span two chunks
+and start the recompute of a mixer spanning two others), and never fewer than one chunk
+more than a module's own; one more again for a tied head (:func:`recompute_extra_chunks`;
+without them Pegasus, Marian, Qwen3-MoE, Mixtral, OLMoE and Jamba fail in the first
+backward under the module rule); a block group holds its whole block already.
 """
 
 from __future__ import annotations
@@ -26,27 +33,19 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from protrain.model.readers import direct_reads
+from protrain.model.readers import direct_reads, has_forward
 
 
 def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[str, ...]]:
     """Parameter names (full) that are resident together: each module's own parameters,
-    with those that the modules around it read without calling their owners
-    (``direct_reads``: such a reader holds them for its whole call, its children's calls
-    included), and every parameter of a block that holds frozen ones. Independent of the
-    chunk size, so the planner reads it once for every candidate size. ``blocks``: the
-    model's discovered blocks, when the caller has them."""
+    with those of the modules around it that are called (they hold theirs through the
+    call) and those that they read without calling their owners (``direct_reads``: such a
+    reader holds them for its whole call, its children's calls included), and every
+    parameter of a block that holds frozen ones. A module of a block gives a
+    :class:`ModuleGroup` that names its block. Independent of the chunk size, so the
+    planner reads it once for every candidate size. ``blocks``: the model's discovered
+    blocks, when the caller has them."""
     reads = direct_reads(model).groups
-    groups = []
-    for mname, module in model.named_modules(remove_duplicate=False):
-        prefix = f"{mname}." if mname else ""
-        names = tuple(prefix + n for n, _ in module.named_parameters(recurse=False))
-        if reads:
-            parts = mname.split(".") if mname else []
-            for i in range(len(parts) + 1):
-                names += reads.get(".".join(parts[:i]), ())
-        if names:
-            groups.append(names)
     if blocks is None:
         try:
             from protrain.model.blocks import discover_blocks
@@ -54,10 +53,43 @@ def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[
             blocks = discover_blocks(model).blocks
         except ValueError:  # no block stack: the module rule is all there is
             blocks = []
+    block_of = {f"{b.name}.{n}" if n else b.name: i for i, b in enumerate(blocks)
+                for n, _ in b.module.named_modules(remove_duplicate=False)}  # fmt: skip
+    modules = dict(model.named_modules(remove_duplicate=False))
+    groups = []
+    for mname, module in modules.items():
+        names = _own_names(mname, module)
+        parts = mname.split(".") if mname else []
+        for i in range(len(parts)):  # the modules around it, called with it
+            outer = ".".join(parts[:i])
+            if has_forward(modules[outer]):
+                names += _own_names(outer, modules[outer])
+        for i in range(len(parts) + 1):
+            names += reads.get(".".join(parts[:i]), ())
+        if names:
+            groups.append(ModuleGroup(names, block_of.get(mname)))
     for block in blocks:
         if not all(p.requires_grad for p in block.module.parameters()):
             groups.append(BlockGroup(block.param_names))
     return groups
+
+
+def _own_names(mname: str, module: nn.Module) -> tuple[str, ...]:
+    prefix = f"{mname}." if mname else ""
+    return tuple(prefix + n for n, _ in module.named_parameters(recurse=False))
+
+
+class ModuleGroup(tuple):
+    """What one module's call holds; ``block``: the index of the block it belongs to, None
+    outside the block stack (never recomputed)."""
+
+    def __new__(cls, names: tuple[str, ...], block: int | None = None):
+        group = super().__new__(cls, names)
+        group.block = block
+        return group
+
+    def __reduce__(self):
+        return (ModuleGroup, (tuple(self), self.block))
 
 
 class BlockGroup(tuple):
@@ -74,8 +106,9 @@ def min_resident_chunks(
     """Most chunks of `chunk_of` (parameter name -> chunk index, offloaded chunks only)
     that one module, or one block holding frozen parameters, needs resident at once.
     ``groups``: :func:`resident_groups` of ``model``, when the caller has it already.
-    ``recompute_extra``: chunks a recompute holds besides a module's own
-    (:func:`recompute_extra_chunks`); a block group already holds its whole block."""
+    ``recompute_extra``: with recomputed blocks, :func:`recompute_extra_chunks`: chunks a
+    recompute holds besides a module's own, one of them the starting module's, which
+    :func:`recompute_held_chunks` counts exactly; a block group holds its whole block."""
 
     def need(g) -> int:
         n = len({chunk_of[name] for name in g if name in chunk_of})
@@ -83,12 +116,27 @@ def min_resident_chunks(
 
     if groups is None:
         groups = resident_groups(model)
-    return max((need(g) for g in groups), default=0)
+    most = max((need(g) for g in groups), default=0)
+    if recompute_extra:
+        most = max(most, recompute_held_chunks(groups, chunk_of) + recompute_extra - 1)
+    return most
+
+
+def recompute_held_chunks(groups: Sequence[Sequence[str]], chunk_of: dict[str, int]) -> int:
+    """Most chunks two modules of one block hold together: the module whose backward
+    starts the block's recompute, and a module the recompute calls."""
+    per_block: dict[int, set[frozenset[int]]] = {}
+    for g in groups:
+        if isinstance(g, ModuleGroup) and g.block is not None:
+            chunks = frozenset(chunk_of[name] for name in g if name in chunk_of)
+            per_block.setdefault(g.block, set()).add(chunks)
+    return max((len(a | b) for held in per_block.values() for a in held for b in held), default=0)
 
 
 def recompute_extra_chunks(tied_head: bool) -> int:
-    """Chunks a recompute holds besides a module's own: the module whose backward started
-    it, and a tied head's embedding chunk (where offloaded), held through backward."""
+    """Chunks a recompute holds besides a module's own: at least one of the module whose
+    backward started it (:func:`recompute_held_chunks` counts all of them), and a tied
+    head's embedding chunk (where offloaded), held through backward."""
     return 1 + (1 if tied_head else 0)
 
 
