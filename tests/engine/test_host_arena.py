@@ -48,11 +48,15 @@ def test_a_forked_child_does_not_inherit_it():
     assert arena[4096].item() == 1  # the parent's stays
 
 
-def test_landing_places_of_accumulated_gradients_come_with_the_first_accumulation():
-    """A step after every backward never makes them; the first later micro-batch makes one
-    for every offloaded trainable parameter (and training stays exact: tests/engine's
-    equivalence runs accumulate)."""
+def test_landing_places_of_accumulated_gradients_come_with_the_first_accumulation(monkeypatch):
+    """On torch's host path a step after every backward never makes them; the first later
+    micro-batch makes one for every offloaded trainable parameter (and training stays
+    exact: tests/engine's equivalence runs accumulate). The one pass reads every first
+    gradient there, so it makes them at wrap (tests/engine/test_one_pass.py)."""
     import protrain
+    from protrain.optim import host_adam_ext
+
+    monkeypatch.setenv(host_adam_ext.ENV_VAR, "torch")
 
     from .models import batches, build
 

@@ -45,7 +45,7 @@ _ALLOWED = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class ParamSlot:
     """One parameter's storage in every place it lives.
 
@@ -94,6 +94,12 @@ class ParamSlot:
     @property
     def name(self) -> str:
         return self.placement.names[0]
+
+    def __repr__(self) -> str:
+        # Names and shapes only: a released chunk's parameter views storage of size 0, and
+        # reading its elements (as a default dataclass repr would) reads freed memory.
+        shape = tuple(self.device_view.shape)
+        return f"ParamSlot({self.name!r}, shape={shape}, chunk={self.chunk}, index={self.index})"
 
     def landed_grad(self) -> torch.Tensor:
         """An offloaded slot's gradient since ``zero_grad`` in fp32, where it landed: the
