@@ -354,3 +354,11 @@ def test_host_floor_is_the_update_bytes_over_the_measured_roof():
     _, terms = rt.step_s(0, 2, rt.base_compute_s, 0, breakdown=True)
     assert terms["host_floor"] == pytest.approx(params * 32 / 100e9)
     assert terms["host_bytes_per_param"] == 32
+
+
+@pytest.mark.parametrize("state, expected", [("fp32", 32.0), ("bf16", 24.0), ("8bit", 20.0625)])
+def test_host_bytes_follow_the_optimizer_state(state, expected):
+    """The compact moments move fewer bytes a step: the master's 8 plus twice the moments'."""
+    hw = dataclasses.replace(h200_like(), host_update="one_pass")
+    rt = RuntimeModel(llama1b_like(), hw, clipping=False, optimizer_state=state)
+    assert rt.host_bytes_per_param(0) == pytest.approx(expected)

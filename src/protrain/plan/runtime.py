@@ -195,6 +195,7 @@ import heapq
 import numpy as np
 
 from protrain.optim.hybrid_adamw import _UPDATE_PIECE_NUMEL
+from protrain.optim.state_format import host_state_bytes_per_param
 from protrain.plan.memory import CHECKPOINT, SWAP
 from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
@@ -239,8 +240,10 @@ class RuntimeModel:
         *,
         clipping: bool = True,
         world: World = SINGLE,
+        optimizer_state: str = "fp32",
     ):
         self.hw = hardware
+        self.optimizer_state = optimizer_state
         self.clipping = clipping
         self.world = world
         t = profile.chunks
@@ -498,7 +501,8 @@ class RuntimeModel:
             return 0.0
         grad = float(self._grad_out_chunk[off].sum()) / n
         if self.one_pass:  # landed, read; the state; written, read by the gather
-            return 2 * grad + 24 + 2 * float(self._trainable_bytes[off].sum()) / n
+            state = 2 * host_state_bytes_per_param(self.optimizer_state)
+            return 2 * grad + state + 2 * float(self._trainable_bytes[off].sum()) / n
         clip = 8.0 if self.clipping else 0.0  # torch's separate pass over the fp32 gradients
         # landed and read in fp32; the state; the master read by the gather; the write-back
         wb = float(self._write_back_chunk[off].sum()) / n

@@ -127,7 +127,9 @@ class PlanProblem:
         self.memory = MemoryModel(profile, world, optimizer, optimizer_state)
         # Gradient clipping decides when the host optimizer runs (plan.runtime's note).
         self.clipping = bool(clipping)
-        self.runtime = RuntimeModel(profile, hardware, clipping=self.clipping, world=world)
+        self.runtime = RuntimeModel(
+            profile, hardware, clipping=self.clipping, world=world, optimizer_state=optimizer_state
+        )
         # Whether the search may choose n_device_step itself. Off by default: the device step's
         # CUDA path is tested but its speed is not in the step model; until it is, device
         # steps are used only where n_device_step is fixed by the user.
