@@ -29,8 +29,8 @@ from tests.train.helpers import tiny_config, write_config
 from torch import nn
 
 from protrain.distributed.fsdp2 import size_based_units
+from protrain.train.checkpoint.convert import convert_checkpoint
 from protrain.train.config import load_config, validate_config
-from protrain.train.convert_checkpoint import convert_checkpoint
 from protrain.train.errors import ConfigError
 
 STEPS, ACCUM, WORLD = 3, 2, 2

@@ -15,7 +15,7 @@ per chunk are never units ([Note: modules that are never units] in
 sequence length. QLoRA's 4-bit base weights are sharded in the computing dtype
 ([Note: 4-bit weights under FSDP2]).
 
-Checkpoints on several ranks are sharded (`train/sharded_checkpoint.py`): every rank writes
+Checkpoints on several ranks are sharded (`train/checkpoint/sharded.py`): every rank writes
 its own dim-0 shards of the trainable parameters and their AdamW moments, named by
 parameter (`protrain.distributed.dcp_fsdp2`), with no gather, so that the chunked engine,
 plain PyTorch or this engine resume them at any world size. On one process the checkpoint

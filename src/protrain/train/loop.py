@@ -14,7 +14,7 @@
 Under `torchrun` every rank runs this story on its own GPU and its share of each step's
 micro-batches; rank 0 alone writes logs, metrics and the export (see `train/ranks.py`), and
 every rank of the chunked engine writes its own part of each checkpoint
-(`train/sharded_checkpoint.py`). A checkpoint of either format resumes at any world size
+(`train/checkpoint/sharded.py`). A checkpoint of either format resumes at any world size
 and mode under the same global batch.
 """
 
@@ -37,9 +37,11 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
-from protrain.train import frozen_inputs, rank_failure, streamed_export
-from protrain.train import sharded_checkpoint as sharded
+from protrain.train import frozen_inputs, rank_failure
 from protrain.train.attention import sdpa_backend
+from protrain.train.checkpoint import sharded, streamed_export
+from protrain.train.checkpoint.final_dir import publish, tmp_dir
+from protrain.train.checkpoint.final_dir import recover as recover_final
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
     DataError,
@@ -49,8 +51,6 @@ from protrain.train.data import (
     describe_masking,
 )
 from protrain.train.errors import ConfigError, OutputDirError
-from protrain.train.final_dir import publish, tmp_dir
-from protrain.train.final_dir import recover as recover_final
 from protrain.train.fsdp2_trainable import check_layer_classes
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
