@@ -55,7 +55,6 @@ from protrain.distributed.dcp_flat import (
     save_pieces,
     saved_keys,
 )
-from protrain.distributed.dcp_fsdp2 import fsdp2_pieces_to_save, plan_fsdp2_load
 from protrain.distributed.dcp_state import (
     STEP,
     model_key,
@@ -63,6 +62,7 @@ from protrain.distributed.dcp_state import (
     pieces_to_save,
     plan_engine_load,
 )
+from protrain.distributed.fsdp2.checkpoint import fsdp2_pieces_to_save, plan_fsdp2_load
 from protrain.train.checkpoint import directory
 from protrain.train.checkpoint.directory import (
     MANIFEST,
