@@ -2,7 +2,7 @@
 load of this rank measured: seconds and peak resident memory (``VmHWM``, reset through
 ``/proc/self/clear_refs`` before each, as `checkpoint_ranks.py` measures; Linux), one JSON
 line per event appended to ``$CHECKPOINT_PROBE_DIR/rank<r>.jsonl``. The save and load are
-the application's own (`protrain.train.sharded_checkpoint`, `protrain.train.checkpoint`),
+the application's own (`protrain.train.checkpoint.sharded`, `protrain.train.checkpoint`),
 wrapped here from outside; with ``CHECKPOINT_PROBE_NO_ROOM_CHECK=1`` (a resume that saves
 nothing) the loop's free-space check before the run is skipped; nothing else changed.
 
@@ -53,8 +53,8 @@ def _probe(what: str, fn):
 
 def main() -> int:
     import protrain.train.checkpoint as ckpt
+    import protrain.train.checkpoint.sharded as sharded
     import protrain.train.loop as loop
-    import protrain.train.sharded_checkpoint as sharded
     from protrain.cli import main as protrain_main
 
     # the loop calls them through these modules' attributes

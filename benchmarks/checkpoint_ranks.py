@@ -1,5 +1,5 @@
 """Checkpoint save and load on several CPU ranks (gloo): the sharded format, every rank
-writing its own part (`protrain.train.sharded_checkpoint`), against the plain format written
+writing its own part (`protrain.train.checkpoint.sharded`), against the plain format written
 by rank 0 from the gathered state (what several ranks did before).
 
 Wraps a Llama-shaped model on `--world` ranks in the sharded mode with every chunk
@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, args, out: str, init: str) -> None:
     from protrain.distributed.dcp_flat import load_pieces
     from protrain.distributed.dcp_state import pieces_to_save, plan_engine_load
     from protrain.train import checkpoint as ckpt
-    from protrain.train import sharded_checkpoint as sharded
+    from protrain.train.checkpoint import sharded
     from protrain.train.ranks import Ranks
 
     init_gloo(rank, world, init)

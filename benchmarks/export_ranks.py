@@ -1,5 +1,5 @@
 """The final export of a run on several CPU ranks (gloo): streamed one tensor at a time
-(`protrain.train.streamed_export`, what `protrain train` does on several ranks) against
+(`protrain.train.checkpoint.streamed_export`, what `protrain train` does on several ranks) against
 the export gathered before it (the engine closed on every rank, which puts the whole model
 back together on each, then rank 0's `save_pretrained`).
 
@@ -30,10 +30,10 @@ def _rank(rank: int, world: int, args, out: str, init: str) -> None:
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from protrain.distributed import resolve_context
+    from protrain.train.checkpoint.streamed_export import export_streamed
     from protrain.train.config import QUICKSTART_DIR, validate_config
     from protrain.train.modeling import TINY_TOKENIZER_DIR
     from protrain.train.ranks import Ranks
-    from protrain.train.streamed_export import export_streamed
 
     init_gloo(rank, world, init)
     ranks = Ranks(resolve_context())

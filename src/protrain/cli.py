@@ -364,7 +364,7 @@ def _run(args: argparse.Namespace) -> int:
 
     setup_logging()
     if args.command == "convert-checkpoint":  # no config: the checkpoint says it all
-        from protrain.train.convert_checkpoint import convert_checkpoint
+        from protrain.train.checkpoint.convert import convert_checkpoint
 
         path = convert_checkpoint(Path(args.checkpoint), Path(args.output_dir))
         print(f"converted: {path}")

@@ -47,6 +47,7 @@ from protrain.chunks.buffers import (
 from protrain.chunks.layout import ChunkLayout, params_in_order, plan_layout
 from protrain.chunks.manager import ChunkManager
 from protrain.chunks.shard import shard_multiple
+from protrain.devices import resolve_device
 from protrain.distributed import ChunkCollectives, DistContext, resolve_context
 from protrain.distributed.grad_reducer import GradReducer
 from protrain.knobs import Knobs, OptimizerSettings
@@ -255,12 +256,6 @@ def _give_back(model: nn.Module, manager, worker, hooks, originals=None) -> None
     manager.close()
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> list[dict]:
     if param_groups is None:
         return [{"params": list(trainable)}]
@@ -350,9 +345,7 @@ def wrap_target(
     # 4-bit and 8-bit layers keep their quantization state outside parameters; the chunks
     # must carry it (protrain.quant.four_bit, protrain.quant.eight_bit).
     lift_quant_state(model)
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     ctx = resolve_context(process_group)
     if distributed_mode not in (None, "sharded", "replicated"):
         raise ValueError(

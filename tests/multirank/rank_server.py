@@ -5,8 +5,8 @@ the imports each time. The server plays torchrun's part in one respect: once a r
 died, it kills the others.
 
 A rank whose environment holds `KILL_AT="<file>:<n>"` SIGKILLs itself just before it writes
-`<file>` for the nth time (`sharded_checkpoint.before_write`), or, for `_trash:<n>`, right
-after the nth checkpoint leaves the namespace while pruning (`checkpoint._trash`). With
+`<file>` for the nth time (`checkpoint.sharded.before_write`), or, for `_trash:<n>`, right
+after the nth checkpoint leaves the namespace while pruning (`checkpoint.directory.trash`). With
 `EXPORT_TWICE="<max_shard_size>"` the final export of several ranks is written twice:
 streamed (`final/`) and gathered as before streaming (`final-gathered/`), both split into
 files of at most that size. With `EXPORT_GATHERED=1` it is never streamed (as for a model
@@ -34,8 +34,8 @@ from protrain.cli import main
 def install_kill(spec):
     # "name:n": SIGKILL just before this rank writes file `name` for the nth time; "_trash:n":
     # right after the nth checkpoint leaves the namespace in pruning
-    import protrain.train.checkpoint as ckpt
-    import protrain.train.sharded_checkpoint as sharded
+    import protrain.train.checkpoint.directory as directory
+    import protrain.train.checkpoint.sharded as sharded
     name, n = spec.rsplit(":", 1)
     seen = [0]
     def count(what):
@@ -44,16 +44,16 @@ def install_kill(spec):
             if seen[0] == int(n):
                 os.kill(os.getpid(), signal.SIGKILL)
     sharded.before_write = count
-    real_trash = ckpt._trash
+    real_trash = directory.trash
     def trash(path):
         real_trash(path)
         count("_trash")
-    ckpt._trash = trash
+    directory.trash = trash
 
 def install_export_twice(max_shard_size):
     # the streamed export split at `max_shard_size`, then the gathered one (the engine
     # closed, rank 0's save_pretrained) into final-gathered, for a test to compare
-    import protrain.train.streamed_export as streamed
+    import protrain.train.checkpoint.streamed_export as streamed
     real = streamed.export_streamed
     def twice(trainable, tokenizer, final_dir, ranks, **kwargs):
         real(trainable, tokenizer, final_dir, ranks, **kwargs, max_shard_size=max_shard_size)
@@ -75,7 +75,7 @@ def child(request):
     if os.environ.get("EXPORT_TWICE"):
         install_export_twice(os.environ["EXPORT_TWICE"])
     if os.environ.get("EXPORT_GATHERED"):
-        import protrain.train.streamed_export as streamed
+        import protrain.train.checkpoint.streamed_export as streamed
         streamed.streamable = lambda trainable: "forced by the test"
     try:
         code = main(request["argv"])

@@ -5,7 +5,7 @@ on 1, 2, 3, 2 and 1 ranks in turn, for both modes, full fine-tuning and LoRA.
 Every step's global batch is the same 6 micro-batches however it is split (1 x 6, 2 x 3,
 3 x 2: train/ranks.py); one process trains with plain PyTorch and writes the plain
 checkpoint format, several ranks run the engine at different chunk sizes and write the
-sharded format (train/sharded_checkpoint.py). The constant learning rate makes each
+sharded format (train/checkpoint/sharded.py). The constant learning rate makes each
 segment's `max_steps` change nothing but where it stops. Each segment is one job of
 ranks forked from `rank_server.py`.
 """

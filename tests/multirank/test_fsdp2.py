@@ -7,7 +7,7 @@ The one-process reference is built here from the application's own pieces (token
 data, micro-batch stream, model with adapters, scheduler) and trained with
 `torch.optim.AdamW` and `clip_grad_norm_`, adding each accumulation position's
 micro-batches of both ranks first, as the engine does ([Note: gradients summed over ranks]
-in `protrain.distributed.fsdp2`). `test_fsdp2_exact.py` covers the whole matrix of wrap
+in `protrain.distributed.fsdp2.units`). `test_fsdp2_exact.py` covers the whole matrix of wrap
 policies, activation checkpointing and adapters in one process pair.
 """
 
@@ -29,8 +29,8 @@ from tests.train.helpers import tiny_config, write_config
 from torch import nn
 
 from protrain.distributed.fsdp2 import size_based_units
+from protrain.train.checkpoint.convert import convert_checkpoint
 from protrain.train.config import load_config, validate_config
-from protrain.train.convert_checkpoint import convert_checkpoint
 from protrain.train.errors import ConfigError
 
 STEPS, ACCUM, WORLD = 3, 2, 2
@@ -234,7 +234,7 @@ def test_one_process_group_is_freed_when_the_run_ends(tmp_path):
     """On one process the engine starts a group of one rank and ends it in `close`; the
     closed units (garbage in reference cycles) and DTensor's caches (their mesh) would keep
     it alive into interpreter exit ([Note: the meshes outlive the model] in
-    `protrain.distributed.fsdp2`): `stop_ranks`, the end of `protrain train`, frees it."""
+    `protrain.distributed.fsdp2.units`): `stop_ranks`, the end of `protrain train`, frees it."""
     import weakref
 
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """Explicit prefetch of the FSDP2 engine: the lists set on each sharded unit are its
 neighbours in forward and backward order, for both wrap policies, nested units and a
-frozen first unit ([Note: explicit prefetch] in `protrain.distributed.fsdp2`). One
+frozen first unit ([Note: explicit prefetch] in `protrain.distributed.fsdp2.units`). One
 process, a process group of one rank; `test_fsdp2_exact.py` trains with prefetch on two.
 
 FSDP2 has no getter for the lists: the test reads them back from the unit's FSDP state

@@ -7,7 +7,7 @@ middle of a save leaves the checkpoint before it, which resumes to the same weig
 
 Every step's global batch is the same 6 micro-batches however it is split (1 x 6, 2 x 3,
 3 x 2); one FSDP2 process writes the plain checkpoint format, several ranks the sharded
-one (`protrain.distributed.dcp_fsdp2`). FSDP2's sums over ranks run in another order than
+one (`protrain.distributed.fsdp2.checkpoint`). FSDP2's sums over ranks run in another order than
 one process's accumulation: measured here, the largest differences are 7e-8 (relative,
 losses) and 3e-7 (absolute, weights), well inside 1e-6. Ranks come from `rank_server.py`.
 """

@@ -1,5 +1,5 @@
 """The final export of several ranks, streamed one tensor at a time
-(`train/streamed_export.py`), against the export gathered on every rank that it replaces:
+(`train/checkpoint/streamed_export.py`), against the export gathered on every rank that it replaces:
 for both modes of the chunk engine and the FSDP2 engine, full fine-tuning and LoRA, on 2
 and 3 ranks, every file is the same, byte for byte. Each run writes both exports
 (`rank_server.py`'s `EXPORT_TWICE`), split into files of at most 300 KB so that the

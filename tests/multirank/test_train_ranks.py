@@ -114,7 +114,7 @@ def test_ranks_train_as_one_process(tmp_path, one_process, world, mode, clip):
         torch.testing.assert_close(got[name], w, rtol=1e-5, atol=1e-5, msg=name)
     # the checkpoints are sharded (every rank wrote its part); the last one, converted to the
     # one-process format, equals the exported model
-    from protrain.train.convert_checkpoint import convert_checkpoint
+    from protrain.train.checkpoint.convert import convert_checkpoint
 
     last = load_file(
         convert_checkpoint(run / "checkpoint-4", tmp_path / "plain") / "model.safetensors"

@@ -29,11 +29,14 @@ def child(request):
     os.dup2(fd, 2)
     os.environ.update(request.get("env", {}))
     sys.argv = request["argv"]
-    # DIE_AT="function:n:before|after": SIGKILL at the nth call of checkpoint.function
+    # DIE_AT="module.function:n:before|after": SIGKILL at the nth call of
+    # protrain.train.checkpoint.module.function
     die_at = os.environ.get("DIE_AT")
     if die_at:
-        import protrain.train.checkpoint as ckpt
-        name, n, when = die_at.split(":")
+        import importlib
+        target, n, when = die_at.split(":")
+        module, name = target.rsplit(".", 1)
+        ckpt = importlib.import_module(f"protrain.train.checkpoint.{module}")
         real, calls = getattr(ckpt, name), [0]
         def dying(*args, **kwargs):
             calls[0] += 1

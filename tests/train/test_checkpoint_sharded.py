@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import protrain.train.checkpoint as ckpt
 from protrain.cli import main
 from protrain.distributed.dcp_flat import CheckpointMismatch, read_metadata
+from protrain.train.checkpoint.convert import convert_checkpoint
 from protrain.train.config import validate_config
-from protrain.train.convert_checkpoint import convert_checkpoint
 from protrain.train.errors import OutputDirError
 from protrain.train.loop import train
 from protrain.train.run_lock import RunLock

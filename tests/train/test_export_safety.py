@@ -16,7 +16,7 @@ import torch
 
 import protrain.train.checkpoint as ckpt
 import protrain.train.loop as loop
-from protrain.train import final_dir
+from protrain.train.checkpoint import final_dir
 from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError, OutputDirError
 

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain.train.checkpoint as ckpt
+import protrain.train.checkpoint.plain as plain_ckpt
 from protrain.train.config import validate_config
 from protrain.train.errors import OutputDirError
 from protrain.train.loop import train
@@ -137,7 +138,7 @@ def test_a_checkpoint_of_another_model_is_one_error_naming_the_file(tmp_path, ot
 def test_a_signal_during_a_save_completes_it_and_the_resume_is_exact(
     tmp_path, straight6, monkeypatch
 ):
-    real, sent = ckpt._save_tensors, []
+    real, sent = plain_ckpt._save_tensors, []
 
     def save_then_signal(path: Path, tensors):
         # SIGTERM in the middle of checkpoint-2's save: after its model, before its optimizer
@@ -146,7 +147,7 @@ def test_a_signal_during_a_save_completes_it_and_the_resume_is_exact(
             sent.append(path)
         return real(path, tensors)
 
-    monkeypatch.setattr(ckpt, "_save_tensors", save_then_signal)
+    monkeypatch.setattr(plain_ckpt, "_save_tensors", save_then_signal)
     cfg = tiny_config(tmp_path, max_steps=6, save_steps=2, **STEPS)
     with pytest.raises(TrainingStopped) as info:
         train(validate_config(cfg))
@@ -160,6 +161,6 @@ def test_a_signal_during_a_save_completes_it_and_the_resume_is_exact(
     assert not any(p.name.startswith(ckpt.TMP_PREFIX) for p in run.iterdir())
     assert not (run / "final").exists()
 
-    monkeypatch.setattr(ckpt, "_save_tensors", real)
+    monkeypatch.setattr(plain_ckpt, "_save_tensors", real)
     result = train(validate_config(cfg), resume=True)
     _assert_bit_equal(result.final_dir, straight6)

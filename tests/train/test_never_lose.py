@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 import protrain.train.checkpoint as ckpt
+import protrain.train.checkpoint.plain as plain_ckpt
 from protrain.train.config import validate_config
 from protrain.train.errors import OutputDirError
 from protrain.train.loop import train
@@ -305,12 +306,12 @@ def test_kill_loop_resumes_bit_exact_and_never_shows_a_partial_checkpoint(tmp_pa
     # Kills at chosen places: mid-save, between the manifest and the rename, mid-prune
     # (renamed out, not yet removed), inside the removal of a pruned checkpoint ...
     targeted = [
-        "_save_tensors:2:before",
-        "_write_manifest:1:after",
-        "_trash:1:after",
-        "_remove_trash:2:before",
-        "_save_tensors:4:after",
-        "_trash:2:after",
+        "plain._save_tensors:2:before",
+        "directory.write_manifest:1:after",
+        "directory.trash:1:after",
+        "directory.remove_trash:2:before",
+        "plain._save_tensors:4:after",
+        "directory.trash:2:after",
     ]
     # ... then at random moments: during start-up and resume, or within a step once a new
     # checkpoint shows that steps run again (each step saves and prunes: a good share of
@@ -433,7 +434,7 @@ def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path, tmpf
 
     # Mid-save: the space check passes (left out here), the disk fills while writing.
     disk = tmpfs("disk", "size=16m")
-    monkeypatch.setattr(ckpt, "_check_free_space", lambda *a: None)
+    monkeypatch.setattr(plain_ckpt, "_check_free_space", lambda *a: None)
     monkeypatch.setattr(loop, "check_free_space", lambda *a: None)
     cfg = tiny_config(tmp_path, max_steps=4, save_steps=1, output_dir=str(disk / "run"))
     with pytest.raises(OutputDirError) as info:
@@ -489,7 +490,7 @@ _SECOND_SIGNAL_MID_SAVE = textwrap.dedent(
     """
     import os, signal, sys, threading, time
     from pathlib import Path
-    import protrain.train.checkpoint as ckpt
+    import protrain.train.checkpoint.plain as ckpt
     import protrain.train.loop as loop
     from protrain.train.config import validate_config
     from protrain.train.stop_signals import REPEAT_WINDOW_S

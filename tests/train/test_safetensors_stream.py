@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from protrain.train.streamed_export import SafetensorsStreamWriter
+from protrain.train.checkpoint.streamed_export import SafetensorsStreamWriter
 
 
 def _tensors() -> dict[str, torch.Tensor]:

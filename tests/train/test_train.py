@@ -121,7 +121,7 @@ CRASHING_RUN = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    import protrain.train.checkpoint as ckpt
+    import protrain.train.checkpoint.plain as ckpt
     from protrain.cli import main
 
     real_save = ckpt._save_tensors

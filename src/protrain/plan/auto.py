@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from protrain.devices import resolve_device
 from protrain.distributed.agree import on_main_patiently
 from protrain.distributed.process_group import NO_GROUP, resolve_context
 from protrain.plan.host_budget import SHARE, default_cpu_budget
@@ -32,15 +33,6 @@ from protrain.profile.hardware import HardwareProfile, measure_hardware
 from protrain.profile.trace import ModelProfile, hf_loss, trace_model
 
 log = logging.getLogger(__name__)
-
-
-def _device(device) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 def trace_persist(table: ChunkTable, states_budget_bytes: int) -> int | None:
@@ -94,7 +86,7 @@ def profile_model(
     carries the chunks to search (``protrain.plan.loss_chunk``). ``fixed_loss_chunk_tokens``:
     the chunk of ``loss_fn`` where the user fixed it (``memory.chunked_loss_tokens``), named
     by the error when even the offloaded trace runs out of memory."""
-    device = _device(device)
+    device = resolve_device(device)
     sample_batch, gpu_budget_bytes = request.sample_batch, request.gpu_budget_bytes
     loss_chunks, loss_fn = request.loss_chunks, request.loss_fn or hf_loss
     if sample_batch is None:
@@ -218,7 +210,7 @@ def profile_and_plan(
     With ``request.loss_chunks`` the plan's ``chunked_loss_tokens`` is the loss chunk to
     train with (None: the whole logits). The trace steps torch's AdamW whatever
     ``request.optimizer`` is."""
-    device = _device(device)
+    device = resolve_device(device)
     ctx = resolve_context(process_group)
     mode = request.knobs.distributed_mode
     if mode is not None and mode not in MODES:

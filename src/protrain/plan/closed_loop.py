@@ -60,9 +60,9 @@ from dataclasses import dataclass, field
 from protrain.plan.plan import Plan
 from protrain.plan.search import NoPlanFits, PlanProblem, search
 from protrain.profile.trace import ModelProfile
+from protrain.units import GIB
 
 log = logging.getLogger(__name__)
-_GIB = 1 << 30
 
 # A step this much slower than predicted is outside the step model's target (10% median
 # error, 20% at worst): the rates behind the prediction are wrong for this host.
@@ -143,8 +143,8 @@ def check_plan(
     log.info(
         "protrain plan check: peak predicted %.2f GiB, measured %.2f GiB (%+.1f%%); step "
         "predicted %.3f s, measured %.3f s (%+.1f%%)%s",
-        check.predicted_peak_bytes / _GIB,
-        check.measured_peak_bytes / _GIB,
+        check.predicted_peak_bytes / GIB,
+        check.measured_peak_bytes / GIB,
         100 * check.peak_error,
         check.predicted_step_s,
         check.measured_step_s,
@@ -275,7 +275,7 @@ def _correct_memory(check, plan, problem, hardware, allocated_bytes) -> bool:
         raise
     new.reasons.insert(
         0,
-        f"corrected after the first steps: the measured peak was {missing / _GIB:.2f} GiB "
+        f"corrected after the first steps: the measured peak was {missing / GIB:.2f} GiB "
         "above the prediction, counted as measured_beyond_model",
     )
     log.warning("protrain plan check: the plan would pass the budget; corrected to %s", new.knobs)

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict, dataclass, field, replace
 
 from protrain.knobs import SEARCHED, Knobs
+from protrain.units import GIB
 
 KNOBS = SEARCHED
 
@@ -89,12 +90,9 @@ class Plan:
         return explain(self)
 
 
-_GIB = 1 << 30
-
-
 def gib(n: float) -> str:
     """``n`` bytes in GiB, two decimals."""
-    return f"{n / _GIB:.2f} GiB"
+    return f"{n / GIB:.2f} GiB"
 
 
 def loss_words(plan: Plan) -> str:
@@ -117,7 +115,7 @@ def candidates_table(plan: Plan) -> str:
             str(c["n_buffer"]),
             str(c["n_swap"]),
             str(c["n_checkpoint"]),
-            f"{c['predicted_peak_bytes'] / _GIB:.2f}",
+            f"{c['predicted_peak_bytes'] / GIB:.2f}",
             f"{c['predicted_step_s']:.3f}",
             f"{c['predicted_tokens_per_s']:,.0f}",
         )

@@ -51,9 +51,9 @@ from protrain.plan.runtime import RuntimeModel
 from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
+from protrain.units import GIB
 
 log = logging.getLogger(__name__)
-_GIB = 1 << 30
 
 
 class NoPlanFits(ValueError):
@@ -465,8 +465,8 @@ def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> No
     fixed = ", ".join(f"{k}={v}" for k, v in problem.fixed.items()) or "none"
     if smallest is not None and smallest <= problem.gpu_budget_bytes:
         error = NoPlanFits(
-            f"no plan fits the host budget of {problem.cpu_budget_bytes / _GIB:.2f} GiB: the "
-            f"plans that fit the GPU budget need at least {least_host / _GIB:.2f} GiB "
+            f"no plan fits the host budget of {problem.cpu_budget_bytes / GIB:.2f} GiB: the "
+            f"plans that fit the GPU budget need at least {least_host / GIB:.2f} GiB "
             f"({least_host:.0f} bytes) of host memory (fixed knobs: {fixed})",
             None,
             kind="host",
@@ -474,8 +474,8 @@ def _no_fit(problem: PlanProblem, smallest: int | None, least_host: float) -> No
         error.least_host_bytes = int(least_host)
         return error
     return NoPlanFits(
-        f"no plan fits the GPU budget of {problem.gpu_budget_bytes / _GIB:.2f} GiB: the "
-        f"smallest budget that would work is {smallest / _GIB:.2f} GiB ({smallest} bytes) "
+        f"no plan fits the GPU budget of {problem.gpu_budget_bytes / GIB:.2f} GiB: the "
+        f"smallest budget that would work is {smallest / GIB:.2f} GiB ({smallest} bytes) "
         f"at batch {problem.profile.batch_size} x {problem.profile.seq_len} (fixed knobs: "
         f"{fixed}); lower the batch or sequence, or give a larger budget",
         smallest,
@@ -549,7 +549,7 @@ def _fixed_device_step(problem: PlanProblem, rows: list[list[int]], d: int):
     if best is None:
         raise NoPlanFits(
             f"n_device_step={d} fits none of the {len(rows)} fastest plans of the budget of "
-            f"{problem.gpu_budget_bytes / _GIB:.2f} GiB (its staging sets take device memory, "
+            f"{problem.gpu_budget_bytes / GIB:.2f} GiB (its staging sets take device memory, "
             "and it needs that many offloaded trainable chunks): use a smaller "
             "n_device_step, or leave it to the planner",
             None,

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+from protrain.devices import resolve_device
 from protrain.distributed.agree import from_main, max_over_ranks
 from protrain.distributed.collectives import all_gather_into, reduce_scatter_into
 from protrain.distributed.process_group import SINGLE, DistContext, resolve_context
@@ -131,11 +132,7 @@ def measure_hardware(
     """The rates of this machine for ``device`` (cached; ``use_cache=False`` re-measures).
     With several ranks (``process_group``, else the default group when initialized) every
     rank must call this at once; each gets the same profile."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     ctx = resolve_context(process_group)
     key = machine_key(device, ctx)
     path = cache_dir() / f"hardware-{key}.json"

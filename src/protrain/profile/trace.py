@@ -75,6 +75,7 @@ from torch import nn
 from protrain.activations import apply_activation_knobs
 from protrain.activations.swap import is_parameter_like
 from protrain.chunks.buffers import output_head
+from protrain.devices import resolve_device
 from protrain.distributed.process_group import NO_GROUP
 from protrain.engine import wrap as engine_wrap
 from protrain.knobs import Knobs, OptimizerSettings
@@ -663,11 +664,7 @@ def trace_model(
     with nothing recomputed must fit to be measured ([Note: the plain layout measured]).
     """
     t_begin = time.perf_counter()
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = resolve_device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     phases: dict[str, float] = {}

@@ -11,13 +11,13 @@ own: `tiled_mlp_tokens` (each block's MLP and norms over sequence tiles, applied
 units are sharded) and `chunked_loss_tokens` (the head over chunks of tokens inside the
 root's forward, see `forward_loss_sum`). Modules whose hooks would run once per tile or
 per chunk are never units ([Note: modules that are never units] in
-`protrain.distributed.fsdp2`), so every rank issues the same collectives whatever its
+`protrain.distributed.fsdp2.units`), so every rank issues the same collectives whatever its
 sequence length. QLoRA's 4-bit base weights are sharded in the computing dtype
 ([Note: 4-bit weights under FSDP2]).
 
-Checkpoints on several ranks are sharded (`train/sharded_checkpoint.py`): every rank writes
+Checkpoints on several ranks are sharded (`train/checkpoint/sharded.py`): every rank writes
 its own dim-0 shards of the trainable parameters and their AdamW moments, named by
-parameter (`protrain.distributed.dcp_fsdp2`), with no gather, so that the chunked engine,
+parameter (`protrain.distributed.fsdp2.checkpoint`), with no gather, so that the chunked engine,
 plain PyTorch or this engine resume them at any world size. On one process the checkpoint
 is whole, in `PlainTrainable`'s format: `model_state` and `optimizer_state` gather full
 tensors to rank 0's host (collectives), and loading takes a whole state on every rank and
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from protrain.activations.forward_wrap import wrap_forward
 from protrain.distributed.agree import alike
@@ -56,6 +55,7 @@ from protrain.distributed.fsdp2 import (
     prepare_4bit,
     release_groups,
 )
+from protrain.distributed.fsdp2.optimizer import FullStateAdamW
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
@@ -65,43 +65,12 @@ from protrain.train.trainable import Trainable, _fused_supported, optimizer_para
 FULL_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-class FullStateAdamW(torch.optim.AdamW):
-    """AdamW over sharded (DTensor) parameters that loads a whole state dict: each state
-    tensor of a parameter's full shape is cut to this rank's shard (every rank holds the
-    checkpoint, so no collective)."""
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        params = [p for group in self.param_groups for p in group["params"]]
-        state = {}
-        for index, values in state_dict["state"].items():
-            param = params[int(index)]
-            state[index] = {k: _own_shard(v, param) for k, v in values.items()}
-        super().load_state_dict({**state_dict, "state": state})
-
-
-def _own_shard(value: Any, param: torch.Tensor) -> Any:
-    if not (isinstance(param, DTensor) and isinstance(value, torch.Tensor)):
-        return value
-    if isinstance(value, DTensor) or value.shape != param.shape:
-        return value  # already a shard, or a scalar such as `step`
-    local = param.to_local()
-    shard = distribute_tensor(
-        value, param.device_mesh, param.placements, src_data_rank=None
-    ).to_local()
-    return DTensor.from_local(
-        shard.to(local.device, local.dtype),
-        param.device_mesh,
-        param.placements,
-        run_check=False,
-        shape=param.shape,
-        stride=param.stride(),
-    )
-
-
 class FSDP2Trainable(Trainable):
     """`torch.distributed.fsdp.fully_shard` over the ranks (or one), as `fsdp_config` says."""
 
-    shards_checkpoints = True  # several ranks write sharded checkpoints (dcp_fsdp2)
+    shards_checkpoints = (
+        True  # several ranks write sharded checkpoints (distributed/fsdp2/checkpoint.py)
+    )
 
     def __init__(
         self,
@@ -345,7 +314,7 @@ def _not_units(
     model: nn.Module, chunked_loss_tokens: int | None, tiled_mlp_tokens: int | None
 ) -> set[str]:
     """Modules that must not be FSDP2 units under the chunked loss and the tiled MLP (see
-    [Note: modules that are never units] in `protrain.distributed.fsdp2`)."""
+    [Note: modules that are never units] in `protrain.distributed.fsdp2.units`)."""
     names = {id(m): n for n, m in model.named_modules()}
     out: set[str] = set()
     if chunked_loss_tokens is not None:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 from protrain.plan.host_budget import available_host_bytes
 from protrain.train.errors import ConfigError
+from protrain.units import GIB
 
-_GIB = 2**30
 _HEADER_LIMIT = 100 * 2**20  # a safetensors header larger than this is not one
 
 
@@ -76,15 +76,15 @@ def check_host_memory_for_loading(
     if need <= available:
         return
     ranks = (
-        f"on each of this host's {local_ranks} ranks, {need / _GIB:.1f} GiB in all"
+        f"on each of this host's {local_ranks} ranks, {need / GIB:.1f} GiB in all"
         if local_ranks > 1
         else "on the host"
     )
     fewer = "fewer ranks on this host (torchrun --nproc-per-node), " if local_ranks > 1 else ""
     raise ConfigError(
-        f"model.name_or_path = {name_or_path!r}: loading it needs {per_rank / _GIB:.1f} GiB "
+        f"model.name_or_path = {name_or_path!r}: loading it needs {per_rank / GIB:.1f} GiB "
         f"of host memory {ranks} ({numel / 1e9:.2f} B parameters x {itemsize} bytes, "
-        f"model.dtype = {dtype_name!r}), and the host has {available / _GIB:.1f} GiB "
+        f"model.dtype = {dtype_name!r}), and the host has {available / GIB:.1f} GiB "
         f"available. Allowed: {fewer}a smaller model, model.dtype = 'bfloat16' with an "
         "adapter (lora, qlora), or a host with more memory"
     )

@@ -1,20 +1,24 @@
-"""The training loop of `protrain train`, one story from config to exported model.
+"""The training loop of `protrain train`, one story from config to exported model, told
+by `Run` in the order it happens:
 
-1. lock the output directory (one run per folder) and check it, seed everything;
-2. tokenizer and data, validated in full before anything is written;
-3. model (+ adapters), moved to the device, and the optimizer: plain AdamW, or the chunked
-   engine (`protrain.wrap`) when the `memory:` section asks for it, with knobs the planner
-   chose for the heaviest micro-batch under `memory.auto`; the LR scheduler;
-4. resume from the newest intact checkpoint when asked;
-5. the loop: gradient accumulation over micro-batches, global-norm clipping, the non-finite
-   check, optimizer and scheduler steps, metrics, evaluation and checkpoints; SIGINT and
-   SIGTERM stop it at a step boundary, saved;
-6. export: Hugging Face format for full fine-tuning, a PEFT adapter directory otherwise.
+1. `train` locks the output directory (one run per folder); `Run.setup` checks it, seeds
+   everything, reads the tokenizer and data (validated in full before anything is
+   written), builds the model (+ adapters) on the device and the optimizer: plain AdamW,
+   or the chunked engine (`protrain.wrap`) when the `memory:` section asks for it, with
+   knobs the planner chose for the heaviest micro-batch under `memory.auto`; the LR
+   scheduler;
+2. `Run.resume` continues from the newest intact checkpoint when asked;
+3. `Run.train_step`: gradient accumulation over micro-batches, global-norm clipping, the
+   non-finite check, optimizer and scheduler steps;
+4. `Run.after_step`: the plan check, metrics, evaluation and checkpoints; SIGINT and
+   SIGTERM stop the run at a step boundary, saved;
+5. `Run.export`: Hugging Face format for full fine-tuning, a PEFT adapter directory
+   otherwise.
 
 Under `torchrun` every rank runs this story on its own GPU and its share of each step's
 micro-batches; rank 0 alone writes logs, metrics and the export (see `train/ranks.py`), and
 every rank of the chunked engine writes its own part of each checkpoint
-(`train/sharded_checkpoint.py`). A checkpoint of either format resumes at any world size
+(`train/checkpoint/sharded.py`). A checkpoint of either format resumes at any world size
 and mode under the same global batch.
 """
 
@@ -37,9 +41,11 @@ from tqdm.auto import tqdm
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
-from protrain.train import frozen_inputs, rank_failure, streamed_export
-from protrain.train import sharded_checkpoint as sharded
+from protrain.train import frozen_inputs, rank_failure
 from protrain.train.attention import sdpa_backend
+from protrain.train.checkpoint import sharded, streamed_export
+from protrain.train.checkpoint.final_dir import publish, tmp_dir
+from protrain.train.checkpoint.final_dir import recover as recover_final
 from protrain.train.config import TrainConfig
 from protrain.train.data import (
     DataError,
@@ -49,8 +55,6 @@ from protrain.train.data import (
     describe_masking,
 )
 from protrain.train.errors import ConfigError, OutputDirError
-from protrain.train.final_dir import publish, tmp_dir
-from protrain.train.final_dir import recover as recover_final
 from protrain.train.fsdp2_trainable import check_layer_classes
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
@@ -143,116 +147,174 @@ def _train(
     new_global_batch: bool = False,
     accept_changed_inputs: bool = False,
 ) -> TrainResult:
-    try:  # the files every rank reads alike, before any data or model is loaded
-        frozen_inputs.check_readable(cfg)
-    except ConfigError as exc:
-        raise alike(exc) from None
-    inputs = frozen_inputs.fingerprint(cfg)
+    run = Run(cfg, output_dir, ranks=ranks, device=device)
+    run.setup(resume=resume, accept_changed_inputs=accept_changed_inputs)
+    run.resume(new_global_batch=new_global_batch)
+    return run.train()
 
-    def check_output_dir() -> Path | None:  # rank 0 alone reads, hashes and moves files
-        found = _check_output_dir(output_dir, resume)
+
+@dataclass
+class _LogWindow:
+    """What the steps since the last log line add up to. Throughput counts training time
+    only, not evaluation or checkpoint saves."""
+
+    loss: float = 0.0  # over the finite steps
+    steps: int = 0  # finite steps
+    skipped: int = 0  # steps whose loss was not finite
+    tokens: int = 0
+    seconds: float = 0.0
+    tokens_logged: int = 0  # tokens of the window already added to tokens_seen
+
+
+class Run:
+    """One training run, in the order it happens: `setup` (the output directory, the data,
+    the model and optimizer), `resume` (from a checkpoint, or a fresh start), then `train`:
+    each `train_step`, after it `after_step` (log, evaluate, save, stop), and at the end
+    `export`. Every rank runs the same calls; rank 0 alone writes files."""
+
+    def __init__(self, cfg: TrainConfig, output_dir: Path, *, ranks: Ranks, device: torch.device):
+        self.cfg, self.output_dir, self.ranks, self.device = cfg, output_dir, ranks, device
+        # micro-batches of the stream per optimizer step, all ranks together
+        self.window = cfg.gradient_accumulation_steps * ranks.world_size
+
+    # -- 1. setup: output directory, data, model, optimizer, scheduler ---------------------
+
+    def setup(self, *, resume: bool, accept_changed_inputs: bool) -> None:
+        cfg, ranks = self.cfg, self.ranks
+        try:  # the files every rank reads alike, before any data or model is loaded
+            frozen_inputs.check_readable(cfg)
+        except ConfigError as exc:
+            raise alike(exc) from None
+        self.inputs = frozen_inputs.fingerprint(cfg)
+        self.resume_from = ranks.on_main_patiently(
+            lambda: self._check_output_dir(resume, accept_changed_inputs)
+        )
+        rank_failure.note_checkpoint(self.resume_from)
+        if ranks.several:
+            logger.info(
+                "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
+                ranks.world_size,
+                "FSDP2" if cfg.fsdp_version else cfg.memory.mode or "sharded",
+                cfg.gradient_accumulation_steps,
+                ranks.world_size,
+                cfg.micro_batch_size,
+            )
+        seed_everything(cfg.seed)
+        self.autocast_dtype = resolve_autocast_dtype(
+            cfg.mixed_precision, self.device, engine=cfg.memory.engine_enabled or ranks.several
+        )
+        if cfg.fsdp is not None:  # the layers named as FSDP2 units, before data and weights
+            meta_model = model_on_meta(cfg)
+            if meta_model is not None:
+                check_layer_classes(meta_model, cfg)
+        self._setup_data()
+        self._setup_model()
+
+    def _check_output_dir(self, resume: bool, accept_changed_inputs: bool) -> Path | None:
+        """Rank 0 alone reads, hashes and moves files."""
+        found = _check_output_dir(self.output_dir, resume)
         if found is not None:
-            note = frozen_inputs.check_unchanged(found, inputs, cfg, accept_changed_inputs)
+            note = frozen_inputs.check_unchanged(
+                found, self.inputs, self.cfg, accept_changed_inputs
+            )
             if note is not None:
                 logger.warning(note)
-        needed = ckpt.space_needed_bytes(_estimate_checkpoint_bytes(cfg, found))
-        check_free_space(output_dir, needed, "a checkpoint")
+        needed = ckpt.space_needed_bytes(_estimate_checkpoint_bytes(self.cfg, found))
+        check_free_space(self.output_dir, needed, "a checkpoint")
         return found
 
-    resume_from = ranks.on_main_patiently(check_output_dir)
-    rank_failure.note_checkpoint(resume_from)
-    if ranks.several:
+    def _setup_data(self) -> None:
+        """Tokenizer and data: every row is checked here, before any output is written."""
+        cfg = self.cfg
+        positions_note = beyond_positions_note(cfg)
+        if positions_note is not None and self.ranks.is_main:
+            logger.warning(positions_note)
+        self.tokenizer = load_tokenizer(cfg)
+        processor = None  # a vision-language model's: its rows' images go through it
+        if cfg.model.name_or_path != TINY:
+            # a model kind it cannot train is refused before the data work
+            processor = load_media_processor(cfg, model_auto_class(cfg))
+        for line in describe_masking(cfg):
+            logger.info(line)
+        data_kwargs = dict(sequence_len=cfg.sequence_len, seed=cfg.seed, processor=processor)
+        try:
+            self.train_data = build_train_dataset(cfg, self.tokenizer, **data_kwargs)
+            self.eval_data = build_eval_dataset(cfg, self.tokenizer, **data_kwargs)
+        except DataError as exc:  # every rank reads and checks every row alike
+            raise alike(exc) from None  # printed once a node; --debug shows where
+        self.collate = build_collator(
+            self.tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing
+        )
+        self.stream = MicroBatchStream(len(self.train_data), cfg.micro_batch_size, cfg.seed)
+        self.total_steps = _total_steps(cfg, self.stream, self.window)
         logger.info(
-            "%d ranks (%s): each step takes %d x %d micro-batches of %d rows",
-            ranks.world_size,
-            "FSDP2" if cfg.fsdp_version else cfg.memory.mode or "sharded",
+            "data: %d training rows%s; %d optimizer steps of %d x %d micro-batches",
+            len(self.train_data),
+            f", {len(self.eval_data)} evaluation rows" if self.eval_data is not None else "",
+            self.total_steps,
             cfg.gradient_accumulation_steps,
-            ranks.world_size,
             cfg.micro_batch_size,
         )
-    seed_everything(cfg.seed)
-    autocast_dtype = resolve_autocast_dtype(
-        cfg.mixed_precision, device, engine=cfg.memory.engine_enabled or ranks.several
-    )
-    # micro-batches of the stream per optimizer step, all ranks together
-    window = cfg.gradient_accumulation_steps * ranks.world_size
 
-    if cfg.fsdp is not None:  # the layers named as FSDP2 units, before data and weights
-        meta_model = model_on_meta(cfg)
-        if meta_model is not None:
-            check_layer_classes(meta_model, cfg)
+    def _setup_model(self) -> None:
+        """Model, optimizer (plain or an engine), scheduler."""
+        cfg = self.cfg
+        _check_host_memory(cfg, self.ranks)
+        self.built = build_model(cfg, self.tokenizer)
+        if frozen_inputs.MODEL_KEY not in self.inputs:  # a hub model downloaded just now
+            self.inputs = frozen_inputs.fingerprint(cfg)
+        self.trainable = make_trainable(
+            self.built.model,
+            cfg,
+            self.device,
+            self.autocast_dtype,
+            lambda: sample_batch(cfg, self.train_data, self.collate),
+            several_ranks=self.ranks.several,
+        )
+        self.scheduler = _make_scheduler(cfg, self.trainable.optimizer, self.total_steps)
 
-    # -- 2. tokenizer and data: every row is checked here, before any output is written
-    positions_note = beyond_positions_note(cfg)
-    if positions_note is not None and ranks.is_main:
-        logger.warning(positions_note)
-    tokenizer = load_tokenizer(cfg)
-    processor = None  # a vision-language model's: its rows' images go through it
-    if cfg.model.name_or_path != TINY:
-        # a model kind it cannot train is refused before the data work
-        processor = load_media_processor(cfg, model_auto_class(cfg))
-    for line in describe_masking(cfg):
-        logger.info(line)
-    data_kwargs = dict(sequence_len=cfg.sequence_len, seed=cfg.seed, processor=processor)
-    try:
-        train_data = build_train_dataset(cfg, tokenizer, **data_kwargs)
-        eval_data = build_eval_dataset(cfg, tokenizer, **data_kwargs)
-    except DataError as exc:  # every rank reads and checks every row alike
-        raise alike(exc) from None  # printed once a node; --debug shows where
-    collate = build_collator(tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing)
-    stream = MicroBatchStream(len(train_data), cfg.micro_batch_size, cfg.seed)
-    total_steps = _total_steps(cfg, stream, window)
-    logger.info(
-        "data: %d training rows%s; %d optimizer steps of %d x %d micro-batches",
-        len(train_data),
-        f", {len(eval_data)} evaluation rows" if eval_data is not None else "",
-        total_steps,
-        cfg.gradient_accumulation_steps,
-        cfg.micro_batch_size,
-    )
+    # -- 2. resume: the checkpoint is checked against this run before anything is written --
 
-    # -- 3. model, optimizer (plain or chunked engine), scheduler
-    _check_host_memory(cfg, ranks)
-    built = build_model(cfg, tokenizer)
-    if frozen_inputs.MODEL_KEY not in inputs:  # a hub model downloaded just now
-        inputs = frozen_inputs.fingerprint(cfg)
-    trainable = make_trainable(
-        built.model,
-        cfg,
-        device,
-        autocast_dtype,
-        lambda: sample_batch(cfg, train_data, collate),
-        several_ranks=ranks.several,
-    )
-    scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
+    def resume(self, *, new_global_batch: bool) -> None:
+        cfg, ranks, output_dir = self.cfg, self.ranks, self.output_dir
+        self.data_order = {
+            "rows": len(self.train_data),
+            "micro_batch_size": cfg.micro_batch_size,
+            "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+            "seed": cfg.seed,
+            "world_size": ranks.world_size,
+        }
+        self.position, self.step, self.tokens_seen = StreamPosition(), 0, 0
+        self.last_saved = self.resume_from
+        if self.resume_from is not None:
+            self._resume_from_checkpoint(new_global_batch)
+        elif ranks.is_main:
+            if set_aside_metrics(output_dir):
+                logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
+            (output_dir / "config.yaml").write_text(_yaml(cfg))
+            logger.info("resolved config (every key) written to %s", output_dir / "config.yaml")
+        self.guard = NonFiniteGuard(
+            cfg.nonfinite, learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm
+        )
+        logger.info("checkpoints: %s", _describe_saving(cfg))
 
-    # -- 4. resume (the checkpoint is checked against this run before anything is written)
-    data_order = {
-        "rows": len(train_data),
-        "micro_batch_size": cfg.micro_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "seed": cfg.seed,
-        "world_size": ranks.world_size,
-    }
-    position, step, tokens_seen = StreamPosition(), 0, 0
-    last_saved = resume_from
-    if resume_from is not None:
+    def _resume_from_checkpoint(self, new_global_batch: bool) -> None:
+        cfg, window, resume_from = self.cfg, self.window, self.resume_from
         step, trainer_state, scheduler_state = _resume(
-            resume_from, trainable, ranks, data_order, new_global_batch
+            resume_from, self.trainable, self.ranks, self.data_order, new_global_batch
         )
         saved_window = _saved_window(trainer_state) or window  # older checkpoints: unknown
         if saved_window != window and cfg.max_steps is None:
             # the steps left are those of the new window over the micro-batches left
-            consumed = (
-                trainer_state["position"]["epoch"] * stream.micro_batches_per_epoch
-                + trainer_state["position"]["micro_batch"]
-            )
-            left = stream.micro_batches_per_epoch * cfg.num_epochs - consumed
-            total_steps = step + left // window
-            scheduler = _make_scheduler(cfg, trainable.optimizer, total_steps)
-        scheduler.load_state_dict(scheduler_state)
+            per_epoch = self.stream.micro_batches_per_epoch
+            saved = trainer_state["position"]
+            consumed = saved["epoch"] * per_epoch + saved["micro_batch"]
+            left = per_epoch * cfg.num_epochs - consumed
+            self.total_steps = step + left // window
+            self.scheduler = _make_scheduler(cfg, self.trainable.optimizer, self.total_steps)
+        self.scheduler.load_state_dict(scheduler_state)
         if saved_window != window:  # this step's learning rate on the new schedule
-            for group, lr in zip(trainable.optimizer.param_groups, scheduler.get_lr()):
+            for group, lr in zip(self.trainable.optimizer.param_groups, self.scheduler.get_lr()):
                 group["lr"] = lr
             logger.warning(
                 "--new-global-batch: %d micro-batches per step from step %d (the checkpoint's "
@@ -260,268 +322,306 @@ def _train(
                 window,
                 step,
                 saved_window,
-                total_steps,
+                self.total_steps,
             )
-        position = StreamPosition(**trainer_state["position"])
-        tokens_seen = trainer_state["tokens_seen"]
+        self.step = step
+        self.position = StreamPosition(**trainer_state["position"])
+        self.tokens_seen = trainer_state["tokens_seen"]
         logger.info("resumed from %s at step %d", resume_from, step)
-        if ranks.is_main:  # rank 0 writes
-            moved = set_aside_metrics(output_dir, after_step=step)
-            if moved:
-                logger.info(
-                    "%d metrics records after step %d moved to %s",
-                    moved,
-                    step,
-                    output_dir / "metrics.superseded.jsonl",
-                )
-                if (output_dir / "final").is_dir():  # a finished run resumed again
-                    logger.warning(
-                        "%s holds a model trained past %s (the metrics went on past step "
-                        "%d): those steps are trained again, and the export at the end "
-                        "replaces it",
-                        output_dir / "final",
-                        resume_from.name,
-                        step,
-                    )
-            _note_config_changes(output_dir / "config.yaml", cfg)
-    elif ranks.is_main:
-        if set_aside_metrics(output_dir):
-            logger.warning("metrics.jsonl of an earlier run without checkpoints moved aside")
-        (output_dir / "config.yaml").write_text(_yaml(cfg))
-        logger.info("resolved config (every key) written to %s", output_dir / "config.yaml")
-    guard = NonFiniteGuard(
-        cfg.nonfinite, learning_rate=cfg.learning_rate, max_grad_norm=cfg.max_grad_norm
-    )
-    logger.info("checkpoints: %s", _describe_saving(cfg))
+        if self.ranks.is_main:  # rank 0 writes
+            self._set_aside_later_metrics()
+            _note_config_changes(self.output_dir / "config.yaml", cfg)
 
-    def trainer_state() -> dict[str, Any]:
+    def _set_aside_later_metrics(self) -> None:
+        """The metrics records past the resumed step leave metrics.jsonl."""
+        output_dir, step = self.output_dir, self.step
+        moved = set_aside_metrics(output_dir, after_step=step)
+        if not moved:
+            return
+        logger.info(
+            "%d metrics records after step %d moved to %s",
+            moved,
+            step,
+            output_dir / "metrics.superseded.jsonl",
+        )
+        if (output_dir / "final").is_dir():  # a finished run resumed again
+            logger.warning(
+                "%s holds a model trained past %s (the metrics went on past step "
+                "%d): those steps are trained again, and the export at the end "
+                "replaces it",
+                output_dir / "final",
+                self.resume_from.name,
+                step,
+            )
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
         return {
-            "position": vars(position),
-            "tokens_seen": tokens_seen,
-            "data_order": data_order,
-            "extra": trainable.extra_state(),
-            "frozen_inputs": inputs,  # compared at --resume
+            "position": vars(self.position),
+            "tokens_seen": self.tokens_seen,
+            "data_order": self.data_order,
+            "extra": self.trainable.extra_state(),
+            "frozen_inputs": self.inputs,  # compared at --resume
         }
 
-    def save(step: int) -> Path:
+    def save(self, step: int) -> Path:
+        trainable, ranks, output_dir = self.trainable, self.ranks, self.output_dir
         if sharded.writes_sharded(trainable, ranks):  # every rank writes its own part
             return sharded.save_sharded_checkpoint(
                 output_dir,
                 step,
                 trainable=trainable,
                 ranks=ranks,
-                scheduler_state=scheduler.state_dict(),
-                trainer_state=trainer_state(),
-                save_total_limit=cfg.save_total_limit,
+                scheduler_state=self.scheduler.state_dict(),
+                trainer_state=self.trainer_state(),
+                save_total_limit=self.cfg.save_total_limit,
             )
         # one process (plain PyTorch, or either engine on one rank): rank 0 writes it whole
         model_state = trainable.model_state(copy=False)
         optimizer_state = trainable.optimizer_state(copy=False)
         path = output_dir / f"checkpoint-{step}"
         if ranks.is_main:
-            path = _save(step, model_state, optimizer_state)
+            path = ckpt.save_checkpoint(
+                output_dir,
+                step,
+                # views, not copies: a save must not double the host's model states
+                model_state=model_state,
+                optimizer_state=optimizer_state,
+                scheduler_state=self.scheduler.state_dict(),
+                trainer_state=self.trainer_state(),
+                save_total_limit=self.cfg.save_total_limit,
+                param_names=sharded.optimizer_param_names(trainable.optimizer, trainable.model),
+            )
         ranks.barrier()  # a checkpoint counts once written, for every rank
         return path
 
-    def _save(step: int, model_state, optimizer_state) -> Path:
-        return ckpt.save_checkpoint(
-            output_dir,
-            step,
-            # views, not copies: a save must not double the host's model states
-            model_state=model_state,
-            optimizer_state=optimizer_state,
-            scheduler_state=scheduler.state_dict(),
-            trainer_state=trainer_state(),
-            save_total_limit=cfg.save_total_limit,
-            param_names=sharded.optimizer_param_names(trainable.optimizer, trainable.model),
-        )
+    def _save_now(self) -> None:
+        self.last_saved = self.save(self.step)
+        rank_failure.note_checkpoint(self.last_saved)
 
-    # -- 5. the loop
-    metrics = _NoMetrics()
-    if ranks.is_main:
-        trackers = open_trackers(cfg, output_dir, cfg.model_dump(mode="json"))
-        metrics = MetricsWriter(output_dir, trackers)
-    result = TrainResult(output_dir=output_dir, final_dir=output_dir / "final", steps=step)
-    batches = stream.iterate(position)
-    progress = tqdm(
-        total=total_steps,
-        initial=step,
-        desc="train",
-        unit="step",
-        disable=None if ranks.is_main else True,
-    )
-    # Throughput counts training time only, not evaluation or checkpoint saves.
-    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-    window_skipped = 0  # steps of the window whose loss was not finite
-    tokens_logged = 0  # tokens of the current window already added to tokens_seen
-    last_save_s = time.monotonic()
-    stops = StopSignals()
-    say = progress.write if ranks.is_main else (lambda line: None)
-    failure: BaseException | None = None  # what ended the loop, for the trackers' records
-    with stops:  # the stop handlers: from the first step to the end of the export
+    # -- 3. the loop ----------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        """The steps, then the export; the stop handlers hold from the first step to the end
+        of the export."""
+        ranks = self.ranks
+        self.metrics = _NoMetrics()
+        if ranks.is_main:
+            trackers = open_trackers(self.cfg, self.output_dir, self.cfg.model_dump(mode="json"))
+            self.metrics = MetricsWriter(self.output_dir, trackers)
+        self.result = TrainResult(
+            output_dir=self.output_dir, final_dir=self.output_dir / "final", steps=self.step
+        )
+        self.batches = self.stream.iterate(self.position)
+        self.progress = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            desc="train",
+            unit="step",
+            disable=None if ranks.is_main else True,
+        )
+        self.log_window = _LogWindow()
+        self.last_save_s = time.monotonic()
+        self.stops = StopSignals()
+        self.say = self.progress.write if ranks.is_main else (lambda line: None)
+        with self.stops:
+            self._steps()
+            self.export()
+        if self.stops.requested is not None:
+            logger.warning(
+                "%s came after the last step; the export finished: the run is complete",
+                signal_name(self.stops.requested),
+            )
+        return self.result
+
+    def _steps(self) -> None:
+        failure: BaseException | None = None  # what ended the loop, for the trackers' records
         try:
             # A stop, a save and an evaluation are decided alike on every rank: each is a
             # collective of the engine in the sharded mode.
             stopping = False
-            while step < total_steps and not stopping:
-                step_start = time.perf_counter()
-                micro, n_trained = [], 0
-                for k in range(window):  # every rank counts the whole step's tokens
-                    position, rows = next(batches)
-                    batch = collate([train_data[i] for i in rows])
-                    n_trained += count_trained_tokens(batch["labels"])
-                    if k % ranks.world_size == ranks.rank:  # this rank's share
-                        micro.append(batch)
-                step_loss = 0.0
-                for i, batch in enumerate(micro):
-                    loss_sum = trainable.forward_loss_sum(batch)
-                    last = i == len(micro) - 1
-                    if last:  # read before its backward, which may begin the update
-                        step_loss = ranks.sum(step_loss + loss_sum.item())[0]
-                    trainable.backward(
-                        loss_sum / max(n_trained, 1), last=last, may_step=math.isfinite(step_loss)
-                    )
-                    if not last:
-                        step_loss += loss_sum.item()
-                    window_tokens += _n_tokens(batch)
-                grad_norm = trainable.clip_grad_norm(cfg.max_grad_norm)
-                loss = step_loss / max(n_trained, 1)
-                checked_norm = None if trainable.skips_overflow else grad_norm
-                if guard.allows(step + 1, loss, checked_norm, _saved_note(last_saved)):
-                    trainable.optimizer_step()
-                else:
-                    trainable.skip_step()
-                scheduler.step()
-                step += 1
-                result.losses.append(loss)
-                if math.isfinite(loss):  # a skipped step's loss is no part of the mean
-                    window_loss += loss
-                    window_steps += 1
-                else:
-                    window_skipped += 1
-                window_time += time.perf_counter() - step_start
-                tokens_seen += window_tokens - tokens_logged
-                tokens_logged = window_tokens
-                progress.update(1)
-
-                # A planned placement compares its prediction with the first steps once; a
-                # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
-                plan_record = trainable.check_plan(step, total_steps)
-                if plan_record is not None:
-                    metrics.write(step, plan_record)
-                    scheduler.optimizer = trainable.optimizer
-
-                if step % cfg.logging_steps == 0 or step == total_steps:
-                    if ranks.several:  # the whole job's throughput
-                        window_time = ranks.max(window_time)[0]
-                        window_tokens = int(ranks.sum(window_tokens)[0])
-                    record = {
-                        "epoch": round(stream.fractional_epoch(position), 4),
-                        # the mean over the window's finite steps (None: none was)
-                        "loss": window_loss / window_steps if window_steps else None,
-                        "lr": scheduler.get_last_lr()[0],
-                        "grad_norm": grad_norm,
-                        "tokens_per_s": window_tokens / max(window_time, 1e-9),
-                        "tokens_seen": tokens_seen,
-                    }
-                    if window_skipped:
-                        record["skipped_steps"] = window_skipped
-                    if device.type == "cuda":
-                        record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-                    metrics.write(step, record)
-                    postfix = {
-                        "loss": "-" if record["loss"] is None else f"{record['loss']:.4f}",
-                        "lr": f"{record['lr']:.2e}",
-                        "tok_s": f"{record['tokens_per_s']:.0f}",
-                    }
-                    if "gpu_peak_gib" in record:
-                        postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
-                    progress.set_postfix(postfix)
-                    say(_format_log(step, total_steps, record))
-                    window_loss, window_steps, window_tokens, window_time = 0.0, 0, 0, 0.0
-                    window_skipped = tokens_logged = 0
-
-                stopping = ranks.any(stops.requested is not None)
-                if (
-                    eval_data is not None
-                    and not stopping
-                    and cfg.eval.steps
-                    and (step % cfg.eval.steps == 0 or step == total_steps)
-                ):
-                    eval_loss = evaluate(trainable, eval_data, collate, cfg)
-                    metrics.write(step, {"eval_loss": eval_loss})
-                    say(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
-                    # a signal that came during the evaluation stops the run here, saved
-                    stopping = ranks.any(stops.requested is not None)
-
-                if ranks.any(_save_due(cfg, step, total_steps, last_save_s)) or stopping:
-                    last_saved = save(step)
-                    rank_failure.note_checkpoint(last_saved)
-                    last_save_s = time.monotonic()
-                    logger.info("saved %s", last_saved)
-                    # a signal that came during the save stops the run here, not a step later
-                    stopping = ranks.any(stops.requested is not None)
-            if ranks.several:  # a signal to any rank stops them all, saved alike
-                signum = int(ranks.max(stops.requested or 0)[0])
-                stops.requested = signum or None
-            if stops.requested is not None:
-                if last_saved != output_dir / f"checkpoint-{step}":
-                    last_saved = save(step)
-                    rank_failure.note_checkpoint(last_saved)
-                name = signal_name(stops.requested)
-                if ranks.is_main:  # the job's stop, said once
-                    logger.warning(
-                        "stopped by %s at step %d/%d, saved in %s; resume with: %s",
-                        name,
-                        step,
-                        total_steps,
-                        last_saved,
-                        resume_command(),
-                    )
-                raise TrainingStopped(stops.requested)
+            while self.step < self.total_steps and not stopping:
+                grad_norm = self.train_step()
+                stopping = self.after_step(grad_norm)
+            self._stop_if_requested()
         except BaseException as exc:
             failure = exc
-            if not ranks.several:
+            if not self.ranks.several:
                 # the engine's threads and buffers; the weights are not needed again (what
                 # the run keeps is saved), and may be half stepped (a step refused as not
                 # finite after its update began inside the backward)
-                trainable.close(keep_weights=False)
+                self.trainable.close(keep_weights=False)
             # Several ranks: closing the engine is a collective (it gathers sharded chunks),
             # which the other ranks, stopped elsewhere, never join: this rank would wait for
             # them until the group's timeout instead of ending the job with its message. The
             # process is about to exit and the OS takes its memory and daemon threads back.
             raise
         finally:
-            progress.close()
-            metrics.close(failure)
+            self.progress.close()
+            self.metrics.close(failure)
 
-        # -- 6. export
+    def _next_micro_batches(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """This rank's share of the step's micro-batches, and the step's trained tokens
+        over all ranks."""
+        micro, n_trained = [], 0
+        for k in range(self.window):  # every rank counts the whole step's tokens
+            self.position, rows = next(self.batches)
+            batch = self.collate([self.train_data[i] for i in rows])
+            n_trained += count_trained_tokens(batch["labels"])
+            if k % self.ranks.world_size == self.ranks.rank:  # this rank's share
+                micro.append(batch)
+        return micro, n_trained
+
+    def train_step(self) -> float:
+        """One optimizer step over the window's micro-batches; its gradient norm."""
+        trainable, w = self.trainable, self.log_window
+        step_start = time.perf_counter()
+        micro, n_trained = self._next_micro_batches()
+        step_loss = 0.0
+        for i, batch in enumerate(micro):
+            loss_sum = trainable.forward_loss_sum(batch)
+            last = i == len(micro) - 1
+            if last:  # read before its backward, which may begin the update
+                step_loss = self.ranks.sum(step_loss + loss_sum.item())[0]
+            trainable.backward(
+                loss_sum / max(n_trained, 1), last=last, may_step=math.isfinite(step_loss)
+            )
+            if not last:
+                step_loss += loss_sum.item()
+            w.tokens += _n_tokens(batch)
+        grad_norm = trainable.clip_grad_norm(self.cfg.max_grad_norm)
+        loss = step_loss / max(n_trained, 1)
+        checked_norm = None if trainable.skips_overflow else grad_norm
+        if self.guard.allows(self.step + 1, loss, checked_norm, _saved_note(self.last_saved)):
+            trainable.optimizer_step()
+        else:
+            trainable.skip_step()
+        self.scheduler.step()
+        self.step += 1
+        self.result.losses.append(loss)
+        if math.isfinite(loss):  # a skipped step's loss is no part of the mean
+            w.loss += loss
+            w.steps += 1
+        else:
+            w.skipped += 1
+        w.seconds += time.perf_counter() - step_start
+        self.tokens_seen += w.tokens - w.tokens_logged
+        w.tokens_logged = w.tokens
+        self.progress.update(1)
+        return grad_norm
+
+    # -- 4. after the step: plan check, log, evaluate, save, stop --------------------------
+
+    def after_step(self, grad_norm: float) -> bool:
+        """What follows a step; True where the run stops here."""
+        cfg, ranks, step, total_steps = self.cfg, self.ranks, self.step, self.total_steps
+        # A planned placement compares its prediction with the first steps once; a
+        # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
+        plan_record = self.trainable.check_plan(step, total_steps)
+        if plan_record is not None:
+            self.metrics.write(step, plan_record)
+            self.scheduler.optimizer = self.trainable.optimizer
+        if step % cfg.logging_steps == 0 or step == total_steps:
+            self._log(grad_norm)
+        stopping = ranks.any(self.stops.requested is not None)
+        if (
+            self.eval_data is not None
+            and not stopping
+            and cfg.eval.steps
+            and (step % cfg.eval.steps == 0 or step == total_steps)
+        ):
+            eval_loss = evaluate(self.trainable, self.eval_data, self.collate, cfg)
+            self.metrics.write(step, {"eval_loss": eval_loss})
+            self.say(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
+            # a signal that came during the evaluation stops the run here, saved
+            stopping = ranks.any(self.stops.requested is not None)
+        if ranks.any(_save_due(cfg, step, total_steps, self.last_save_s)) or stopping:
+            self._save_now()
+            self.last_save_s = time.monotonic()
+            logger.info("saved %s", self.last_saved)
+            # a signal that came during the save stops the run here, not a step later
+            stopping = ranks.any(self.stops.requested is not None)
+        return stopping
+
+    def _log(self, grad_norm: float) -> None:
+        """The window's record to the metrics, the progress bar and the log."""
+        w, ranks = self.log_window, self.ranks
+        if ranks.several:  # the whole job's throughput
+            w.seconds = ranks.max(w.seconds)[0]
+            w.tokens = int(ranks.sum(w.tokens)[0])
+        record = {
+            "epoch": round(self.stream.fractional_epoch(self.position), 4),
+            # the mean over the window's finite steps (None: none was)
+            "loss": w.loss / w.steps if w.steps else None,
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm,
+            "tokens_per_s": w.tokens / max(w.seconds, 1e-9),
+            "tokens_seen": self.tokens_seen,
+        }
+        if w.skipped:
+            record["skipped_steps"] = w.skipped
+        if self.device.type == "cuda":
+            record["gpu_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.metrics.write(self.step, record)
+        postfix = {
+            "loss": "-" if record["loss"] is None else f"{record['loss']:.4f}",
+            "lr": f"{record['lr']:.2e}",
+            "tok_s": f"{record['tokens_per_s']:.0f}",
+        }
+        if "gpu_peak_gib" in record:
+            postfix["gpu_gib"] = f"{record['gpu_peak_gib']:.1f}"
+        self.progress.set_postfix(postfix)
+        self.say(_format_log(self.step, self.total_steps, record))
+        self.log_window = _LogWindow()
+
+    def _stop_if_requested(self) -> None:
+        """A stop signal: save where the last save was not this step, and stop."""
+        ranks, stops = self.ranks, self.stops
+        if ranks.several:  # a signal to any rank stops them all, saved alike
+            signum = int(ranks.max(stops.requested or 0)[0])
+            stops.requested = signum or None
+        if stops.requested is None:
+            return
+        if self.last_saved != self.output_dir / f"checkpoint-{self.step}":
+            self._save_now()
+        if ranks.is_main:  # the job's stop, said once
+            logger.warning(
+                "stopped by %s at step %d/%d, saved in %s; resume with: %s",
+                signal_name(stops.requested),
+                self.step,
+                self.total_steps,
+                self.last_saved,
+                resume_command(),
+            )
+        raise TrainingStopped(stops.requested)
+
+    # -- 5. export ------------------------------------------------------------------------
+
+    def export(self) -> None:
+        result, step, total_steps = self.result, self.step, self.total_steps
         result.steps = step
         # A stop signal now lets the export finish (the model is the run's result; the
         # steps since the last checkpoint exist nowhere else); another one, past the
         # repeat window ([Note: repeated signals] in stop_signals.py), ends the process at
         # once. The same handlers as the loop's: no moment between the two.
-        stops.finishing = "the export of the trained model"
+        self.stops.finishing = "the export of the trained model"
         try:
-            streamed = _write_final(trainable, built, cfg, ranks, result.final_dir)
+            streamed = _write_final(
+                self.trainable, self.built, self.cfg, self.ranks, result.final_dir
+            )
         except NonFiniteError:
             raise  # it says what is kept
         except OutputDirError as exc:  # one line: what failed, and what is kept
-            note = _export_failed_note(last_saved, step, total_steps)
+            note = _export_failed_note(self.last_saved, step, total_steps)
             raise OutputDirError(f"{exc}; {note}") from None
         except Exception:
-            if ranks.is_main:
-                logger.error(_export_failed_note(last_saved, step, total_steps))
+            if self.ranks.is_main:
+                logger.error(_export_failed_note(self.last_saved, step, total_steps))
             raise
-        ranks.barrier()
-        trainable.close(keep_weights=not streamed)  # streamed: nothing to gather back
+        self.ranks.barrier()
+        self.trainable.close(keep_weights=not streamed)  # streamed: nothing to gather back
         logger.info("exported the trained model to %s", result.final_dir)
-    if stops.requested is not None:
-        logger.warning(
-            "%s came after the last step; the export finished: the run is complete",
-            signal_name(stops.requested),
-        )
-    return result
 
 
 def _write_final(

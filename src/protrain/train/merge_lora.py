@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
+from protrain.train.checkpoint.final_dir import publish, tmp_dir
 from protrain.train.errors import ConfigError, OutputDirError
-from protrain.train.final_dir import publish, tmp_dir
 from protrain.train.log import logger
 from protrain.train.modeling import DTYPES, TOKENIZER_FILES
 from protrain.train.run_lock import check_free_space

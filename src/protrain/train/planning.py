@@ -20,8 +20,7 @@ from protrain.train.errors import ConfigError
 from protrain.train.heaviest_batch import heaviest_batch
 from protrain.train.log import logger
 from protrain.train.loss import count_trained_tokens, loss_sum
-
-_GIB = 1 << 30
+from protrain.units import GIB
 
 
 def sample_batch(cfg: TrainConfig, train_data, collate) -> dict[str, torch.Tensor]:
@@ -190,7 +189,7 @@ def no_plan_fits_message(exc, settings: PlanSettings) -> str:
 
 def _size(n: int) -> str:
     """Rounded up, so that the named size is enough."""
-    for unit, name in ((_GIB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
+    for unit, name in ((GIB, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")):
         if n >= unit:
             return f"{math.ceil(n * 100 / unit) / 100:.2f}{name}"
     return f"{n}B"

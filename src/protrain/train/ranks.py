@@ -11,7 +11,7 @@ of the global batch, as on one process.
 
 Rank 0 alone writes the lock, metrics, logs, the progress bar, the export and each
 checkpoint's metadata and rename; every rank writes its own part of a checkpoint
-(`sharded_checkpoint.py`). Every rank takes part in what is a collective in the engine
+(`checkpoint/sharded.py`). Every rank takes part in what is a collective in the engine
 (state dicts and close in the sharded mode), and decisions that must be the same everywhere (skip a non-finite step, stop
 on a signal) are made from values reduced over ranks.
 """

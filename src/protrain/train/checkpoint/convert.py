@@ -24,8 +24,9 @@ import torch
 
 from protrain.distributed.dcp_flat import FlatPiece, load_pieces, saved_keys
 from protrain.distributed.dcp_state import model_key, optim_key
-from protrain.train import checkpoint as ckpt
-from protrain.train import sharded_checkpoint as sharded
+from protrain.train.checkpoint import plain as ckpt
+from protrain.train.checkpoint import sharded
+from protrain.train.checkpoint.directory import CHECKPOINT_RE, SHARDED, checkpoint_format, verify
 from protrain.train.errors import OutputDirError
 from protrain.train.log import logger
 from protrain.train.ranks import Ranks
@@ -38,9 +39,9 @@ def convert_checkpoint(src: Path, output_dir: Path) -> Path:
     src, output_dir = Path(src), Path(output_dir)
     if not src.exists():
         raise OutputDirError(f"convert-checkpoint: {str(src)!r} does not exist")
-    if not ckpt.CHECKPOINT_RE.match(src.name) or not src.is_dir():
+    if not CHECKPOINT_RE.match(src.name) or not src.is_dir():
         raise OutputDirError(f"convert-checkpoint: {str(src)!r} is not a checkpoint-<step> folder")
-    problem = ckpt.verify(src)
+    problem = verify(src)
     if problem is not None:
         raise OutputDirError(f"convert-checkpoint: {src} is damaged ({problem}); nothing written")
     try:
@@ -53,7 +54,7 @@ def convert_checkpoint(src: Path, output_dir: Path) -> Path:
             raise OutputDirError(
                 f"convert-checkpoint: {dst} already exists; choose another output directory"
             )
-        if ckpt.checkpoint_format(src) == ckpt.SHARDED:
+        if checkpoint_format(src) == SHARDED:
             return _to_plain(src, output_dir)
         return _to_sharded(src, output_dir)
     finally:

@@ -104,7 +104,7 @@ from protrain.quant import is_4bit_linear
 
 TRANSFORMER_BASED_WRAP = "TRANSFORMER_BASED_WRAP"
 SIZE_BASED_WRAP = "SIZE_BASED_WRAP"
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("protrain.distributed.fsdp2")  # the engine's one logger
 
 DEFAULT_MIN_NUM_PARAMS = int(1e8)  # accelerate's and FSDP1's default
 

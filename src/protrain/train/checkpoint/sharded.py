@@ -2,7 +2,7 @@
 own part, in parallel, and any number of ranks in any mode or engine (or one process)
 resumes from it.
 
-Layout of `checkpoint-<step>/` (see `checkpoint.py` for the plain format beside it):
+Layout of `checkpoint-<step>/` (see `plain.py` for the plain format beside it):
     .metadata, __<rank>_0.distcp   torch.distributed.checkpoint: the fp32 masters and Adam
                                    state of the trainable parameters, named by parameter
                                    (`protrain.distributed.dcp_state`), and each rank's torch
@@ -17,7 +17,7 @@ Rank 0 makes `.tmp-checkpoint-<step>`; after a barrier every rank writes its `.d
 through DCP (whose coordinator, rank 0, writes `.metadata` once all ranks' data is
 written) and hashes its own file; rank 0 gathers the hashes, writes `state.json` and the
 manifest, and renames the directory into place, then prunes (complete checkpoints only,
-[Note: pruning] in `checkpoint.py`); a last barrier makes the checkpoint count for every
+[Note: pruning] in `directory.py`); a last barrier makes the checkpoint count for every
 rank. A rank killed at any moment leaves either no `checkpoint-<step>` (the `.tmp-*` is
 removed by the next `--resume`, or completed when its manifest verifies) or a complete one:
 the previous checkpoint is untouched until the new one is in place. A rank that dies stops
@@ -55,7 +55,6 @@ from protrain.distributed.dcp_flat import (
     save_pieces,
     saved_keys,
 )
-from protrain.distributed.dcp_fsdp2 import fsdp2_pieces_to_save, plan_fsdp2_load
 from protrain.distributed.dcp_state import (
     STEP,
     model_key,
@@ -63,12 +62,23 @@ from protrain.distributed.dcp_state import (
     pieces_to_save,
     plan_engine_load,
 )
-from protrain.train import checkpoint as ckpt
+from protrain.distributed.fsdp2.checkpoint import fsdp2_pieces_to_save, plan_fsdp2_load
+from protrain.train.checkpoint import directory
+from protrain.train.checkpoint.directory import (
+    MANIFEST,
+    SHARDED,
+    TMP_PREFIX,
+    check_sizes,
+    list_checkpoints,
+    newest_note,
+    space_needed_bytes,
+)
+from protrain.train.checkpoint.disk import NO_SPACE, format_size, fsync_path, hash_files, write_text
+from protrain.train.checkpoint.plain import capture_rng, json_scalars, saved_param_groups
 from protrain.train.errors import OutputDirError
 from protrain.train.nonfinite import NonFiniteError, first_nonfinite
 from protrain.train.ranks import Ranks
 
-# `ckpt`: the plain format's file helpers (write, fsync, hash, trash) serve both formats.
 FORMAT_VERSION = 1
 # Called with a file's name just before this rank writes it (tests kill a rank there).
 before_write: Callable[[str], None] | None = None
@@ -142,7 +152,7 @@ def write_sharded(
     with this process's RNG states; see [Note: atomic across ranks]. A collective."""
     group = ranks.ctx.group if ranks.several else None
     final = output_dir / f"checkpoint-{step}"
-    tmp = output_dir / f"{ckpt.TMP_PREFIX}{step}"
+    tmp = output_dir / f"{TMP_PREFIX}{step}"
     model_pieces = {p.key: p.tensor for p in pieces if p.key.startswith("model/")}
     bad_name = _first_of_all(ranks, first_nonfinite(model_pieces))
     if bad_name is not None:
@@ -159,7 +169,7 @@ def write_sharded(
         problem = _prepare(output_dir, final, tmp, total_bytes)
     _raise_on_every_rank(ranks, problem)
 
-    rng_tensors, rng_json = ckpt._capture_rng()
+    rng_tensors, rng_json = capture_rng()
     pieces = pieces + [
         FlatPiece(f"rng/{ranks.rank}/{k}", v.reshape(-1).contiguous(), 0, v.numel())
         for k, v in rng_tensors.items()
@@ -200,7 +210,7 @@ class Resumed:
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    """`state.json` of a sharded checkpoint that `ckpt.verify` passed."""
+    """`state.json` of a sharded checkpoint that `verify` passed."""
     try:
         state = json.loads((path / "state.json").read_text())
     except (OSError, ValueError) as exc:
@@ -275,13 +285,13 @@ def _prepare(output_dir: Path, final: Path, tmp: Path, total_bytes: int) -> str 
     """Rank 0: room on the disk, a fresh `.tmp-*`; what is wrong, or None."""
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
-        needed = total_bytes + ckpt._SPACE_MARGIN_BYTES
+        needed = space_needed_bytes(total_bytes)
         free = shutil.disk_usage(output_dir).free
         if free < needed:
             return (
                 f"not enough space in output_dir {str(output_dir)!r} for {final.name}: it "
-                f"needs about {ckpt._size(needed)}, {ckpt._size(free)} are free; nothing was "
-                f"written, {ckpt._newest_note(output_dir)}; free some space, then resume"
+                f"needs about {format_size(needed)}, {format_size(free)} are free; nothing was "
+                f"written, {newest_note(output_dir)}; free some space, then resume"
             )
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -298,23 +308,23 @@ def _errno_of(exc: OSError | None) -> int | None:
 
 
 def _write_failed(output_dir: Path, step: int, code: int, total_bytes: int) -> str:
-    if code in (errno.ENOSPC, errno.EDQUOT):
+    if code in NO_SPACE:
         return (
             f"no space left in output_dir {str(output_dir)!r} while saving checkpoint-{step} "
-            f"(it needs about {ckpt._size(total_bytes)}); nothing of it was kept, "
-            f"{ckpt._newest_note(output_dir)}; free some space, then resume"
+            f"(it needs about {format_size(total_bytes)}); nothing of it was kept, "
+            f"{newest_note(output_dir)}; free some space, then resume"
         )
     return (
         f"checkpoint-{step} could not be written to output_dir {str(output_dir)!r} "
         f"({errno.errorcode.get(code, code)}); nothing of it was kept, "
-        f"{ckpt._newest_note(output_dir)}"
+        f"{newest_note(output_dir)}"
     )
 
 
 def _hash_own_files(tmp: Path, rank: int) -> dict[str, tuple[int, str]]:
     """This rank's data files, hashed here (every rank reads back its own, in parallel)."""
     files = sorted(tmp.glob(f"__{rank}_*.distcp"))
-    hashes = ckpt._hash_files(files)
+    hashes = hash_files(files)
     return {p.name: (p.stat().st_size, hashes[p]) for p in files}
 
 
@@ -331,31 +341,31 @@ def _publish(
     pruning. What went wrong, or None."""
     try:
         _about_to_write("state.json")
-        ckpt._write_text(tmp / "state.json", json.dumps(state, indent=1))
-        _about_to_write(ckpt.MANIFEST)
-        ckpt._write_manifest(tmp, known, ckpt.SHARDED)
-        ckpt.fsync_path(tmp)
-        problem = ckpt.check_sizes(tmp)
+        write_text(tmp / "state.json", json.dumps(state, indent=1))
+        _about_to_write(MANIFEST)
+        directory.write_manifest(tmp, known, SHARDED)
+        fsync_path(tmp)
+        problem = check_sizes(tmp)
         if problem is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             return f"checkpoint-{step} failed its check before it was put in place: {problem}"
         _about_to_write(final.name)
         if final.exists():  # the same step saved again: the old copy leaves the namespace first
-            ckpt._trash(final)
+            directory.trash(final)
         tmp.rename(final)
-        ckpt.fsync_path(output_dir)
+        fsync_path(output_dir)
         if save_total_limit is not None:
-            for stale in ckpt.list_checkpoints(output_dir)[:-save_total_limit]:
+            for stale in list_checkpoints(output_dir)[:-save_total_limit]:
                 if stale != final:
-                    ckpt._trash(stale)
-        ckpt._remove_trash(output_dir)
+                    directory.trash(stale)
+        directory.remove_trash(output_dir)
     except OSError as exc:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        if exc.errno in NO_SPACE:
             return (
                 f"no space left in output_dir {str(output_dir)!r} while saving "
-                f"checkpoint-{step}; nothing of it was kept, {ckpt._newest_note(output_dir)}; "
+                f"checkpoint-{step}; nothing of it was kept, {newest_note(output_dir)}; "
                 "free some space, then resume"
             )
         raise
@@ -414,7 +424,7 @@ def _optimizer_meta(optimizer, model) -> dict[str, Any]:
     }
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and scaler.enabled:
-        meta["loss_scaler"] = ckpt._json_scalars(scaler.state_dict())
+        meta["loss_scaler"] = json_scalars(scaler.state_dict())
     return meta
 
 
@@ -470,7 +480,7 @@ def _load_whole(path: Path, trainable, state: dict[str, Any]) -> None:
     opt_state = {
         index[id(params[name])]: st for name, st in moments.items() if id(params[name]) in index
     }
-    sd = {"state": opt_state, "param_groups": ckpt.saved_param_groups(meta["param_groups"])}
+    sd = {"state": opt_state, "param_groups": saved_param_groups(meta["param_groups"])}
     if "loss_scaler" in meta and getattr(trainable.optimizer, "scaler", None) is not None:
         sd["loss_scaler"] = meta["loss_scaler"]
     trainable.optimizer.load_state_dict(sd)

@@ -20,7 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
-from protrain.train.checkpoint import fsync_path
+from protrain.train.checkpoint.disk import fsync_path
 
 
 def tmp_dir(final: Path) -> Path:

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from protrain.train.final_dir import publish, tmp_dir
+from protrain.train.checkpoint.final_dir import publish, tmp_dir
 from protrain.train.modeling import trained_adapter_names
 
 if TYPE_CHECKING:
