@@ -153,7 +153,9 @@ class ProTrainTrainer(Trainer):
         request = None
         if sample_batch is not None and config.planned:
             # the host optimizer's schedule the run uses (inside backward or after it)
-            request = config.plan_request(sample_batch, clipping=not self._step_in_backward)
+            request = config.plan_request(
+                sample_batch, clipping=not self._step_in_backward, optimizer=self._optimizer_name
+            )
         optim = OptimizerSettings(
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
