@@ -1,35 +1,30 @@
 """``ProTrainPlugin``: axolotl trains with ProTrain's engine and its memory plan.
 
-Checked against axolotl 0.19.0 (``axolotl/integrations/base.py``, ``core/builders/causal.py``,
-``train.py``). Only public plugin hooks are used, in the order axolotl calls them:
+Written against axolotl 0.21.0 (``axolotl/integrations/base.py``, ``integrations/config.py``,
+``cli/config.py``, ``core/builders/causal.py``, ``train.py``). Only public plugin hooks are used,
+in the order axolotl calls them:
 
-- ``register``: turns off axolotl's fused LoRA kernels where the config leaves them unset
-  (axolotl would switch them on), said once in the log: their autograd functions read the
-  base layers' weights directly, outside the modules whose hooks make an offloaded chunk
-  resident.
-- ``get_input_args``: the ``protrain_memory`` section joins axolotl's schema (``args.py``).
-- ``pre_model_load``: refuses, with the key's name, what the engine cannot run or would
-  silently change (its own activation checkpointing, fp16, other optimizers or optimizer
-  groups, DeepSpeed / FSDP, RL and reward trainers).
-- ``get_training_args``: the Trainer's ``bf16`` / ``fp16`` off, since the engine computes
-  in ``bf16`` itself when the config asks for it (``ProTrainConfig.compute_dtype``).
+- ``register`` (on the raw YAML, before axolotl validates it): takes over what the engine
+  does itself, each said once in the log: ``gradient_checkpointing`` (the plan places
+  activations), ``bf16: true / auto`` (the engine's compute dtype), flash-attention where
+  its kernel cannot run here (sdpa), axolotl's fused LoRA kernels left unset (off: they
+  read the base layers' weights outside the modules whose hooks make a chunk resident).
+  It also sends protrain's log lines through axolotl's logger (``console.py``).
+- ``get_input_args``: the ``protrain_memory`` section joins axolotl's schema (``args.py``),
+  whose validator refuses, when axolotl loads the config, what cannot run.
+- ``get_training_args``: the engine's compute dtype and activation policy as the Trainer's
+  ``bf16`` / ``gradient_checkpointing``, which ``ProTrainTrainer`` takes over.
 - ``get_trainer_cls``: axolotl's own ``AxolotlTrainer`` with ``ProTrainTrainer`` in front
-  (``protrain.integrations.transformers``): the engine's model and optimizer, clipping,
-  ``step_in_backward``, checkpoints and exact resume, and, with ``auto: true``, the plan from
-  the heaviest micro-batch of the Trainer's dataset. axolotl 0.19.0 never calls the plugin's ``create_optimizer``
-  (``PluginManager.create_optimizer`` has no caller), so the optimizer comes from the
-  trainer class (``ProTrainTrainer.create_optimizer``).
-- ``post_trainer_create``: checks the trainer is that class (another plugin's trainer class
-  may come first).
-- ``post_train``: gives the engine back (``ProTrainTrainer.close``): the model is the plain
-  module again, holding the trained weights, so the ``model.save_pretrained`` axolotl runs
-  next writes a normal HF / PEFT directory. Checkpoints during training were written by
-  ``ProTrainTrainer.save_model`` while wrapped.
+  (``protrain.integrations.transformers``); the optimizer comes from the trainer class
+  (``ProTrainTrainer.create_optimizer``): the 8-bit AdamW names are the engine's 8-bit AdamW.
+- ``post_trainer_create``: checks the trainer is that class.
+- ``post_train``: gives the engine back (``ProTrainTrainer.close``), so that the
+  ``model.save_pretrained`` axolotl runs next writes a normal HF / PEFT directory.
 
 [Note: importing axolotl]
 axolotl pins transformers, peft and trl to versions other than those protrain[hf] is tested
-with (0.19.0: transformers 5.16.1, peft 0.20.0, trl 1.9.0), so it is an optional extra that
-may be absent. axolotl loads a plugin by importing it and calling its hooks; it checks no
+with (0.21.0: transformers 5.20.1, peft 0.21.2, trl 1.14.1), so it lives in an environment of
+its own and may be absent here. axolotl loads a plugin by importing it and calling its hooks; it checks no
 base class. The plugin subclasses ``BasePlugin`` when axolotl is importable, and plain
 ``object`` otherwise (nothing then calls it); axolotl's trainer class is imported only in
 ``get_trainer_cls``, when axolotl is running.
