@@ -249,7 +249,7 @@ def test_lora_1b_keys_train_under_the_engine(axolotl_api, tiny_model_dir, tmp_pa
     memory = {"auto": True, "gpu_budget": "100MiB", "n_persist": 1, "chunk_size": "512KiB"}
     raw = example_config(tmp_path, tiny_model_dir, protrain_memory=memory,
                          gradient_checkpointing=True, bf16="auto", optimizer="adamw_8bit")  # fmt: skip
-    raw.pop("fp16")
+    raw.pop("fp16", None)
     trainer, _ = run_like_axolotl(raw)
     assert trainer._optimizer_name == "adamw_8bit"
     losses = step_losses(trainer)
