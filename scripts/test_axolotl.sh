@@ -26,6 +26,8 @@ fi
 # protrain from this checkout, on axolotl's pins (its own dependencies are among them)
 "$venv/bin/python" -m pip install -q --no-deps -e .
 
+# axolotl launches `accelerate` from the PATH
+export PATH="$(cd "$venv" && pwd)/bin:$PATH"
 export AXOLOTL_DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 CUDA_VISIBLE_DEVICES=""
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
