@@ -26,7 +26,12 @@ class ToAxolotl(logging.Handler):
 
 
 def show_in_axolotl_console() -> None:
-    """Send ``protrain``'s INFO and above through axolotl's logger (once per process)."""
+    """Send ``protrain``'s INFO and above through axolotl's logger (the handler once per
+    process; called again from later hooks, after axolotl has configured its logging)."""
+    # axolotl's dictConfig (disable_existing_loggers) disables loggers that existed before it
+    for name, logger in logging.Logger.manager.loggerDict.items():
+        if name.split(".")[0] == "protrain" and isinstance(logger, logging.Logger):
+            logger.disabled = False
     source = logging.getLogger("protrain")
     if any(isinstance(h, ToAxolotl) for h in source.handlers):
         return

@@ -123,6 +123,7 @@ class ProTrainPlugin(BasePlugin):
         return "protrain.integrations.axolotl.args.ProTrainArgs"
 
     def pre_model_load(self, cfg: Any) -> None:
+        show_in_axolotl_console()
         check_config(cfg)  # already checked at load; kept for callers that skip validation
 
     def get_training_args(self, cfg: Any) -> dict[str, Any]:
