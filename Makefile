@@ -14,7 +14,7 @@ TORCH_SPEC ?= torch==2.13.0
 USE_CPU_INDEX ?= $(if $(wildcard /etc/xdg/pip),0,1)
 endif
 
-.PHONY: install run test test-newest test-quick lint format clean
+.PHONY: install run test test-newest test-quick test-axolotl lint format clean
 
 $(BIN)/protrain: pyproject.toml constraints.txt scripts/install_torch.sh
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,11 @@ test-newest:
 	$(NEWEST)/bin/python -m pip list --format=freeze | grep -iE "^(torch|transformers|peft|trl|accelerate|datasets|tokenizers|safetensors|pydantic|bitsandbytes)=="
 	$(NEWEST)/bin/python -m pytest -q
 
+# ProTrainPlugin under the real axolotl (the release docs name) in a venv of its own, on the
+# CPU: the example and axolotl's lora-1b.yml train a few steps. Not part of `make test`.
+test-axolotl:
+	scripts/test_axolotl.sh
+
 # The unit tests of data, config, block discovery and the planner's search: no training run.
 QUICK_TESTS ?= tests/data tests/model tests/train/test_config.py tests/plan/test_search.py \
 	tests/plan/test_runtime_model.py tests/plan/test_segments.py
@@ -65,4 +70,4 @@ format: install
 	$(BIN)/ruff check --fix src tests benchmarks scripts
 
 clean:
-	rm -rf $(VENV) $(NEWEST) outputs .pytest_cache
+	rm -rf $(VENV) $(NEWEST) .venv-axolotl outputs .pytest_cache

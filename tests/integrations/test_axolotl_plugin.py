@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -95,7 +96,7 @@ def run_like_axolotl(raw: dict):
     for path in manager.get_input_args():  # merged into axolotl's schema and validated
         module, name = path.rsplit(".", 1)
         schema = getattr(importlib.import_module(module), name)
-        validated = schema.model_validate({k: raw[k] for k in schema.model_fields if k in raw})
+        validated = schema.model_validate(raw)  # a mixin of axolotl's schema: sees it all
         raw = {**raw, **validated.model_dump(exclude_none=True)}
     cfg = DictDefault(raw)
     manager.cfg = cfg
@@ -198,8 +199,7 @@ def test_example_trains_under_the_plan_like_axolotls_trainer(axolotl_api, tiny_m
         ({"protrain_memory": {"n_swap": 1}}, "protrain_memory sets no engine knob"),
         ({"protrain_memory": {"auto": True, "gpu_budget": "1GiB", "chunked_loss_tokens": 64}},
          "protrain_memory.chunked_loss_tokens is not supported"),
-        ({"gradient_checkpointing": True}, "gradient_checkpointing: the engine recomputes"),
-        ({"optimizer": "adamw_8bit"}, "optimizer: 'adamw_8bit' is not supported"),
+        ({"optimizer": "lion_8bit"}, "optimizer: 'lion_8bit' is not supported"),
         ({"loraplus_lr_ratio": 16}, "loraplus_lr_ratio: not supported"),
         ({"fp16": True}, "fp16: not supported"),
         ({"deepspeed": "zero3.json"}, "deepspeed: another engine"),
@@ -214,6 +214,68 @@ def test_what_the_engine_cannot_run_names_the_key(axolotl_api, tmp_path, change,
     raw = {**example_config(tmp_path, tmp_path), **change}
     with pytest.raises(ValueError, match=message):
         plugin.pre_model_load(DictDefault({k: v for k, v in raw.items() if v is not None}))
+
+
+def test_a_config_that_cannot_run_is_refused_when_axolotl_validates_it(axolotl_api, tmp_path):
+    """The validator of the schema the plugin merges into axolotl's runs at load_cfg, before
+    any dataset is tokenized: one line naming the key."""
+    from pydantic import ValidationError
+
+    from protrain.integrations.axolotl.args import ProTrainArgs
+
+    raw = {**example_config(tmp_path, tmp_path), "fp16": True}
+    with pytest.raises(ValidationError, match="fp16: not supported with ProTrainPlugin"):
+        ProTrainArgs.model_validate(raw)
+
+
+def test_register_takes_over_what_the_engine_does(axolotl_api, tmp_path):
+    """lora-1b.yml's keys: gradient_checkpointing, bf16: auto and flash-attention are the
+    engine's (off for axolotl itself, the engine's in the Trainer's arguments)."""
+    plugin = axolotl_api.load_plugin(PLUGIN)
+    raw = {**example_config(tmp_path, tmp_path), "gradient_checkpointing": True, "bf16": "auto",
+           "fp16": None, "attn_implementation": "flash_attention_2"}  # fmt: skip
+    plugin.register(raw)
+    assert raw["gradient_checkpointing"] is False and raw["bf16"] is False
+    assert raw["fp16"] is False  # bf16: auto would turn fp16 on without a bf16 GPU
+    assert raw["attn_implementation"] == "sdpa"  # flash_attn is not installed on the CPU
+    args = plugin.get_training_args(raw)
+    assert args["gradient_checkpointing"] and not args["fp16"]
+    assert args["bf16"] == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def test_lora_1b_keys_train_under_the_engine(axolotl_api, tiny_model_dir, tmp_path):
+    """gradient_checkpointing: true, bf16: auto and optimizer: adamw_8bit (as in axolotl's
+    examples/llama-3/lora-1b.yml) train with the engine: activations planned, 8-bit AdamW."""
+    memory = {"auto": True, "gpu_budget": "100MiB", "n_persist": 1, "chunk_size": "512KiB"}
+    raw = example_config(tmp_path, tiny_model_dir, protrain_memory=memory,
+                         gradient_checkpointing=True, bf16="auto", optimizer="adamw_8bit")  # fmt: skip
+    raw.pop("fp16", None)
+    trainer, _ = run_like_axolotl(raw)
+    assert trainer._optimizer_name == "adamw_8bit"
+    losses = step_losses(trainer)
+    assert len(losses) == raw["max_steps"] and all(map(math.isfinite, losses))
+
+
+def test_protrain_log_lines_reach_axolotls_logger(axolotl_api, tmp_path):
+    """axolotl's console shows INFO only from its own namespace: the plugin hands
+    protrain's records to the axolotl logger."""
+    import logging
+
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.name, record.getMessage()))
+
+    axolotl_logger = logging.getLogger("axolotl")
+    handler = Keep(level=logging.INFO)
+    axolotl_logger.addHandler(handler)
+    try:
+        axolotl_api.load_plugin(PLUGIN).register(example_config(tmp_path, tmp_path))
+        logging.getLogger("protrain.integrations.transformers.trainer").info("the plan")
+    finally:
+        axolotl_logger.removeHandler(handler)
+    assert ("axolotl.protrain.integrations.transformers.trainer", "the plan") in seen
 
 
 def test_register_turns_off_the_lora_kernels_axolotl_would_enable(axolotl_api, tmp_path):

@@ -6,6 +6,7 @@ from_pretrained loads, and exact resumes from the Trainer's checkpoints."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -212,8 +213,7 @@ def test_clipping_is_the_engines_and_the_callers_arguments_stay(tmp_path):
     ("change", "message"),
     [
         ({"optim": "sgd"}, "optim='sgd'"),
-        ({"bf16": True}, "compute_dtype"),
-        ({"gradient_checkpointing": True}, "n_checkpoint"),
+        ({"optim": "adafactor"}, "optim='adafactor' is not supported"),
         # these cast or compile the wrapped model as a whole (it was left half cast)
         ({"bf16_full_eval": True}, "bf16_full_eval and fp16_full_eval cast the whole model"),
         ({"torch_compile": True}, "torch_compile is not supported"),
@@ -224,6 +224,38 @@ def test_refuses_what_the_engine_cannot_run(tmp_path, change, message):
     with pytest.raises(ValueError, match=message):
         ProTrainTrainer(model=model, args=arguments(tmp_path, 1.0, **change), train_dataset=[])
     assert not hasattr(model, "_protrain_engine")  # refused before anything was wrapped
+
+
+def test_bf16_next_to_an_fp32_compute_dtype_is_refused(tmp_path):
+    config = ProTrainConfig(n_persist=1, compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match="bf16=True and ProTrainConfig.compute_dtype"):
+        ProTrainTrainer(model=tiny_model(), args=arguments(tmp_path, 1.0, bf16=True),
+                        train_dataset=[], protrain_config=config)  # fmt: skip
+
+
+def test_gradient_checkpointing_is_the_engines_recompute_with_the_same_losses(tmp_path):
+    """gradient_checkpointing=True saves activation memory the engine's way (every block
+    recomputed, the Trainer's own checkpointing off) with the Trainer's losses."""
+    losses, _, _, _ = run_plain(tmp_path / "plain", lora=False, max_grad_norm=0.0)
+    trainer = engine_trainer(tmp_path / "engine", False, 0.0, gradient_checkpointing=True)
+    n_blocks = tiny_model().config.num_hidden_layers
+    assert trainer.protrain_config.n_checkpoint == n_blocks
+    assert trainer.layout is not None and not trainer.args.gradient_checkpointing
+    assert not getattr(trainer.model.model.layers[0], "gradient_checkpointing", False)
+    trainer.train()
+    torch.testing.assert_close(trainer.losses, losses, rtol=0, atol=1e-6)
+    trainer.close()
+
+
+def test_bf16_and_an_8bit_optim_are_the_engines(tmp_path):
+    args = arguments(tmp_path, 0.0, bf16=True, optim="paged_adamw_8bit")
+    trainer = engine_trainer(tmp_path, False, 0.0, bf16=True, optim="paged_adamw_8bit")
+    assert args.bf16 and not trainer.args.bf16  # the Trainer's autocast stays off
+    assert trainer.protrain_config.compute_dtype == torch.bfloat16
+    assert trainer.engine_optimizer.optimizer_name == "adamw_8bit"
+    trainer.train()
+    assert len(trainer.losses) == 2 * STEPS and all(map(math.isfinite, trainer.losses))
+    trainer.close()
 
 
 @pytest.mark.parametrize("budget", [None, "100MiB"], ids=["knobs", "gpu-budget"])

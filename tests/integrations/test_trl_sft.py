@@ -154,3 +154,38 @@ def test_example_runs(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "final" / "adapter_model.safetensors").is_file()
+
+
+def test_sft_config_defaults_train(tmp_path):
+    """SFTConfig() at its defaults (bf16=True, gradient_checkpointing=True): the engine
+    takes both over (its compute dtype, every block recomputed) and trains."""
+    from transformers import AutoTokenizer
+
+    from protrain.integrations.transformers.sft import ProTrainSFTTrainer
+
+    args = trl.SFTConfig(output_dir=str(tmp_path), max_steps=2, use_cpu=True, report_to="none")
+    assert args.bf16 and args.gradient_checkpointing  # TRL's defaults
+    trainer = ProTrainSFTTrainer(
+        model=tiny_model(), args=args, train_dataset=chat_rows(),
+        processing_class=AutoTokenizer.from_pretrained(QUICKSTART / "tokenizer"),
+        protrain_config=ENGINE,
+    )  # fmt: skip
+    assert trainer.protrain_config.compute_dtype == torch.bfloat16
+    assert trainer.protrain_config.n_checkpoint == tiny_model().config.num_hidden_layers
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    trainer.close()
+
+
+def test_arguments_are_refused_before_tokenization(tmp_path, monkeypatch):
+    from protrain.integrations.transformers.sft import ProTrainSFTTrainer
+
+    def tokenized(*args, **kwargs):
+        raise AssertionError("SFTTrainer tokenized before the arguments were checked")
+
+    monkeypatch.setattr(trl.SFTTrainer, "_prepare_dataset", tokenized)
+    args = sft_args(tmp_path, 0.0)
+    args.optim = "sgd"
+    with pytest.raises(ValueError, match="ProTrainSFTTrainer: optim='sgd' is not supported"):
+        ProTrainSFTTrainer(model=tiny_model(), args=args, train_dataset=chat_rows(),
+                           protrain_config=ENGINE)  # fmt: skip

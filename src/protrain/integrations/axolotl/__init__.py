@@ -1,4 +1,5 @@
-"""ProTrain's engine in axolotl (``pip install protrain[axolotl]``): add to the YAML ::
+"""ProTrain's engine in axolotl (protrain installed from its repository into axolotl's
+environment, ``pip install --no-deps -e .``; see examples/axolotl/README.md): add to the YAML ::
 
     plugins:
       - protrain.integrations.axolotl.ProTrainPlugin

@@ -86,13 +86,17 @@ class ProTrainConfig(Knobs):
         """The engine's knobs these fields set."""
         return knobs_of(self)
 
-    def plan_request(self, sample_batch: dict, clipping: bool) -> PlanRequest:
+    def plan_request(
+        self, sample_batch: dict, clipping: bool, optimizer: str = "adamw"
+    ) -> PlanRequest:
         """The planner's request for ``sample_batch`` (``clipping``: the host optimizer's
-        schedule the run uses, after the backward or inside it)."""
+        schedule the run uses, after the backward or inside it; ``optimizer``: the engine's
+        AdamW, ``"adamw"`` or ``"adamw_8bit"``)."""
         return PlanRequest(
             gpu_budget_bytes=self.gpu_budget,
             cpu_budget_bytes=self.cpu_budget,
             sample_batch=sample_batch,
             knobs=self.knobs(),
             clipping=clipping,
+            optimizer=optimizer,
         )

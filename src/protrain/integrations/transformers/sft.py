@@ -29,16 +29,16 @@ from transformers import Trainer
 from trl import SFTTrainer
 
 from protrain.integrations.transformers.config import ProTrainConfig
-from protrain.integrations.transformers.trainer import ProTrainTrainer
+from protrain.integrations.transformers.trainer import ProTrainTrainer, check_arguments
 
 TESTED_TRL = "1.16.0"
 
 
 class ProTrainSFTTrainer(SFTTrainer, ProTrainTrainer):
     """``trl.SFTTrainer`` whose model and optimizer are ProTrain's engine; the engine's knobs
-    in ``protrain_config``. The ``SFTConfig`` must turn off what the engine does itself:
-    ``gradient_checkpointing=False`` (``ProTrainConfig.n_checkpoint``), ``bf16=False`` and
-    ``fp16=False`` (``ProTrainConfig.compute_dtype``)."""
+    in ``protrain_config``. ``SFTConfig()``'s defaults are taken over by the engine
+    (``bf16=True``: its compute dtype; ``gradient_checkpointing=True``: its activation
+    policy; see ``arguments.py``); its arguments are checked before SFTTrainer tokenizes."""
 
     def __init__(self, *args: Any, protrain_config: ProTrainConfig | None = None, **kwargs: Any):
         sft_args = kwargs.get("args", args[1] if len(args) > 1 else None)
@@ -49,6 +49,10 @@ class ProTrainSFTTrainer(SFTTrainer, ProTrainTrainer):
                 "fused LM head's per-token probabilities, which the engine's chunked head does "
                 "not give; use loss_type='nll'"
             )
+        # Before SFTTrainer tokenizes or loads anything: refused arguments cost no work.
+        check_arguments(
+            sft_args, protrain_config or ProTrainConfig(), kwargs, who=type(self).__name__
+        )
         # Read by ProTrainTrainer.__init__, which SFTTrainer.__init__ reaches through super().
         self.protrain_config = protrain_config
         super().__init__(*args, **kwargs)

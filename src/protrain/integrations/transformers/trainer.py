@@ -42,7 +42,6 @@ checked at construction and the resume is tested (tests/integrations/test_hf_tra
 
 from __future__ import annotations
 
-import copy
 import functools
 import inspect
 import logging
@@ -57,6 +56,12 @@ from torch.utils.data import DataLoader
 from transformers import Trainer, TrainingArguments
 
 import protrain
+from protrain.integrations.transformers.arguments import (
+    TakenOver,
+    take_over,
+    trainer_arguments,
+    with_taken_over,
+)
 from protrain.integrations.transformers.callback import EngineStepCallback
 from protrain.integrations.transformers.checkpoint import load_engine_state, save_engine_state
 from protrain.integrations.transformers.config import ProTrainConfig
@@ -67,7 +72,6 @@ from protrain.optim.hybrid_adamw import HybridAdamW
 
 TESTED_TRANSFORMERS = "5.24.0"
 TRAINING_ARGS_NAME = "training_args.bin"  # transformers.trainer's name for it
-_ADAMW = ("adamw_torch", "adamw_torch_fused")  # HybridAdamW runs torch's fused AdamW
 log = logging.getLogger(__name__)
 
 
@@ -81,9 +85,10 @@ class ProTrainTrainer(Trainer):
         trainer.train()
         trainer.save_model("out")  # a normal HF / PEFT directory
 
-    The optimizer is AdamW (``args.optim`` adamw_torch or adamw_torch_fused) with the
-    Trainer's weight-decay groups; the compute dtype is the engine's
-    (``ProTrainConfig.compute_dtype``), so ``args.fp16`` / ``args.bf16`` stay False.
+    The optimizer is the engine's AdamW with the Trainer's weight-decay groups (``args.optim``
+    adamw_torch / adamw_torch_fused, or an 8-bit AdamW name for its 8-bit state); ``args.bf16``
+    is the engine's compute dtype and ``args.gradient_checkpointing`` its activation policy
+    (``arguments.py``: what is taken over, what is refused).
     ``trainer.max_grad_norm`` is the clipping the engine applies (``args.max_grad_norm``; the
     Trainer's copy of the arguments reads 0). ``close()`` gives the engine back and returns
     the plain model with the trained weights.
@@ -102,15 +107,14 @@ class ProTrainTrainer(Trainer):
         if protrain_config is None:
             protrain_config = getattr(self, "protrain_config", None)
         config = protrain_config if protrain_config is not None else ProTrainConfig()
-        _check_supported(model, args, trainer_kwargs)
-        if config.planned:
-            _check_plannable(args)
+        taken = check_arguments(args, config, trainer_kwargs)
+        _check_supported(model)
         _check_private_hook()
-        self.protrain_config = config
+        self.protrain_config = with_taken_over(config, taken, model)
+        self._optimizer_name = taken.optimizer
         self.max_grad_norm = args.max_grad_norm if args.max_grad_norm > 0 else None
         self._saved_args = args  # what training_args.bin holds: the caller's arguments
-        args = copy.copy(args)  # the caller's arguments stay as they were
-        args.max_grad_norm = 0.0  # the Trainer's clip reads param.grad: the engine clips
+        args = trainer_arguments(args)  # the caller's arguments stay as they were
 
         named = list(model.named_parameters())
         self._param_dtypes = {name: p.dtype for name, p in named}
@@ -149,13 +153,16 @@ class ProTrainTrainer(Trainer):
         request = None
         if sample_batch is not None and config.planned:
             # the host optimizer's schedule the run uses (inside backward or after it)
-            request = config.plan_request(sample_batch, clipping=not self._step_in_backward)
+            request = config.plan_request(
+                sample_batch, clipping=not self._step_in_backward, optimizer=self._optimizer_name
+            )
         optim = OptimizerSettings(
             lr=args.learning_rate,
             betas=(args.adam_beta1, args.adam_beta2),
             eps=args.adam_epsilon,
             weight_decay=args.weight_decay,
             param_groups=_param_groups(model, self.get_decay_parameter_names(model), args),
+            optimizer=self._optimizer_name,
             host_threads=config.host_threads,
         )
         device = torch.device(args.device)
@@ -309,59 +316,56 @@ def _param_groups(model: nn.Module, decay_names: list[str], args: TrainingArgume
     return [g for g in groups if g["params"]]
 
 
-def _check_supported(model: nn.Module, args: TrainingArguments, kwargs: dict[str, Any]) -> None:
-    """Refuse, before anything is wrapped, what the engine cannot run under the Trainer."""
-    if not isinstance(model, nn.Module):
-        raise TypeError("ProTrainTrainer needs the model itself (model_init is not supported)")
+def check_arguments(
+    args: TrainingArguments,
+    config: ProTrainConfig,
+    kwargs: dict[str, Any],
+    who: str = "ProTrainTrainer",
+) -> TakenOver:
+    """Refuse, in one line and before any work (wrapping, TRL's tokenization), what the
+    engine cannot run under the Trainer; the rest is what it takes over (``arguments.py``)."""
     if not isinstance(args, TrainingArguments):
-        raise TypeError("ProTrainTrainer needs TrainingArguments (args=...)")
+        raise TypeError(f"{who} needs TrainingArguments (args=...)")
     if kwargs.get("model_init") is not None:
-        raise ValueError("ProTrainTrainer: model_init is not supported; pass the model")
+        raise ValueError(f"{who}: model_init is not supported; pass the model")
     optimizers = kwargs.get("optimizers", (None, None))
     if optimizers[0] is not None or kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise ValueError(
-            "ProTrainTrainer: the optimizer is the engine's (HybridAdamW, AdamW with the "
+            f"{who}: the optimizer is the engine's (HybridAdamW, AdamW with the "
             "Trainer's groups); do not pass optimizers[0] or optimizer_cls_and_kwargs"
         )
-    optim = str(getattr(args.optim, "value", args.optim))
-    if optim not in _ADAMW:
-        raise ValueError(f"ProTrainTrainer: optim={optim!r} is not supported; use one of {_ADAMW}")
-    if args.fp16 or args.bf16:
-        raise ValueError(
-            "ProTrainTrainer: the engine computes in ProTrainConfig.compute_dtype (bfloat16 on "
-            "CUDA by default); set fp16=False and bf16=False in TrainingArguments"
-        )
-    if getattr(args, "activation_checkpointing", False) or getattr(
-        args, "gradient_checkpointing", False
-    ):
-        raise ValueError(
-            "ProTrainTrainer: activation checkpointing is the engine's "
-            "(ProTrainConfig.n_checkpoint); set activation_checkpointing=False"
-        )
     if args.load_best_model_at_end:
-        raise ValueError("ProTrainTrainer: load_best_model_at_end is not supported yet")
+        raise ValueError(f"{who}: load_best_model_at_end is not supported yet")
     # Both cast the wrapped model as a whole, which the engine's chunked parameters refuse
     # midway (the model is left half cast, and a save then records the wrong dtype).
     if args.bf16_full_eval or args.fp16_full_eval:
         raise ValueError(
-            "ProTrainTrainer: bf16_full_eval and fp16_full_eval cast the whole model, whose "
+            f"{who}: bf16_full_eval and fp16_full_eval cast the whole model, whose "
             "parameters live in the engine's chunks; leave them False (evaluation runs in "
-            "ProTrainConfig.compute_dtype)"
+            "the engine's compute dtype)"
         )
     if args.torch_compile:
         raise ValueError(
-            "ProTrainTrainer: torch_compile is not supported: compiled code reads offloaded "
+            f"{who}: torch_compile is not supported: compiled code reads offloaded "
             "parameters outside the hooks that bring them in; leave it False"
         )
     if args.deepspeed or args.fsdp:
-        raise ValueError("ProTrainTrainer: DeepSpeed and FSDP are other engines; leave them off")
+        raise ValueError(f"{who}: DeepSpeed and FSDP are other engines; leave them off")
     if args.world_size > 1:
-        raise ValueError("ProTrainTrainer runs on one process for now")
+        raise ValueError(f"{who} runs on one process for now")
     if args.n_gpu > 1:  # the Trainer would replicate the wrapped model with nn.DataParallel
         raise ValueError(
-            f"ProTrainTrainer uses one GPU; {args.n_gpu} are visible to this process: make "
+            f"{who} uses one GPU; {args.n_gpu} are visible to this process: make "
             "one visible (CUDA_VISIBLE_DEVICES)"
         )
+    if config.planned:
+        _check_plannable(args)
+    return take_over(args, config, who)
+
+
+def _check_supported(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError("ProTrainTrainer needs the model itself (model_init is not supported)")
 
 
 def _check_plannable(args: TrainingArguments) -> None:
