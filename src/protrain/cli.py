@@ -168,6 +168,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     prefer_expandable_segments()  # before anything touches CUDA
     quiet_third_party_noise()  # before anything imports bitsandbytes
+    from protrain.train import rank_failure  # CLI start-up time: the app loads on use
+
+    rank_failure.begin_run()  # an error names only this command's checkpoints
     try:
         return _run(args)
     except _user_errors() as exc:

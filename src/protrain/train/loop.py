@@ -113,6 +113,7 @@ def train(
     `_check_data_order`); ``accept_changed_inputs``: a resume may read frozen inputs that
     changed since the checkpoint (`train/frozen_inputs.py`)."""
     setup_logging()
+    rank_failure.begin_run()
     output_dir = Path(cfg.output_dir)
     check_trackers_installed(cfg)  # before any work, and before the ranks meet
     ranks, device = start_ranks(resolve_device(cfg.device))

@@ -83,6 +83,12 @@ def join() -> None:
     store.set(f"{prefix}rank/{_member.rank}", json.dumps(record))
 
 
+def begin_run() -> None:
+    """A new run (or CLI command) in this process: no checkpoint of an earlier one is named."""
+    global _newest_checkpoint
+    _newest_checkpoint = None
+
+
 def note_checkpoint(path: Path | None) -> None:
     """The newest intact checkpoint of this run (saved by every rank, or resumed from)."""
     global _newest_checkpoint
