@@ -11,6 +11,7 @@ from transformers import MistralConfig, MistralForCausalLM
 import protrain
 from protrain.activations import apply_activation_knobs
 from protrain.chunks.copy_times import union_s
+from protrain.optim import host_adam_ext
 from protrain.plan.runtime import RuntimeModel
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import trace_model
@@ -19,10 +20,14 @@ from .test_gather_traffic import _model, with_lora
 
 
 def _hardware(device: str) -> HardwareProfile:
+    """Rates that do not matter here, and the host update the engine runs on this machine
+    (the one pass writes no weights back: plan/runtime.py, [Note: copies of the one-pass
+    host update])."""
     return HardwareProfile(
         device=device, device_name="test", h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10,
         duplex_bytes_per_s=1e10, cpu_adam_params_per_s=1e9, device_adam_params_per_s=1e9,
         collective_bytes_per_s=None, cpu_threads=1,
+        host_update="torch" if host_adam_ext.kernel() is None else "one_pass",
     )  # fmt: skip
 
 
@@ -97,7 +102,8 @@ _TIED = [k for k in _PLANS if k.startswith("tied-")]
 )
 def test_counters_count_the_bytes_the_plan_predicts(device, dtype, plan):
     """After an update, the forward copies each offloaded chunk's frozen bytes as they are
-    and its trainable parameters' fp32 masters, and writes back only the trainable bytes;
+    and its trainable parameters (torch's path: their fp32 masters, writing back only the
+    trainable bytes; the one pass: the host copy it wrote, nothing written back);
     backward gathers each chunk it uses once more, except those resident at the turn. The
     counted bytes equal the runtime model's, also where blocks use their chunks out of
     order (the Mistral plans; before the engine prefetched by recorded use, 52 gathers a
