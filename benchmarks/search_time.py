@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     import plan_synthetic as syn
     import tiny_llama
 
+    from protrain.knobs import Knobs
     from protrain.plan import PlanProblem, PlanRequest, search
     from protrain.plan.chunk_size import chunk_size_candidates, search_chunk_sizes
     from protrain.profile.trace import trace_model
@@ -67,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         return _on_profile(args)
     model = tiny_llama.build(layers=args.layers)
     profile = trace_model(
-        model, tiny_llama.batch(), device="cpu", n_persist=0, chunk_size_bytes=args.chunk_bytes
+        model,
+        tiny_llama.batch(),
+        device="cpu",
+        knobs=Knobs(n_persist=0, chunk_size_bytes=args.chunk_bytes),
     )
     hw = syn.hardware("cuda")  # a GPU's rates: the search over overlapping terms
     budget = 2 * sum(profile.chunks.used_bytes)

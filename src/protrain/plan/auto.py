@@ -16,6 +16,7 @@ from torch import nn
 from protrain.devices import resolve_device
 from protrain.distributed.agree import on_main_patiently
 from protrain.distributed.process_group import NO_GROUP, resolve_context
+from protrain.knobs import Knobs
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.loss_chunk import (
     fixed_chunk_advice,
@@ -123,10 +124,12 @@ def profile_model(
                 sample_batch,
                 device=device,
                 compute_dtype=compute_dtype,
-                n_persist=n,
-                chunk_size_bytes=table.chunk_size_bytes,
+                knobs=Knobs(
+                    n_persist=n,
+                    chunk_size_bytes=table.chunk_size_bytes,
+                    tiled_mlp_tokens=request.knobs.tiled_mlp_tokens,
+                ),
                 loss_fn=loss_fn,
-                tiled_mlp_tokens=request.knobs.tiled_mlp_tokens,
                 gpu_budget_bytes=gpu_budget_bytes,
             )
             traced = True
