@@ -13,8 +13,8 @@ from tests.profile import tiny_llama
 from protrain.knobs import Knobs
 from protrain.plan.memory import MemoryModel
 from protrain.profile.hardware import HardwareProfile
-
-from protrain.profile.timeline import build_picture, write_timeline_html, write_timeline_png
+from protrain.profile.picture import build_picture
+from protrain.profile.timeline import write_timeline_html, write_timeline_png
 from protrain.profile.trace import trace_model
 
 BUDGET = 3 << 20
