@@ -308,9 +308,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
             t2 = time.perf_counter()
             # auto mode's host budget when none is given, read after the trace as it does
             host_budget[0] = default_cpu_budget()
-            result, problem = search_loss_chunks(model, profile, hw, gpu_budget_bytes=budget,
-                                                 cpu_budget_bytes=host_budget[0],
-                                                 clipping=clip is not None)  # fmt: skip
+            asked = PlanRequest(gpu_budget_bytes=budget, cpu_budget_bytes=host_budget[0],
+                                clipping=clip is not None)  # fmt: skip
+            result, problem = search_loss_chunks(model, profile, hw, asked)
             return hw, profile, result, problem, (t0, t1, t2, time.perf_counter())
 
         hw, profile, result, problem, (t0, t1, t2, t3) = plan_once()
@@ -394,9 +394,9 @@ def run_one(name: str, cfg: tuple, args: argparse.Namespace) -> dict:
         if alternatives:
             row["alternatives"] = alternatives
         if args.profile_search:  # where the search's time goes on this host: once more, profiled
-            row["search_hot"] = _profiled(lambda: search_loss_chunks(
-                model, profile, hw, gpu_budget_bytes=budget, cpu_budget_bytes=host_budget[0],
-                clipping=clip is not None))  # fmt: skip
+            asked = PlanRequest(gpu_budget_bytes=budget, cpu_budget_bytes=host_budget[0],
+                                clipping=clip is not None)  # fmt: skip
+            row["search_hot"] = _profiled(lambda: search_loss_chunks(model, profile, hw, asked))
     except Exception as e:  # one row per failure; the traceback goes to stderr
         traceback.print_exc()
         text = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"

@@ -37,7 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     import plan_synthetic as syn
     import tiny_llama
 
-    from protrain.plan import PlanProblem, search
+    from protrain.knobs import Knobs
+    from protrain.plan import PlanProblem, PlanRequest, search
     from protrain.plan.chunk_size import chunk_size_candidates, search_chunk_sizes
     from protrain.profile.trace import trace_model
 
@@ -67,14 +68,17 @@ def main(argv: list[str] | None = None) -> int:
         return _on_profile(args)
     model = tiny_llama.build(layers=args.layers)
     profile = trace_model(
-        model, tiny_llama.batch(), device="cpu", n_persist=0, chunk_size_bytes=args.chunk_bytes
+        model,
+        tiny_llama.batch(),
+        device="cpu",
+        knobs=Knobs(n_persist=0, chunk_size_bytes=args.chunk_bytes),
     )
     hw = syn.hardware("cuda")  # a GPU's rates: the search over overlapping terms
     budget = 2 * sum(profile.chunks.used_bytes)
     t0 = time.perf_counter()
     single = search(PlanProblem(profile, hw, gpu_budget_bytes=budget))
     t1 = time.perf_counter()
-    over_sizes, _ = search_chunk_sizes(model, profile, hw, gpu_budget_bytes=budget)
+    over_sizes, _ = search_chunk_sizes(model, profile, hw, PlanRequest(gpu_budget_bytes=budget))
     t2 = time.perf_counter()
     row = {
         "kind": "search_time",
@@ -107,6 +111,7 @@ def _on_profile(args) -> int:
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from materialize import add_lora, build_on_meta
+    from protrain.plan import PlanRequest
     from protrain.plan.chunk_size import search_chunk_sizes
     from protrain.profile.hardware import HardwareProfile
     from protrain.profile.trace import ModelProfile
@@ -124,10 +129,9 @@ def _on_profile(args) -> int:
     times, result = [], None
     for _ in range(3):
         t0 = time.perf_counter()
-        result, _ = search_chunk_sizes(
-            model, profile, hw, gpu_budget_bytes=int(args.budget_gib * (1 << 30)),
-            clipping=args.clipping,
-        )  # fmt: skip
+        request = PlanRequest(gpu_budget_bytes=int(args.budget_gib * (1 << 30)),
+                              clipping=args.clipping)  # fmt: skip
+        result, _ = search_chunk_sizes(model, profile, hw, request)
         times.append(round(time.perf_counter() - t0, 3))
     row = {
         "kind": "search_time_profile",

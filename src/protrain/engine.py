@@ -409,34 +409,13 @@ def wrap(
     Every knob is checked before anything is moved; a bad one raises ``ValueError``.
     """
     knobs, optim = knobs or Knobs(), optim or OptimizerSettings()
-    n_persist, n_buffer, n_checkpoint = knobs.n_persist, knobs.n_buffer, knobs.n_checkpoint
     n_device_step = 0 if knobs.n_device_step is None else knobs.n_device_step
-    loss_scaling, host_threads = optim.loss_scaling, optim.host_threads
     target = wrap_target(model, device, compute_dtype, process_group, knobs.distributed_mode,
                          grad_reduce)  # fmt: skip
     device, compute_dtype, ctx = target.device, target.compute_dtype, target.ctx
     collectives = ChunkCollectives(ctx, device) if ctx.is_distributed else None
     sharded = collectives is not None and knobs.distributed_mode != "replicated"
-    if knobs.with_activations:
-        _check_activation_knobs(
-            model, knobs.n_swap or 0, n_checkpoint or 0, knobs.offload_checkpoint
-        )
-    if compute_dtype not in _SUPPORTED_DTYPES:
-        raise ValueError(
-            f"compute_dtype={compute_dtype} is not supported: use torch.float32, "
-            "torch.bfloat16 or torch.float16"
-        )
-    fp16 = compute_dtype == torch.float16
-    if loss_scaling is not None and not fp16:
-        raise ValueError(
-            f"loss_scaling is for compute_dtype=torch.float16 only (got {compute_dtype})"
-        )
-    scaler = LossScaler(device, enabled=fp16, **(loss_scaling or {}))
-    if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
-        raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
-    check_optimizer(optim.optimizer, ctx.world_size)
-    if host_threads is not None and (not isinstance(host_threads, int) or host_threads < 1):
-        raise ValueError(f"host_threads={host_threads!r} is not allowed: use an integer >= 1")
+    scaler = _checked_scaler(model, knobs, optim, target)
     params = params_in_order(model)
     meta = [names[0] for names, p in params if p.is_meta]
     if meta:
@@ -448,27 +427,7 @@ def wrap(
     groups = _normalize_groups(model, optim.param_groups, trainable)
     hyper = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     check_hyperparameters(hyper, groups)
-    layout = plan_layout(
-        params,
-        compute_dtype=compute_dtype,
-        device=device,
-        n_persist=n_persist,
-        n_buffer=n_buffer,
-        chunk_size_bytes=knobs.chunk_size_bytes,
-        size_multiple=shard_multiple(ctx.world_size) if sharded else 1,
-    )
-    reads = direct_reads(model)
-    _refuse_uncovered(reads, layout)
-    recompute = bool(n_checkpoint)
-    need = min(_buffers_needed(model, layout, recompute), layout.n_chunks - layout.n_persist)
-    if need > layout.n_buffer:
-        if n_buffer is not None:
-            what = " (recomputed blocks hold more)" if recompute else ""
-            raise ValueError(
-                f"n_buffer={n_buffer} is not allowed: a module or block of this model needs "
-                f"{need} offloaded chunks resident at once{what}; use n_buffer >= {need}"
-            )
-        layout.n_buffer = need
+    layout, reads = _chunk_layout(model, params, knobs, target, sharded)
 
     trainable_index = {p: i for i, p in enumerate(p for g in groups for p in g["params"])}
     manager = ChunkManager(
@@ -484,7 +443,7 @@ def wrap(
     try:
         model.to(device)  # buffers; parameters are already views of device storage
         # The worker's CPU kernels run with host_threads intra-op threads.
-        worker = HostWorker(host_threads or default_host_threads(ctx.local_world_size))
+        worker = HostWorker(optim.host_threads or default_host_threads(ctx.local_world_size))
         sink = GradSink(manager, worker)
         device_step = DeviceStep(manager, n_device_step)  # checks the count against the layout
         sink.device_step = device_step if n_device_step else None
@@ -520,7 +479,7 @@ def wrap(
             engine.activations = apply_activation_knobs(
                 model,
                 knobs.n_swap or 0,
-                n_checkpoint or 0,
+                knobs.n_checkpoint or 0,
                 device=device,
                 offload_checkpoint_inputs=knobs.offload_checkpoint,
                 tiled_mlp_tokens=knobs.tiled_mlp_tokens,
@@ -529,6 +488,71 @@ def wrap(
             engine.close()
             raise
     return model, optimizer, layout
+
+
+def _checked_scaler(
+    model: nn.Module, knobs: Knobs, optim: OptimizerSettings, target: WrapTarget
+) -> LossScaler:
+    """The knobs and optimizer settings checked before anything moves; the loss scaler
+    (enabled for float16 only)."""
+    compute_dtype = target.compute_dtype
+    if knobs.with_activations:
+        _check_activation_knobs(
+            model, knobs.n_swap or 0, knobs.n_checkpoint or 0, knobs.offload_checkpoint
+        )
+    if compute_dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(
+            f"compute_dtype={compute_dtype} is not supported: use torch.float32, "
+            "torch.bfloat16 or torch.float16"
+        )
+    fp16 = compute_dtype == torch.float16
+    if optim.loss_scaling is not None and not fp16:
+        raise ValueError(
+            f"loss_scaling is for compute_dtype=torch.float16 only (got {compute_dtype})"
+        )
+    scaler = LossScaler(target.device, enabled=fp16, **(optim.loss_scaling or {}))
+    n_device_step = 0 if knobs.n_device_step is None else knobs.n_device_step
+    if not isinstance(n_device_step, int) or isinstance(n_device_step, bool) or n_device_step < 0:
+        raise ValueError(f"n_device_step={n_device_step!r} is not allowed: use an integer >= 0")
+    check_optimizer(optim.optimizer, target.ctx.world_size)
+    threads = optim.host_threads
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise ValueError(f"host_threads={threads!r} is not allowed: use an integer >= 1")
+    return scaler
+
+
+def _chunk_layout(
+    model: nn.Module,
+    params: list[tuple[list[str], nn.Parameter]],
+    knobs: Knobs,
+    target: WrapTarget,
+    sharded: bool,
+) -> tuple[ChunkLayout, DirectReads]:
+    """The chunk layout of ``params`` for the knobs, with the model's direct parameter
+    reads (refused where a chunk would not cover them); ``n_buffer`` raised to what one
+    module or block needs when it was not given, refused when it was given too small."""
+    n_buffer, recompute = knobs.n_buffer, bool(knobs.n_checkpoint)
+    layout = plan_layout(
+        params,
+        compute_dtype=target.compute_dtype,
+        device=target.device,
+        n_persist=knobs.n_persist,
+        n_buffer=n_buffer,
+        chunk_size_bytes=knobs.chunk_size_bytes,
+        size_multiple=shard_multiple(target.ctx.world_size) if sharded else 1,
+    )
+    reads = direct_reads(model)
+    _refuse_uncovered(reads, layout)
+    need = min(_buffers_needed(model, layout, recompute), layout.n_chunks - layout.n_persist)
+    if need > layout.n_buffer:
+        if n_buffer is not None:
+            what = " (recomputed blocks hold more)" if recompute else ""
+            raise ValueError(
+                f"n_buffer={n_buffer} is not allowed: a module or block of this model needs "
+                f"{need} offloaded chunks resident at once{what}; use n_buffer >= {need}"
+            )
+        layout.n_buffer = need
+    return layout, reads
 
 
 def _check_activation_knobs(

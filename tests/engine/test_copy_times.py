@@ -11,6 +11,7 @@ from transformers import MistralConfig, MistralForCausalLM
 import protrain
 from protrain.activations import apply_activation_knobs
 from protrain.chunks.copy_times import union_s
+from protrain.knobs import Knobs
 from protrain.optim import host_adam_ext
 from protrain.plan.runtime import RuntimeModel
 from protrain.profile.hardware import HardwareProfile
@@ -116,8 +117,8 @@ def test_counters_count_the_bytes_the_plan_predicts(device, dtype, plan):
     torch.set_num_threads(1)  # tiny models run faster on one intra-op thread
     try:
         profile = trace_model(
-            build(), batch, device=device, compute_dtype=dtype, n_persist=n_persist,
-            chunk_size_bytes=chunk,
+            build(), batch, device=device, compute_dtype=dtype,
+            knobs=Knobs(n_persist=n_persist, chunk_size_bytes=chunk),
         )  # fmt: skip
         runtime = RuntimeModel(profile, _hardware(device))
         n_off = runtime.n_chunks - n_persist

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import protrain
 from protrain.activations import apply_activation_knobs
+from protrain.knobs import Knobs
 from protrain.profile.measure import measure_steps
 from protrain.profile.trace import hf_loss, trace_model
 
@@ -41,5 +42,5 @@ def model_and_traces(seed: int):
     model = tiny_llama.build(seed=seed)
     batch = tiny_llama.batch()
     persistent = trace_model(model, batch, device="cpu")
-    offloaded = trace_model(model, batch, device="cpu", n_persist=0)
+    offloaded = trace_model(model, batch, device="cpu", knobs=Knobs(n_persist=0))
     return model, batch, persistent, offloaded

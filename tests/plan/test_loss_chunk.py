@@ -96,7 +96,7 @@ def test_trace_runs_the_smallest_chunk_and_budgets_its_logits_only(monkeypatch):
         floor_tokens=FLOOR,
     )  # fmt: skip
     monkeypatch.setattr(auto, "trace_model",
-                        lambda m, b, n_persist, **kw: seen.append(n_persist) or SimpleNamespace())  # fmt: skip
+                        lambda m, b, knobs, **kw: seen.append(knobs.n_persist) or SimpleNamespace())  # fmt: skip
     whole = auto.full_logits_bytes(model, 2, 64, torch.float32)
     t = auto.chunk_table(model, compute_dtype=torch.float32)
     first = t.chunk_size_bytes + 16 * t.trainable_numel[0] + 4 * t.trainable_tensors[0]

@@ -126,7 +126,7 @@ def test_lora_trace_and_memory_model():
     passes the engine's check but fails at run time), so the plan's least n_buffer is 4."""
     model = _lora(tiny_llama.build(seed=3))
     batch = tiny_llama.batch()
-    profile = trace_model(model, batch, device="cpu", n_persist=0)
+    profile = trace_model(model, batch, device="cpu", knobs=Knobs(n_persist=0))
     adapters = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(profile.grad_order) == len(adapters) and all("lora_" in n for n in adapters)
     n = profile.chunks.n_chunks

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from plan_synthetic import MIB, hardware, profile
 
+from protrain.knobs import Knobs
 from protrain.plan.chunk_size import search_chunk_sizes
 from protrain.plan.memory import MemoryModel
+from protrain.plan.request import PlanRequest
 from protrain.plan.runtime import RuntimeModel
 from protrain.plan.search import PlanProblem, search
 from protrain.plan.world import SINGLE, World
@@ -96,10 +98,9 @@ def test_search_picks_the_mode_whose_host_share_fits():
     host_all = int(one.memory.host_suffix[0])
     budget = dict(gpu_budget_bytes=int(p.chunks.chunk_size_bytes * 4 + 2048 * MIB))
     # room on the host for each rank's half of the offloaded state, not for all of it
-    result, problem = search_chunk_sizes(
-        None, p, hw, **budget, cpu_budget_bytes=host_all * 3 // 4, chunk_size_fixed=True,
-        world=World(2, 2), mode_fixed=False,
-    )  # fmt: skip
+    request = PlanRequest(**budget, cpu_budget_bytes=host_all * 3 // 4,
+                          knobs=Knobs(chunk_size_bytes=p.chunks.chunk_size_bytes))  # fmt: skip
+    result, problem = search_chunk_sizes(None, p, hw, request, world=World(2, 2), mode_fixed=False)
     plan = result.plan
     assert (plan.world_size, plan.distributed_mode) == (2, "sharded")
     assert problem.world.mode == "sharded"

@@ -8,6 +8,7 @@ import torch
 
 import protrain.profile.trace as trace
 from protrain.activations.estimate import measure_saved_bytes
+from protrain.knobs import Knobs
 from protrain.profile.memory_clock import TensorBytesCounter
 from protrain.profile.timeline import write_timeline_html, write_timeline_png
 from protrain.profile.trace import ModelProfile, hf_loss, trace_model
@@ -103,7 +104,7 @@ def test_saved_bytes_match_the_activations_probe(traced):
 
 def test_trace_offloaded_measures_the_same_activations(traced):
     model, _, p = traced
-    q = trace_model(model, tiny_llama.batch(), device="cpu", n_persist=0)
+    q = trace_model(model, tiny_llama.batch(), device="cpu", knobs=Knobs(n_persist=0))
     assert q.trace_n_persist == 0 and q.trace_n_buffer >= 1
     assert [b.saved_bytes for b in q.blocks] == [b.saved_bytes for b in p.blocks]
     assert sum(iv.gathers for iv in q.intervals) > 0
@@ -144,7 +145,9 @@ def test_counter_counts_new_storages_only():
 def test_tiled_mlp_is_traced_as_it_will_run():
     model = tiny_llama.build(seed=5)
     plain = trace_model(model, tiny_llama.batch(seq=64), device="cpu")
-    tiled = trace_model(model, tiny_llama.batch(seq=64), device="cpu", tiled_mlp_tokens=16)
+    tiled = trace_model(
+        model, tiny_llama.batch(seq=64), device="cpu", knobs=Knobs(tiled_mlp_tokens=16)
+    )
     assert not hasattr(model, "_protrain_activations")
     # tiles keep the MLP's intermediate activations one tile at a time in the keep forward
     assert all(t.fwd_peak_keep_bytes < p.fwd_peak_keep_bytes
@@ -238,6 +241,6 @@ def test_the_trace_discards_its_offloaded_gradients(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(engine_mod, "ChunkManager", Recording)
-    trace_model(tiny_llama.build(), tiny_llama.batch(), device="cpu", n_persist=0)
+    trace_model(tiny_llama.build(), tiny_llama.batch(), device="cpu", knobs=Knobs(n_persist=0))
     (manager,) = made
     assert manager.discard_offloaded_grads and manager.offloaded

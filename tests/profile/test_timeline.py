@@ -10,9 +10,11 @@ import pytest
 import torch
 from tests.profile import tiny_llama
 
+from protrain.knobs import Knobs
 from protrain.plan.memory import MemoryModel
 from protrain.profile.hardware import HardwareProfile
-from protrain.profile.timeline import build_picture, write_timeline_html, write_timeline_png
+from protrain.profile.picture import build_picture
+from protrain.profile.timeline import write_timeline_html, write_timeline_png
 from protrain.profile.trace import trace_model
 
 BUDGET = 3 << 20
@@ -27,7 +29,9 @@ def offloaded():
     try:
         model = tiny_llama.build(layers=2)
         batch = tiny_llama.batch(bsz=1, seq=16)
-        return trace_model(model, batch, device="cpu", n_persist=1, chunk_size_bytes=1 << 16)
+        return trace_model(
+            model, batch, device="cpu", knobs=Knobs(n_persist=1, chunk_size_bytes=1 << 16)
+        )
     finally:
         torch.set_num_threads(threads)
 

@@ -4,6 +4,7 @@ application's ``memory: {auto: true}`` use. Deciding only: executing a plan is
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import time
@@ -15,6 +16,7 @@ from torch import nn
 from protrain.devices import resolve_device
 from protrain.distributed.agree import on_main_patiently
 from protrain.distributed.process_group import NO_GROUP, resolve_context
+from protrain.knobs import Knobs
 from protrain.plan.host_budget import SHARE, default_cpu_budget
 from protrain.plan.loss_chunk import (
     fixed_chunk_advice,
@@ -122,10 +124,12 @@ def profile_model(
                 sample_batch,
                 device=device,
                 compute_dtype=compute_dtype,
-                n_persist=n,
-                chunk_size_bytes=table.chunk_size_bytes,
+                knobs=Knobs(
+                    n_persist=n,
+                    chunk_size_bytes=table.chunk_size_bytes,
+                    tiled_mlp_tokens=request.knobs.tiled_mlp_tokens,
+                ),
                 loss_fn=loss_fn,
-                tiled_mlp_tokens=request.knobs.tiled_mlp_tokens,
                 gpu_budget_bytes=gpu_budget_bytes,
             )
             traced = True
@@ -248,7 +252,7 @@ def _plan_here(
 ) -> tuple[Plan, PlanProblem]:
     """:func:`profile_and_plan` on this process: trace (unless given), then search."""
     t0 = time.perf_counter()
-    budget, cpu_budget = request.gpu_budget_bytes, request.cpu_budget_bytes
+    cpu_budget = request.cpu_budget_bytes
     if cpu_budget is not None:
         cpu_budget //= world.local_size  # the host's, shared by its ranks
     if profile is None:
@@ -275,22 +279,11 @@ def _plan_here(
         ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none",
         ", ".join(k for k in KNOBS if k not in fixed) or "nothing",
     )
+    here = dataclasses.replace(request, cpu_budget_bytes=cpu_budget)  # this rank's share
     t1 = time.perf_counter()
     try:
         result, problem = search_loss_chunks(
-            model,
-            profile,
-            hardware,
-            gpu_budget_bytes=budget,
-            cpu_budget_bytes=cpu_budget,
-            fixed_knobs=fixed,
-            clipping=request.clipping,
-            chunk_size_fixed=request.knobs.chunk_size_bytes is not None,
-            world=world,
-            mode_fixed=mode_fixed,
-            device_step_search=request.device_step_search,
-            optimizer=request.optimizer,
-            optimizer_state=request.optimizer_state,
+            model, profile, hardware, here, world=world, mode_fixed=mode_fixed
         )
     except NoPlanFits as exc:
         if host_defaulted and exc.kind == "host":

@@ -32,6 +32,7 @@ from torch import nn
 from protrain.chunks.layout import _align, choose_chunk_size
 from protrain.chunks.shard import shard_multiple
 from protrain.plan.memory import MemoryModel
+from protrain.plan.request import PlanRequest
 from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, ranking_step_s, search
 from protrain.plan.world import MODES, SINGLE, World
 from protrain.profile.chunk_table import chunk_table_and_index
@@ -132,36 +133,22 @@ def search_chunk_sizes(
     model: nn.Module,
     profile: ModelProfile,
     hardware: HardwareProfile,
+    request: PlanRequest,
     *,
-    gpu_budget_bytes: int,
-    cpu_budget_bytes: int | None = None,
-    fixed_knobs: dict[str, int] | None = None,
-    clipping: bool = True,
-    chunk_size_fixed: bool = False,
     world: World = SINGLE,
     mode_fixed: bool = True,
-    device_step_search: bool = False,
-    optimizer: str = "adamw",
-    optimizer_state: str = "fp32",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes and, with several ranks and
     ``mode_fixed`` false, over both modes (``plan/world.py``), with the problem it solved;
-    see :func:`_search_sizes`."""
+    see :func:`_search_sizes`. ``request`` gives the budgets (the host's already this
+    rank's share), the knobs the user fixed and what the models count
+    (:class:`~protrain.plan.request.PlanRequest`)."""
     if not world.distributed or mode_fixed:
-        return _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
-                             cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
-                             clipping=clipping, chunk_size_fixed=chunk_size_fixed,
-                             world=world, device_step_search=device_step_search,
-                             optimizer=optimizer, optimizer_state=optimizer_state)  # fmt: skip
+        return _search_sizes(model, profile, hardware, request, world)
     found, errors = {}, []
     for mode in MODES:
         try:
-            found[mode] = _search_sizes(model, profile, hardware, gpu_budget_bytes=gpu_budget_bytes,
-                                        cpu_budget_bytes=cpu_budget_bytes, fixed_knobs=fixed_knobs,
-                                        clipping=clipping, chunk_size_fixed=chunk_size_fixed,
-                                        world=world.with_mode(mode),
-                                        device_step_search=device_step_search,
-                                        optimizer=optimizer, optimizer_state=optimizer_state)  # fmt: skip
+            found[mode] = _search_sizes(model, profile, hardware, request, world.with_mode(mode))
         except NoPlanFits as exc:
             errors.append(exc)
     if not found:
@@ -184,16 +171,8 @@ def _search_sizes(
     model: nn.Module,
     profile: ModelProfile,
     hardware: HardwareProfile,
-    *,
-    gpu_budget_bytes: int,
-    cpu_budget_bytes: int | None,
-    fixed_knobs: dict[str, int] | None,
-    clipping: bool,
-    chunk_size_fixed: bool,
+    request: PlanRequest,
     world: World,
-    device_step_search: bool = False,
-    optimizer: str = "adamw",
-    optimizer_state: str = "fp32",
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the candidate chunk sizes, with the problem it solved.
 
@@ -209,15 +188,15 @@ def _search_sizes(
     size has a plan without swap, the sizes are screened at four swap counts (an eighth to
     half of the blocks) instead; every size gets the full search when the user fixed
     ``n_swap``, or when nothing fits at any screened count. Only the traced size is planned when the user gave the chunk size
-    (``chunk_size_fixed``) or a chunk count (``n_persist``, ``n_buffer``), which mean
+    (``request.knobs.chunk_size_bytes``) or a chunk count (``n_persist``, ``n_buffer``), which mean
     something only at one size, or when the profile has no gradient names. With no plan at
     any size: if some size's plans fit the GPU but not the host budget, the host error of
     the size that needs the least host memory; else the error of the size that needs the
     least GPU budget."""
-    fixed = dict(fixed_knobs or {})
+    fixed = request.knobs.fixed_searched()
     sizes = [profile.chunks.chunk_size_bytes]
     if (
-        not chunk_size_fixed
+        request.knobs.chunk_size_bytes is None
         and not {"n_persist", "n_buffer"} & set(fixed)
         and len(profile.grad_names) == len(profile.grad_order)
     ):
@@ -235,14 +214,14 @@ def _search_sizes(
         size: PlanProblem(
             p,
             hardware,
-            gpu_budget_bytes=gpu_budget_bytes,
-            cpu_budget_bytes=cpu_budget_bytes,
+            gpu_budget_bytes=request.gpu_budget_bytes,
+            cpu_budget_bytes=request.cpu_budget_bytes,
             fixed_knobs=fixed,
-            clipping=clipping,
+            clipping=request.clipping,
             world=world,
-            device_step_search=device_step_search,
-            optimizer=optimizer,
-            optimizer_state=optimizer_state,
+            device_step_search=request.device_step_search,
+            optimizer=request.optimizer,
+            optimizer_state=request.optimizer_state,
         )
         for size, p in profiles.items()
     }

@@ -39,7 +39,9 @@ import torch
 from torch import nn
 
 from protrain.plan.chunk_size import search_chunk_sizes
+from protrain.plan.request import PlanRequest
 from protrain.plan.search import NoPlanFits, PlanProblem, SearchResult, ranking_step_s
+from protrain.plan.world import SINGLE, World
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import LossFn, ModelProfile
 
@@ -166,17 +168,23 @@ def search_loss_chunks(
     model: nn.Module,
     profile: ModelProfile,
     hardware: HardwareProfile,
-    **kwargs,
+    request: PlanRequest,
+    *,
+    world: World = SINGLE,
+    mode_fixed: bool = True,
 ) -> tuple[SearchResult, PlanProblem]:
     """The fastest plan over the loss chunk candidates of ``profile`` (each searched over
-    chunk sizes and modes: ``protrain.plan.chunk_size.search_chunk_sizes``, ``kwargs``
-    its arguments): the smallest chunk first (its plan is the fastest of any chunk's), then
+    chunk sizes and modes: ``protrain.plan.chunk_size.search_chunk_sizes``, which takes the
+    same arguments): the smallest chunk first (its plan is the fastest of any chunk's), then
     "off", taken when no slower ([Note: plain PyTorch's layout first] ranks both), else the
     largest chunk as fast as the smallest. Nothing fits at the smallest chunk: nothing
     fits at all, and the error says the loss chunk was at its least."""
     candidates = profile.loss_chunk_candidates or [profile.loss_chunk_tokens]
     if len(candidates) == 1:
-        return search_chunk_sizes(model, at_loss_chunk(profile, candidates[0]), hardware, **kwargs)
+        return search_chunk_sizes(
+            model, at_loss_chunk(profile, candidates[0]), hardware, request,
+            world=world, mode_fixed=mode_fixed,
+        )  # fmt: skip
     smallest = traced_chunk(candidates)
     found: dict[int | None, tuple[SearchResult, PlanProblem]] = {}
 
@@ -184,8 +192,9 @@ def search_loss_chunks(
         if chunk not in found:
             try:
                 found[chunk] = search_chunk_sizes(
-                    model, at_loss_chunk(profile, chunk), hardware, **kwargs
-                )
+                    model, at_loss_chunk(profile, chunk), hardware, request,
+                    world=world, mode_fixed=mode_fixed,
+                )  # fmt: skip
             except NoPlanFits:
                 found[chunk] = None
                 if chunk == smallest:

@@ -638,69 +638,79 @@ def chunk_first_blocks(
     return out
 
 
+_TRACED_KNOBS = ("n_persist", "n_buffer", "chunk_size_bytes", "tiled_mlp_tokens")
+
+
+class _Phases:
+    """Seconds by part of the trace, each part timed from the end of the one before."""
+
+    def __init__(self) -> None:
+        self.start = self.mark = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name] = round(self.seconds.get(name, 0.0) + now - self.mark, 3)
+        self.mark = now
+
+
+def _trace_knobs(knobs: Knobs | None) -> Knobs:
+    """The knobs a trace runs with: the layout's and tiled MLPs'; the activation policies
+    and the rest are the trace's to measure, so giving one is refused."""
+    knobs = knobs or Knobs()
+    default = Knobs()
+    other = {
+        k: v for k, v in vars(knobs).items() if k not in _TRACED_KNOBS and v != getattr(default, k)
+    }
+    if other:
+        raise ValueError(
+            f"trace_model: knobs {other} are not traced; give only {', '.join(_TRACED_KNOBS)}"
+        )
+    return knobs
+
+
 def trace_model(
     model: nn.Module,
     sample_batch: dict,
     *,
     device: torch.device | str | None = None,
     compute_dtype: torch.dtype | None = None,
-    n_persist: int | None = None,
-    n_buffer: int | None = None,
-    chunk_size_bytes: int | None = None,
+    knobs: Knobs | None = None,
     loss_fn: LossFn = hf_loss,
     steps: int = 2,
-    tiled_mlp_tokens: int | None = None,
     gpu_budget_bytes: int | None = None,
 ) -> ModelProfile:
     """Trace ``model`` at ``sample_batch`` under the chunk engine; return its profile.
     The trace runs on this process alone, whatever process group is initialized: with
     several ranks one rank traces, what a rank computes being the same on every rank.
 
-    ``n_persist``/``n_buffer`` are the engine's knobs during the trace (None: every chunk
-    persistent); the caller picks ``n_persist=0`` for a model that does not fit. The model
-    is unchanged afterwards (wrapped with ``lr=0`` and closed again). ``loss_fn`` is the
-    training loss (e.g. a chunked loss); ``tiled_mlp_tokens`` traces with tiled MLPs, as
-    training will run them. ``gpu_budget_bytes``: the plan's device budget, which the step
-    with nothing recomputed must fit to be measured ([Note: the plain layout measured]).
+    ``knobs``: the engine's ``n_persist``/``n_buffer``/``chunk_size_bytes`` during the
+    trace (None: every chunk persistent) and its ``tiled_mlp_tokens`` (tiled MLPs, as
+    training will run them); the caller picks ``n_persist=0`` for a model that does not
+    fit. The model is unchanged afterwards (wrapped with ``lr=0`` and closed again).
+    ``loss_fn`` is the training loss (e.g. a chunked loss). ``gpu_budget_bytes``: the
+    plan's device budget, which the step with nothing recomputed must fit to be measured
+    ([Note: the plain layout measured]).
     """
-    t_begin = time.perf_counter()
+    phase = _Phases()
     device = resolve_device(device)
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    phases: dict[str, float] = {}
-    mark = [t_begin]
-
-    def phase(name: str) -> None:
-        now = time.perf_counter()
-        phases[name] = round(phases.get(name, 0.0) + now - mark[0], 3)
-        mark[0] = now
-
+    knobs = _trace_knobs(knobs)
+    tiled_mlp_tokens = knobs.tiled_mlp_tokens
     layout = discover_blocks(model)
     blocks = layout.blocks
     index = param_index(model)
     table, chunk_of = chunk_table_and_index(
-        model, compute_dtype=compute_dtype, chunk_size_bytes=chunk_size_bytes, index=index
+        model, compute_dtype=compute_dtype, chunk_size_bytes=knobs.chunk_size_bytes, index=index
     )
-    if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
-        need = max(table.min_buffers, 2)
-        n_buffer = min(table.n_chunks - n_persist, need + 1)
     batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in sample_batch.items()}
     bsz, seq = _batch_shape(batch)
     # The weights on the host, kept to be given back as they are: no weight changes in the
     # trace, and close() would otherwise copy every one back out of the chunks. On the
     # host only: kept device weights would take memory from the traced step.
     originals = {p: p.data for p in model.parameters() if p.device.type == "cpu"}
-
-    # the engine's own wrap: the profiler sits below "plan, then wrap" (planned_wrap.py)
-    model, optimizer, chunk_layout = engine_wrap(
-        model,
-        Knobs(n_persist=n_persist, n_buffer=n_buffer, chunk_size_bytes=table.chunk_size_bytes),
-        device=device,
-        compute_dtype=compute_dtype,
-        optim=OptimizerSettings(lr=0.0),
-        discard_offloaded_grads=True,  # stepped without host updates: never read
-        process_group=NO_GROUP,
-    )
+    model, optimizer, chunk_layout = _wrap_for_trace(model, table, knobs, device, compute_dtype)
     engine = model._protrain_engine
     manager = engine.manager
     chunk_bytes = chunk_layout.chunk_size_bytes
@@ -712,62 +722,19 @@ def trace_model(
     sync = _Sync(device)
     handle = None
     try:
-        with MemoryClock(device, exclude=pool_bytes) as clock:
-            if tiled_mlp_tokens is not None:
-                handle = apply_activation_knobs(
-                    model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
-                )
-            head_order = _HeadAfterBlocks(model, blocks)
-            try:
-                saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s = _keep_pass(
-                    model, blocks, batch, loss_fn, clock, sync
-                )
-            finally:
-                head_order.remove()
+        keep, head_after_blocks = _keep_pass_clocked(
+            model, layout, batch, loss_fn, sync, pool_bytes, tiled_mlp_tokens
+        )
+        saved = keep[0]
         phase("keep_pass")
-        if handle is not None:
-            handle.remove()
         handle = apply_activation_knobs(
             model, 0, len(blocks), device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
         )
         trainable = [(n, p, chunk_of[n]) for n, p in model.named_parameters() if p.requires_grad]
-        copy_wait = lambda: 0.0  # noqa: E731
-        if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
-            copy_wait = manager.copy_wait_s  # copies are always timed (chunks/copy_times.py)
-        # On CUDA one more step, and the caching allocator emptied after the first: the keep
-        # pass and the first step (kernels, the persistent chunks' optimizer state) leave
-        # blocks cached that training with the plan never has, and reserved minus allocated
-        # read over them overstated the allocator term (qlora-70b: 6.21 GiB traced against
-        # 2.8-3.8 GiB in training). The kept step then runs on the cache that a traced step
-        # of its own left, as every training step after the first does. (The free-running step in its place,
-        # one step fewer, put the allocator term at 3.5-4.9 GiB on full-8b against
-        # training's 2.3-2.8, and its totals would include refilling an emptied cache.)
-        cuda = device.type == "cuda"
-        with MemoryClock(device, exclude=pool_bytes) as clock:
-            for i in range(max(steps + 1, 3) if cuda else max(steps, 1)):
-                if cuda and i == 1:
-                    torch.cuda.empty_cache()
-                tracer = _StepTracer(
-                    blocks,
-                    clock,
-                    sync,
-                    lambda: manager.stats["gathers"],
-                    trainable,
-                    copy_wait,
-                    resident=lambda: sorted(manager.resident),
-                )
-                try:
-                    tracer.start()
-                    loss = loss_fn(model, batch)
-                    # the head's interval so far: the loss's forward (0: no head cut)
-                    loss_forward_s = tracer.since_cut() if tracer.cut_kind == "head" else 0.0
-                    loss.backward()
-                    del loss
-                    tracer.cut("opt", -1)
-                    _optimizer_step(optimizer)
-                    t_end, _ = tracer.cut("end", -1)
-                finally:
-                    tracer.remove()
+        copy_wait = _copy_wait(manager, device)
+        tracer, loss_forward_s, t_end = _traced_steps(
+            model, optimizer, blocks, batch, loss_fn, trainable, copy_wait, sync, steps, pool_bytes
+        )
         # The step's reserved peak minus its allocated peak, both raw (buffer pool
         # included): what the allocator holds beyond the most the step ever had allocated.
         # One interval's own figure overstated it: in the optimizer step, the released pool
@@ -801,32 +768,8 @@ def trace_model(
     phase("close")
 
     iv = tracer.intervals
-    bwd_compute: dict[int, float] = {}
-    for x in iv:
-        if x.kind == "bwd":
-            bwd_compute[x.block] = bwd_compute.get(x.block, 0.0) + x.compute_s
-    head = next(x for x in iv if x.kind == "head")
-    pre = next(x for x in iv if x.kind == "pre")
-    opt = next(x for x in iv if x.kind == "opt")
-    block_profiles = []
-    for i, b in enumerate(blocks):
-        fwd_s = tracer.fwd_s.get(i, keep_fwd_s[i])
-
-        block_profiles.append(
-            BlockProfile(
-                name=b.name,
-                fwd_s=fwd_s,
-                bwd_s=max(bwd_compute.get(i, 0.0) - fwd_s, 0.0),
-                recompute_s=fwd_s,
-                saved_bytes=saved[i],
-                input_bytes=input_bytes[i],
-                input_in_saved=input_in_saved[i],
-                fwd_peak_keep_bytes=peak_keep[i],
-                fwd_peak_checkpoint_bytes=tracer.fwd_peak.get(i, 0),
-            )
-        )
-    # The backward interval of block 0 runs to the end of backward: what follows block 0's
-    # own backward (embedding gradients) has no hook of its own and stays in it.
+    block_profiles = _block_profiles(blocks, tracer, *keep)
+    head, pre, opt = (next(x for x in iv if x.kind == k) for k in ("head", "pre", "opt"))
     phase("summarize")  # the profile built from the trace: the parts then cover trace_s
     profile = ModelProfile(
         kernels=list(applied_kernels(_causal_lm(model))),
@@ -848,30 +791,154 @@ def trace_model(
         grad_order=list(tracer.grad_order),
         grad_names=list(tracer.grad_names),
         step_start_bytes=tracer.base if device.type == "cuda" else None,
-        trace_s=mark[0] - t_begin,
+        trace_s=phase.mark - phase.start,
         free_pre_fwd_s=free_pre,
         free_blocks_fwd_s=free_blocks,
         free_fwd_bwd_s=free_total,
         free_loss_forward_s=free_loss,
         free_keep_fwd_bwd_s=free_keep,
         chunk_first_block=chunk_first_blocks(block_param_names(blocks), chunk_of, table.n_chunks),
-        trace_phases_s=phases,
+        trace_phases_s=phase.seconds,
         wrap_build_s=dict(manager.build_s),
         model_state_bytes=model_states,
         start_resident_chunks=tracer.start_resident,
         loss_forward_s=loss_forward_s,
-        head_after_blocks=head_order.seen,
+        head_after_blocks=head_after_blocks,
     )
     log.info(
         "traced %d blocks at batch %d x %d in %.1f s (traced step %.3f s; free-running "
         "forward + backward %.3f s; seconds by part: %s; of the wrap: %s)",
-        len(blocks),
-        bsz,
-        seq,
-        profile.trace_s,
-        profile.step_s,
-        free_total,
-        phases,
-        manager.build_s,
+        *(len(blocks), bsz, seq, profile.trace_s, profile.step_s, free_total),
+        *(phase.seconds, manager.build_s),
     )
     return profile
+
+
+def _wrap_for_trace(
+    model: nn.Module,
+    table: ChunkTable,
+    knobs: Knobs,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+):
+    """The engine's own wrap at the traced layout, with ``lr=0``: the profiler sits below
+    "plan, then wrap" (``planned_wrap.py``). With offloaded chunks and no ``n_buffer``,
+    one buffer more than a module or block needs."""
+    n_persist, n_buffer = knobs.n_persist, knobs.n_buffer
+    if n_persist is not None and n_persist < table.n_chunks and n_buffer is None:
+        need = max(table.min_buffers, 2)
+        n_buffer = min(table.n_chunks - n_persist, need + 1)
+    return engine_wrap(
+        model,
+        Knobs(n_persist=n_persist, n_buffer=n_buffer, chunk_size_bytes=table.chunk_size_bytes),
+        device=device,
+        compute_dtype=compute_dtype,
+        optim=OptimizerSettings(lr=0.0),
+        discard_offloaded_grads=True,  # stepped without host updates: never read
+        process_group=NO_GROUP,
+    )
+
+
+def _traced_steps(
+    model, optimizer, blocks, batch, loss_fn, trainable, copy_wait, sync, steps, pool_bytes
+):
+    """The traced steps under the memory clock, every block checkpointed: the last step's
+    tracer, its loss forward seconds and its end time.
+
+    On CUDA one more step, and the caching allocator emptied after the first: the keep
+    pass and the first step (kernels, the persistent chunks' optimizer state) leave
+    blocks cached that training with the plan never has, and reserved minus allocated
+    read over them overstated the allocator term (qlora-70b: 6.21 GiB traced against
+    2.8-3.8 GiB in training). The kept step then runs on the cache that a traced step
+    of its own left, as every training step after the first does. (The free-running step in
+    its place, one step fewer, put the allocator term at 3.5-4.9 GiB on full-8b against
+    training's 2.3-2.8, and its totals would include refilling an emptied cache.)"""
+    manager = model._protrain_engine.manager
+    device = sync.device
+    cuda = device.type == "cuda"
+    with MemoryClock(device, exclude=pool_bytes) as clock:
+        for i in range(max(steps + 1, 3) if cuda else max(steps, 1)):
+            if cuda and i == 1:
+                torch.cuda.empty_cache()
+            tracer = _StepTracer(
+                blocks,
+                clock,
+                sync,
+                lambda: manager.stats["gathers"],
+                trainable,
+                copy_wait,
+                resident=lambda: sorted(manager.resident),
+            )
+            try:
+                tracer.start()
+                loss = loss_fn(model, batch)
+                # the head's interval so far: the loss's forward (0: no head cut)
+                loss_forward_s = tracer.since_cut() if tracer.cut_kind == "head" else 0.0
+                loss.backward()
+                del loss
+                tracer.cut("opt", -1)
+                _optimizer_step(optimizer)
+                t_end, _ = tracer.cut("end", -1)
+            finally:
+                tracer.remove()
+    return tracer, loss_forward_s, t_end
+
+
+def _keep_pass_clocked(model, layout, batch, loss_fn, sync, pool_bytes, tiled_mlp_tokens):
+    """The keep pass under the memory clock (with tiled MLPs where training tiles them):
+    per block its saved bytes, forward peak, input bytes, whether its input is among the
+    saved, forward seconds; and whether the output head ran after the blocks."""
+    device, blocks, handle = sync.device, layout.blocks, None
+    try:
+        with MemoryClock(device, exclude=pool_bytes) as clock:
+            if tiled_mlp_tokens is not None:
+                handle = apply_activation_knobs(
+                    model, 0, 0, device=device, layout=layout, tiled_mlp_tokens=tiled_mlp_tokens
+                )
+            head_order = _HeadAfterBlocks(model, blocks)
+            try:
+                keep = _keep_pass(model, blocks, batch, loss_fn, clock, sync)
+            finally:
+                head_order.remove()
+    finally:
+        if handle is not None:
+            handle.remove()
+    return keep, head_order.seen
+
+
+def _copy_wait(manager, device: torch.device) -> Callable[[], float]:
+    """Seconds the compute stream waited on chunk copies so far (0 off CUDA): copies are
+    always timed there (``chunks/copy_times.py``)."""
+    if device.type == "cuda" and hasattr(manager, "copy_wait_s"):
+        return manager.copy_wait_s
+    return lambda: 0.0
+
+
+def _block_profiles(
+    blocks, tracer, saved, peak_keep, input_bytes, input_in_saved, keep_fwd_s
+) -> list[BlockProfile]:
+    """Each block's profile: its backward is the traced interval's compute less the
+    recomputed forward; what the keep pass measured about its saved activations. The
+    backward interval of block 0 runs to the end of backward: what follows block 0's own
+    backward (embedding gradients) has no hook of its own and stays in it."""
+    bwd_compute: dict[int, float] = {}
+    for x in tracer.intervals:
+        if x.kind == "bwd":
+            bwd_compute[x.block] = bwd_compute.get(x.block, 0.0) + x.compute_s
+    out = []
+    for i, b in enumerate(blocks):
+        fwd_s = tracer.fwd_s.get(i, keep_fwd_s[i])
+        out.append(
+            BlockProfile(
+                name=b.name,
+                fwd_s=fwd_s,
+                bwd_s=max(bwd_compute.get(i, 0.0) - fwd_s, 0.0),
+                recompute_s=fwd_s,
+                saved_bytes=saved[i],
+                input_bytes=input_bytes[i],
+                input_in_saved=input_in_saved[i],
+                fwd_peak_keep_bytes=peak_keep[i],
+                fwd_peak_checkpoint_bytes=tracer.fwd_peak.get(i, 0),
+            )
+        )
+    return out
