@@ -271,10 +271,13 @@ class PackedRows(list):
 
 def pack_collate(pad_to_multiple_of: int):
     """axolotl's V2BatchSamplerDataCollatorForSeq2Seq: the rows of each pack end to end
+    (a plain list of rows: one pack)
     (attention mask numbered by row), packs padded to the longest, rounded up to
     ``pad_to_multiple_of`` (with pad_to_sequence_len: sequence_len rounded up to 64)."""
 
     def collate(packs: list[list[dict]]) -> dict[str, torch.Tensor]:
+        if not isinstance(packs[0], list):  # a list of rows is one pack, as axolotl's
+            packs = [packs]
         rows = [
             {
                 "input_ids": torch.cat([r["input_ids"] for r in pack]),
