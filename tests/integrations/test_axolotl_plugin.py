@@ -278,6 +278,47 @@ def test_protrain_log_lines_reach_axolotls_logger(axolotl_api, tmp_path):
     assert ("axolotl.protrain.integrations.transformers.trainer", "the plan") in seen
 
 
+CONSOLE_RUN = """
+import logging, sys
+from pathlib import Path
+sys.path[:0] = [{api!r}, {tests!r}]
+import axolotl.cli  # axolotl train: logging configured before the plugin is loaded
+from integrations.test_axolotl_plugin import example_config, run_like_axolotl
+memory = {{"auto": True, "gpu_budget": "100MiB", "n_persist": 1, "chunk_size": "512KiB"}}
+run_like_axolotl(example_config(Path({tmp!r}), {model!r}, protrain_memory=memory,
+                                gradient_checkpointing=True))
+logging.getLogger("protrain.created.late").info("late info")
+logging.getLogger("protrain.created.late").warning("late warning")
+"""
+
+
+def test_protrain_log_lines_reach_axolotls_console_at_its_default_level(
+    axolotl_api, tiny_model_dir, tmp_path
+):
+    """A process that starts as ``axolotl train`` does (axolotl 0.21.0's logging set-up, then
+    the plugin): its console shows the plugin's take-over lines, the plan and the INFO lines
+    of a protrain logger created after the hooks ran, warnings once, with no log level set."""
+    import os
+    import subprocess
+
+    script = CONSOLE_RUN.format(api=str(API), tests=str(REPO / "tests"),
+                                tmp=str(tmp_path), model=str(tiny_model_dir))  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("LOG_LEVEL", "AXOLOTL_LOG_LEVEL")}
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    console = run.stdout
+    plugin = "[axolotl.protrain.integrations.axolotl.plugin] ProTrainPlugin: "
+    assert plugin + "gradient_checkpointing: the engine saves activation memory" in console
+    assert plugin + "the memory plan is made from the heaviest" in console
+    assert (
+        "[INFO] [axolotl.protrain.integrations.transformers.trainer] protrain memory plan"
+        in console
+    )
+    assert "[INFO] [axolotl.protrain.created.late] late info" in console
+    assert console.count("late warning") == 1
+
+
 def test_register_turns_off_the_lora_kernels_axolotl_would_enable(axolotl_api, tmp_path):
     from protrain.integrations.axolotl.plugin import LORA_KERNEL_KEYS
 

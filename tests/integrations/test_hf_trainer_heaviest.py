@@ -232,3 +232,95 @@ def test_an_arrow_dataset_is_sized_from_its_column_in_its_own_order():
     assert [s.tokens for s in row_sizes(sized)] == [len(r["input_ids"]) for r in data]
     assert row_sizes(sized) == row_sizes(data)
     assert arrow_sized(data.with_format("torch")) is not sized  # tensors: read row by row
+
+
+class PackingSampler:
+    """axolotl 0.21.0's MultipackBatchSampler as the loader sees it: ``batch_size`` packs
+    per micro-batch, each a list of row indices of at most ``batch_max_len`` tokens (first
+    fit here; axolotl's bin packing is another order, the same bound)."""
+
+    def __init__(self, lengths: list[int], batch_size: int, batch_max_len: int):
+        self.batch_size, self.batch_max_len = batch_size, batch_max_len
+        packs, current, used = [], [], 0
+        for i, n in enumerate(lengths):
+            if used + n > batch_max_len:
+                packs.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += n
+        packs.append(current)
+        self.batches = [packs[i : i + batch_size] for i in range(0, len(packs), batch_size)]
+        self.batches = [b for b in self.batches if len(b) == batch_size]  # drop_last
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self):
+        return len(self.batches)
+
+
+class PackedRows(list):
+    """Rows that a pack of indices reads as the list of its rows, as the packs reach
+    axolotl's collator."""
+
+    def __getitem__(self, index):
+        if isinstance(index, list):
+            return [super(PackedRows, self).__getitem__(i) for i in index]
+        return super().__getitem__(index)
+
+
+def pack_collate(pad_to_multiple_of: int):
+    """axolotl's V2BatchSamplerDataCollatorForSeq2Seq: the rows of each pack end to end
+    (a plain list of rows: one pack)
+    (attention mask numbered by row), packs padded to the longest, rounded up to
+    ``pad_to_multiple_of`` (with pad_to_sequence_len: sequence_len rounded up to 64)."""
+
+    def collate(packs: list[list[dict]]) -> dict[str, torch.Tensor]:
+        if not isinstance(packs[0], list):  # a list of rows is one pack, as axolotl's
+            packs = [packs]
+        rows = [
+            {
+                "input_ids": torch.cat([r["input_ids"] for r in pack]),
+                "labels": torch.cat([r["labels"] for r in pack]),
+                "attention_mask": torch.cat(
+                    [(i + 1) * r["attention_mask"] for i, r in enumerate(pack)]
+                ),
+            }
+            for pack in packs
+        ]
+        width = (
+            -(-max(len(r["input_ids"]) for r in rows) // pad_to_multiple_of) * pad_to_multiple_of
+        )
+        fill = {"input_ids": 0, "labels": -100, "attention_mask": 0}
+        return {
+            k: torch.stack(
+                [torch.cat([r[k], r[k].new_full((width - len(r[k]),), v)]) for r in rows]
+            )
+            for k, v in fill.items()
+        }
+
+    collate.pad_to_multiple_of = pad_to_multiple_of
+    return collate
+
+
+@pytest.mark.parametrize("attention_packs", [True, False], ids=["flash", "sdpa"])
+def test_axolotl_sample_packing_plans_the_packed_micro_batch(attention_packs):
+    """axolotl's sample_packing with pad_to_sequence_len (micro_batch_size 2, sequence_len 64):
+    with an attention that takes packed rows, one pack of 2 x 64 tokens per micro-batch, else
+    (multipack_real_batches) 2 packs of 64 (axolotl/core/trainers/base.py,
+    _create_multipack_sampler). Rows of 16 tokens fill every pack: the planned micro-batch
+    has the shape of every trained one."""
+    micro_batch_size, sequence_len = 2, 64
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(40):
+        ids = torch.randint(3, 512, (16,), generator=g)
+        rows.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    packs, width = (1, 2 * sequence_len) if attention_packs else (micro_batch_size, sequence_len)
+    sampler = PackingSampler([16] * len(rows), batch_size=packs, batch_max_len=width)
+    loader = DataLoader(
+        PackedRows(rows), batch_sampler=sampler, collate_fn=pack_collate(sequence_len)
+    )
+    planned = planning_batch(loader, torch.device("cpu"), ProTrainConfig(gpu_budget="1GiB"), 2)
+    trained = {tuple(b["input_ids"].shape) for b in loader}
+    assert trained == {tuple(planned["input_ids"].shape)} == {(packs, width)}

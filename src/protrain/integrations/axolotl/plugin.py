@@ -9,7 +9,8 @@ in the order axolotl calls them:
   activations), ``bf16: true / auto`` (the engine's compute dtype), flash-attention where
   its kernel cannot run here (sdpa), axolotl's fused LoRA kernels left unset (off: they
   read the base layers' weights outside the modules whose hooks make a chunk resident).
-  It also sends protrain's log lines through axolotl's logger (``console.py``).
+  It also sends protrain's log lines through axolotl's logger (``console.py``; again in
+  ``pre_model_load`` and ``get_trainer_cls``).
 - ``get_input_args``: the ``protrain_memory`` section joins axolotl's schema (``args.py``),
   whose validator refuses, when axolotl loads the config, what cannot run.
 - ``get_training_args``: the engine's compute dtype and activation policy as the Trainer's
@@ -134,6 +135,7 @@ class ProTrainPlugin(BasePlugin):
     def get_trainer_cls(self, cfg: Any) -> type[ProTrainTrainer]:
         from axolotl.core.trainers.base import AxolotlTrainer
 
+        show_in_axolotl_console()  # the plan is logged while the trainer is built
         config = protrain_config(memory_section(cfg), None)
         return type(
             "ProTrainAxolotlTrainer",

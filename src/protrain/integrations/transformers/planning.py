@@ -17,6 +17,18 @@ collation runs with torch's, Python's and NumPy's random states restored afterwa
 collator that draws (random masking) leaves the run's random state as it was: the Trainer
 then yields the batches it would have yielded without the plan.
 
+[Note: packing batch samplers]
+axolotl's ``sample_packing`` loads through a batch sampler of packs (``MultipackBatchSampler``):
+each micro-batch is ``batch_size`` packs of rows laid end to end, each pack up to
+``batch_max_len`` tokens (``micro_batch_size`` packs of ``sequence_len`` tokens, or one pack
+of ``micro_batch_size * sequence_len`` where its attention takes packed rows), which its
+collator concatenates per pack and pads to its ``pad_to_multiple_of``. A loader whose batch
+sampler has those two attributes is planned for that: ``batch_size`` packs, each the longest
+row (its collator handles a list of packs) padded with masked tokens to ``batch_max_len``
+rounded up to the collator's multiple, the widest micro-batch it can yield. TRL's packing
+needs nothing of its own: its rows are the packs, and its padding-free collator lays the
+chosen longest packs end to end as in training.
+
 Where the rows cannot be sized without collating them (an iterable dataset, or rows without
 ``input_ids`` that the collator tokenizes, as TRL's vision-language rows), the sample is the
 loader's first batch instead, peeked at under the same restored random state, and the log
@@ -50,8 +62,11 @@ def planning_batch(
     rows and why."""
     base = getattr(loader, "base_dataloader", loader)
     unsized = why_unsized(base.dataset)
+    packs = packing_sampler(base)
     with kept_random_state(device):
-        if unsized is None:
+        if unsized is None and packs is not None:
+            batch, reason = packed_batch(base, *packs)
+        elif unsized is None:
             collate = base.collate_fn
             # transformers' RemoveColumnsCollator keeps the Trainer's collator as data_collator
             inner = getattr(collate, "data_collator", collate)
@@ -73,6 +88,36 @@ def planning_batch(
         reason += f", padded to plan_sequence_len {width}"
     log.info(reason)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def packing_sampler(loader: DataLoader) -> tuple[int, int] | None:
+    """(packs per micro-batch, tokens per pack) of a packing batch sampler (see the module's
+    note), else None."""
+    sampler = loader.batch_sampler
+    packs, width = getattr(sampler, "batch_size", None), getattr(sampler, "batch_max_len", None)
+    if isinstance(packs, int) and isinstance(width, int):
+        return packs, width
+    return None
+
+
+def packed_batch(loader: DataLoader, packs: int, width: int) -> tuple[dict, str]:
+    """The widest micro-batch of a packing batch sampler: ``packs`` packs, each one of the
+    longest rows padded to ``width`` tokens rounded up to the collator's multiple."""
+    collate = loader.collate_fn
+    multiple = getattr(getattr(collate, "data_collator", collate), "pad_to_multiple_of", None)
+    width = -(-width // multiple) * multiple if multiple else width
+    chosen = heaviest_batch(
+        arrow_sized(loader.dataset),
+        lambda rows: collate([[row] for row in rows]),  # one row per pack
+        micro_batch_size=packs,
+    )
+    batch = pad_tokens(dict(chosen.batch), width, pad_id=0, media_keys=_floating_keys(chosen.batch))
+    shape = "x".join(map(str, batch["input_ids"].shape))
+    reason = (
+        f"planning micro-batch: {packs} pack(s) of {width} tokens ({shape}), the widest the "
+        f"packing batch sampler yields; rows {chosen.rows} padded to fill them"
+    )
+    return batch, reason
 
 
 def why_unsized(dataset: Any) -> str | None:
