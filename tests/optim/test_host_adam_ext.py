@@ -65,3 +65,31 @@ def test_ninja_from_the_package_when_none_is_on_path(monkeypatch, tmp_path):
     with host_adam_ext._ninja_on_path():
         assert Path(shutil.which("ninja")) == program
     assert os.environ["PATH"] == str(tmp_path / "empty")
+
+
+def test_a_damaged_library_is_built_again_not_loaded(monkeypatch, tmp_path):
+    """Loading a truncated library ends the process with a bus error, which no except
+    catches: a library whose bytes are not those the stamp recorded is removed and built
+    again; an intact one is loaded without the build tooling."""
+    import torch
+    from torch.utils import cpp_extension
+
+    name = "protrain_host_adam_test"
+    library, stamp = tmp_path / f"{name}.so", tmp_path / "built"
+    library.write_bytes(b"\x7fELF the library as built")
+    stamp.write_text(host_adam_ext._sha256(library))
+    loaded, built = [], []
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: loaded.append(path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: built.append(kw["name"]) or None)
+
+    def build_writes_the_library(**kw):
+        built.append(kw["name"])
+        library.write_bytes(b"\x7fELF built again")
+
+    host_adam_ext._load(name, "AVX2", tmp_path)
+    assert loaded == [str(library)] and built == []  # intact: loaded directly
+    library.write_bytes(b"\x7fELF trunc")  # damaged after it was stamped
+    monkeypatch.setattr(cpp_extension, "load", build_writes_the_library)
+    host_adam_ext._load(name, "AVX2", tmp_path)
+    assert built == [name] and loaded == [str(library)]  # built again, not loaded as it was
+    assert stamp.read_text() == host_adam_ext._sha256(library)

@@ -150,12 +150,20 @@ def _build(cap: str) -> ModuleType | None:
 
 def _load(name: str, cap: str, directory: Path) -> None:
     """Build (where not built yet) and load the library, whose operators register as
-    ``torch.ops.<name>``. A build that loaded once is stamped ``built``: later processes
-    load it without torch's build tooling (its import alone takes a second or two)."""
+    ``torch.ops.<name>``. A build that loaded once is stamped ``built`` with the library's
+    sha256: later processes load it without torch's build tooling (its import alone takes a
+    second or two) when the library still has that hash. A library that changed since (a
+    truncated or damaged file, which loading would end the process over with a bus error)
+    or is gone is built again."""
     library, stamp = directory / f"{name}.so", directory / "built"
     if stamp.exists():
-        torch.ops.load_library(str(library))
-        return
+        if library.exists() and stamp.read_text().strip() == _sha256(library):
+            torch.ops.load_library(str(library))
+            return
+        log.warning("protrain: the host AdamW kernel in %s changed since it was built; "
+                    "building it again", directory)  # fmt: skip
+        stamp.unlink()
+        library.unlink(missing_ok=True)
     from torch.utils import cpp_extension  # compiler tooling: only where a build may run
 
     log.info("protrain: building the host AdamW kernel (%s) in %s", cap, directory)
@@ -172,7 +180,11 @@ def _load(name: str, cap: str, directory: Path) -> None:
         is_python_module=False,
         verbose=False,
     )
-    stamp.touch()
+    stamp.write_text(_sha256(library))
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 @contextlib.contextmanager
