@@ -337,3 +337,9 @@ def test_a_hub_name_that_cannot_be_had_is_one_line_at_once(tmp_path, offline):
     )
     assert took_s < 50, took_s  # the imports, not a minute of retries
     assert not (tmp_path / "run").exists()
+
+
+def test_an_endpoint_with_a_bad_port_is_a_reason_not_a_traceback():
+    from protrain.train.hub_source import _unreachable
+
+    assert "is no address" in _unreachable("https://huggingface.co:99999")

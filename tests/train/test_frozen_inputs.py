@@ -155,3 +155,23 @@ def test_accept_changed_inputs_is_allowed_with_resume_only(tmp_path, capsys):
         "error: --accept-changed-inputs is allowed only with --resume\n"
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [2], "data_offsets": ["0", "8"]},
+        {"dtype": "F32", "shape": [2], "data_offsets": [None, 8]},
+        {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]},
+        {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]},
+    ],
+)
+def test_a_header_of_the_wrong_types_is_a_problem_not_a_traceback(tmp_path, entry):
+    """A header that parses as JSON but whose offsets or shape are no whole numbers."""
+    import json
+    import struct
+
+    header = json.dumps({"w": entry}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(8))
+    assert "not whole numbers" in safetensors_problem(path)

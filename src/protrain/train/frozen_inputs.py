@@ -238,6 +238,9 @@ def safetensors_problem(path: Path) -> str | None:
             shape = entry["shape"]
         except (KeyError, TypeError, ValueError):
             return f"tensor {name!r} has no data_offsets or shape"
+        numbers = [begin, end, *shape] if isinstance(shape, list) else None
+        if numbers is None or not all(type(x) is int for x in numbers):
+            return f"tensor {name!r} has offsets or a shape that are not whole numbers"
         if not (0 <= begin <= end) or math.prod(shape) < 0:
             return f"tensor {name!r} has bad offsets"
         if end > data_bytes:

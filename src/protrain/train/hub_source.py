@@ -62,7 +62,10 @@ def _in_cache(name: str, revision: str | None) -> bool:
 def _unreachable(endpoint: str) -> str | None:
     """Why the hub's host does not accept a connection; None where it does."""
     url = urlparse(endpoint)
-    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+    except ValueError as exc:  # a port out of range or not a number in HF_ENDPOINT
+        return f"{endpoint!r} is no address ({exc})"
     try:
         socket.create_connection((url.hostname, port), timeout=_CONNECT_TIMEOUT_S).close()
     except OSError as exc:
