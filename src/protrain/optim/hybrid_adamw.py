@@ -190,6 +190,10 @@ class HybridAdamW(torch.optim.Optimizer):
         self._worker = worker
         self._close_fn = close_fn
         self._clip_coef: torch.Tensor | None = None
+        self._clipped = False  # clip_grad_norm_ ran since zero_grad
+        # slots that had a gradient before zero_grad(set_to_none=False): torch would step
+        # them with a zero gradient where the next backward gives them none
+        self._kept_zero: set[int] = set()
         self.scaler = scaler if scaler is not None else LossScaler(manager.device, enabled=False)
         self._found_inf: torch.Tensor | None = None  # set by unscale_, read by step
         self._inv_scale: torch.Tensor | None = None
@@ -375,7 +379,14 @@ class HybridAdamW(torch.optim.Optimizer):
                 "protrain: clip_grad_norm_ after step_in_backward(): clipping needs every "
                 "gradient before any update starts; do not arm the step when clipping"
             )
+        if self._clipped:
+            raise RuntimeError(
+                "protrain: clip_grad_norm_ a second time before zero_grad(): offloaded "
+                "gradients are clipped inside the host step, by the coefficient of the one "
+                "clip of the window; clip once, after the window's last backward"
+            )
         total, persistent_grads = self._total_norm(norm_type)
+        self._clipped = True
         if error_if_nonfinite and (total.isnan() or total.isinf()):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is {total}")
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -585,6 +596,7 @@ class HybridAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._flush_grads()
+        self._refuse_kept_zero_without_grad()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
         if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
@@ -719,12 +731,31 @@ class HybridAdamW(torch.optim.Optimizer):
         self._flush_grads()  # no copy into an accumulator after its gradient is cleared
         self._disarm()
         self._clip_coef = self._found_inf = self._inv_scale = None
+        self._clipped = False
+        # torch keeps zeros: a parameter without a gradient in the next backward is still
+        # decayed and moved by its moments there; ProTrain frees the gradient, so that
+        # case is refused at step() (_refuse_kept_zero_without_grad)
+        self._kept_zero = (
+            set()
+            if set_to_none is None or set_to_none
+            else {id(s) for s in self._slots if s.has_grad}
+        )
         for s in self._slots:
             s.has_grad = s.grad_low = False
             s.grad_pending_mul = None
             s.param.grad = None
         for s in self._persistent_slots:  # device accumulators are made by the next backward
             s.grad_acc = s.master.grad = None
+
+    def _refuse_kept_zero_without_grad(self) -> None:
+        missing = [s.name for s in self._slots if id(s) in self._kept_zero and not s.has_grad]
+        if missing:
+            raise RuntimeError(
+                f"protrain: {missing[0]} (and {len(missing) - 1} more) got no gradient after "
+                "zero_grad(set_to_none=False): torch would step it with a zero gradient "
+                "(decay and momentum), ProTrain steps only parameters with a gradient; call "
+                "zero_grad() with set_to_none=True (the default)"
+            )
 
     # ---- state --------------------------------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""Where the engine's optimizer cannot do what torch's would, it says so instead of stepping
+differently: a second clip of one window, and a parameter left without a gradient after
+``zero_grad(set_to_none=False)`` (torch steps it with zeros). Every chunk is offloaded, so
+the host update runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import protrain
+
+from .models import batches, build
+
+
+def _wrapped():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    wrapped, optimizer, _ = protrain.wrap(
+        model, n_persist=0, lr=1e-2, weight_decay=0.01, device="cpu"
+    )
+    return reference, wrapped, optimizer
+
+
+def test_a_second_clip_before_zero_grad_is_refused():
+    _, model, optimizer = _wrapped()
+    data = batches("llama", 2)
+    model(**data[0]).loss.backward()
+    optimizer.clip_grad_norm_(0.05)
+    with pytest.raises(RuntimeError, match="clip_grad_norm_ a second time before zero_grad"):
+        optimizer.clip_grad_norm_(0.05)
+    optimizer.step()
+    with pytest.raises(RuntimeError, match="a second time"):  # the same gradient after a step
+        optimizer.clip_grad_norm_(0.05)
+    optimizer.zero_grad()
+    model(**data[1]).loss.backward()
+    optimizer.clip_grad_norm_(0.05)  # a new window clips again
+    optimizer.step()
+    protrain.close(model)
+
+
+def test_zero_grad_keeping_zeros_trains_as_torch_where_every_parameter_has_a_gradient():
+    reference, model, optimizer = _wrapped()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    for batch in batches("llama", 3):
+        for m, opt in ((reference, ref_opt), (model, optimizer)):
+            m(**batch).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+    state = protrain.state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
+    protrain.close(model)
+
+
+def test_a_parameter_without_a_gradient_after_zero_grad_keeping_zeros_is_refused():
+    """torch would decay it and move it by its moments; the engine names it instead."""
+    _, model, optimizer = _wrapped()
+    data = batches("llama", 2)
+    model(**data[0]).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    head = model.lm_head.weight
+    head.requires_grad_(False)  # the next backward gives the head no gradient
+    model(**data[1]).loss.backward()
+    with pytest.raises(RuntimeError, match=r"lm_head.weight .* zero_grad\(set_to_none=False\)"):
+        optimizer.step()
+    protrain.close(model)
