@@ -30,7 +30,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from protrain.train.checkpoint import directory
+import protrain.train.checkpoint.directory as directory
 from protrain.train.checkpoint.directory import (
     TMP_PREFIX,
     list_checkpoints,
