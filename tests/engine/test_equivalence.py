@@ -187,15 +187,19 @@ def test_a_failed_host_update_is_raised_at_every_gather(monkeypatch):
     import protrain.optim.hybrid_adamw as hybrid
 
     monkeypatch.setattr(hybrid, "_UPDATE_PIECE_NUMEL", 100)
-    real, calls = hybrid._step_host_piece, [0]
+    calls = [0]
 
-    def fails_second_piece(*args, **kwargs):
-        calls[0] += 1
-        if calls[0] == 2:
-            raise RuntimeError("injected host AdamW failure")
-        return real(*args, **kwargs)
+    def fails_second_piece(real):  # on whichever host path runs: the one pass or torch's
+        def piece(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == 2:
+                raise RuntimeError("injected host AdamW failure")
+            return real(*args, **kwargs)
 
-    monkeypatch.setattr(hybrid, "_step_host_piece", fails_second_piece)
+        return piece
+
+    for name in ("_step_host_piece", "_step_one_pass"):
+        monkeypatch.setattr(hybrid, name, fails_second_piece(getattr(hybrid, name)))
     data = batches("llama", 2)
     model, optimizer, _ = protrain.wrap(build("llama"), n_persist=0, lr=LR, device="cpu")
     model(**data[0]).loss.backward()

@@ -501,7 +501,11 @@ class ChunkManager:
                         span.add(b - a)
                         c.host_buffer[h : h + b - a].copy_(c.device_buffer[a:b])
         if c.update_future is not None and updating:  # all pieces copied: surface errors
-            self._wait_update(c)
+            try:
+                self._wait_update(c)
+            except BaseException:  # a failed update: released, raised at every gather
+                c._set_state(ChunkState.RELEASED)
+                raise
         c.host_stale = c.host_updating = False
         self.resident[c.index] = c
         self.stats["gathers"] += 1
