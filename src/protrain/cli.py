@@ -196,7 +196,9 @@ def _error(message: str, exc: BaseException) -> int:
     from protrain.train import rank_failure
 
     rank_failure.record_failure(message)
-    kept = rank_failure.what_is_kept()
+    # Under several ranks the line names the newest checkpoint and the resume command
+    # (the launcher's output is all a node shows); one process's errors name what to do.
+    kept = rank_failure.what_is_kept() if _several_ranks() and "--resume" not in message else ""
     if _reports(exc):
         own = (
             ""
