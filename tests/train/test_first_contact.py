@@ -77,5 +77,5 @@ def test_no_third_party_noise_at_start(tmp_path):
     raw = tiny_config(tmp_path, max_steps=1, adapter={"type": "lora", "r": 4})
     proc = run_cli("train", str(write_config(tmp_path, raw)))
     assert proc.returncode == 0, proc.stderr
-    assert "kernels" not in proc.stderr
+    assert "kernels-community" not in proc.stderr  # bitsandbytes; ProTrain names model.kernels
     assert "gemm_4bit" not in proc.stderr

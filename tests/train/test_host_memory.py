@@ -40,8 +40,9 @@ def test_refused_when_the_ranks_copies_exceed_the_host(tmp_path):
 
 
 def _huge_checkpoint(directory, rows: int, cols: int) -> None:
-    """A model directory whose safetensors header declares a rows x cols fp32 tensor (its
-    data is not there: the check reads headers only and refuses before the load)."""
+    """A model directory whose safetensors header declares a rows x cols fp32 tensor, in a
+    sparse file of that size (no block of it is written: the checks read headers only and
+    refuse before the load; the file is whole, so the weights check passes it)."""
     directory.mkdir()
     config = json.loads(TINY_MODEL_CONFIG.read_text())
     (directory / "config.json").write_text(json.dumps(config))
@@ -54,7 +55,9 @@ def _huge_checkpoint(directory, rows: int, cols: int) -> None:
             }
         }  # fmt: skip
     ).encode()
-    (directory / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header)
+    with open(directory / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header)
+        f.truncate(8 + len(header) + rows * cols * 4)  # sparse: the data reads as zeros
 
 
 @pytest.mark.parametrize("adapter", ["none", "lora"])
@@ -62,15 +65,15 @@ def test_app_refuses_before_loading(tmp_path, adapter):
     """Full fine-tuning: the disk check (12 bytes a parameter) refuses first; an adapter's
     checkpoints are small, and the host-memory check refuses the load."""
     model = tmp_path / "huge"
-    _huge_checkpoint(model, 2**24, 2**24)  # 2**48 parameters: 1 PiB in fp32
+    _huge_checkpoint(model, 2**20, 2**20)  # 2**40 parameters: 4 TiB in fp32
     cfg = tiny_config(tmp_path, model={"name_or_path": str(model),
                                        "tokenizer": str(TINY_TOKENIZER_DIR)},
                       adapter={"type": adapter})  # fmt: skip
     proc = run_cli("train", str(write_config(tmp_path, cfg)))
     if adapter == "none":
-        assert_one_line_error(proc, "a checkpoint needs about 3145728.00 GiB")
+        assert_one_line_error(proc, "a checkpoint needs about 12288.06 GiB")
     else:
-        assert_one_line_error(proc, "loading it needs 1048576.0 GiB of host memory", "Allowed:")
+        assert_one_line_error(proc, "loading it needs 4096.0 GiB of host memory", "Allowed:")
     assert not (tmp_path / "run" / "checkpoint-1").exists()
 
 
