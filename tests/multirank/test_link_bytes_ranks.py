@@ -31,6 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain
 from protrain.chunks.shard import ShardRange, shard_multiple
+from protrain.optim import host_adam_ext
 
 from .ranks import run_ranks
 
@@ -98,17 +99,22 @@ def _run(adapter: bool, distributed: bool, accum: int) -> list[tuple[int, int, l
 def _expected(manager, gathers: list[tuple[int, bool]], accum: int) -> tuple[int, int]:
     """The module doc's sum over this step's gathers and gradients."""
     h2d = d2h = 0
+    one_pass = host_adam_ext.kernel() is not None  # it writes the host copy: no cast, no write-back
     for ci, after_update in gathers:
         c = manager.chunks[ci]
         sh = c.shard or ShardRange(0, c.nbytes)
-        if after_update:
+        if after_update and not one_pass:
             h2d += sum(b - a for a, b in sh.clip_runs(c.byte_runs(trainable=False)))
             h2d += sum(4 * s.master.numel() for s in c.trainable_slots)
             d2h += sum(b - a for a, b in sh.clip_runs(c.byte_runs(trainable=True)))
         else:
             h2d += max(0, min(sh.end, c.used_bytes) - sh.start)
     for s in (s for c in manager.offloaded for s in c.trainable_slots):
-        d2h += s.master.numel() * (4 + (accum - 1) * s.placement.dtype.itemsize)
+        # the first micro-batch's gradient: in fp32, or, for the one pass of a run that
+        # never accumulates, as it is ([Note: gradients for the one pass])
+        low = s.placement.dtype.itemsize
+        first = low if one_pass and accum == 1 else 4
+        d2h += s.master.numel() * (first + (accum - 1) * low)
     return h2d, d2h
 
 
