@@ -24,6 +24,22 @@ QUICKSTART = REPO / "src/protrain/train/quickstart"
 PLUGIN = "protrain.integrations.axolotl.ProTrainPlugin"
 
 
+@pytest.fixture(autouse=True)
+def _logging_as_it_was():
+    """The plugin routes protrain's loggers into axolotl's (a handler, propagation off, a
+    logger class): process-wide in axolotl's own process, undone here so that later tests'
+    log captures see protrain's records once, as they do without the plugin."""
+    import logging
+
+    source = logging.getLogger("protrain")
+    handlers, propagate, level = list(source.handlers), source.propagate, source.level
+    logger_class = logging.getLoggerClass()
+    yield
+    source.handlers[:] = handlers
+    source.propagate, source.level = propagate, level
+    logging.setLoggerClass(logger_class)
+
+
 def _drop_modules(*prefixes: str) -> None:
     for name in [n for n in sys.modules if n.split(".")[0] == "axolotl" or n.startswith(prefixes)]:
         del sys.modules[name]
