@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def trace_out_of_memory(monkeypatch):
-    def fake_trace(m, b, n_persist, **kw):
+    def fake_trace(m, b, *, knobs, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.32 GiB.")
 
     monkeypatch.setattr(auto, "trace_model", fake_trace)

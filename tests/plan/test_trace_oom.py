@@ -27,7 +27,9 @@ def test_full_logits_bytes_from_the_config():
 def test_logits_come_out_of_the_trace_budget(monkeypatch):
     model, batch = tiny_llama.build(), tiny_llama.batch()
     seen = []
-    monkeypatch.setattr(auto, "trace_model", lambda m, b, n_persist, **kw: seen.append(n_persist))
+    monkeypatch.setattr(
+        auto, "trace_model", lambda m, b, *, knobs, **kw: seen.append(knobs.n_persist)
+    )
     big = 1 << 40
     auto.profile_model(model, PlanRequest(big, sample_batch=batch), device="cpu")
     logits = auto.full_logits_bytes(model, *batch["input_ids"].shape, torch.float32)
@@ -39,7 +41,8 @@ def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
     model, batch = tiny_llama.build(), tiny_llama.batch()
     calls = []
 
-    def fake_trace(m, b, n_persist, **kw):
+    def fake_trace(m, b, *, knobs, **kw):
+        n_persist = knobs.n_persist
         calls.append(n_persist)
         if n_persist != 0:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB.")
@@ -66,7 +69,8 @@ def test_trace_that_runs_out_of_memory_retries_offloaded(monkeypatch, caplog):
 def test_trace_out_of_memory_with_everything_offloaded_is_no_plan(monkeypatch, budget):
     calls = []
 
-    def fake_trace(m, b, n_persist, **kw):
+    def fake_trace(m, b, *, knobs, **kw):
+        n_persist = knobs.n_persist
         calls.append(n_persist)
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.83 GiB.")
 
