@@ -14,7 +14,6 @@ them) and the GB/s that makes. ``--states bf16 8bit`` adds the one pass over com
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import time
 
@@ -23,6 +22,7 @@ import torch
 from protrain.optim import host_adam_ext
 from protrain.optim import state_format as sf
 from protrain.optim.flat_adamw import fused_adamw
+from rows import emit  # benchmarks/: this script's folder is on sys.path
 
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
 
@@ -109,10 +109,7 @@ def main() -> None:
             "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
             "capability": host_adam_ext.capability(),
         }  # fmt: skip
-        print(json.dumps(row))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from rows import emit  # benchmarks/: this script's folder is on sys.path
+
 FORMATS = ("fp32", "bf16", "8bit")
 TAIL_STEPS = 40  # the train loss averaged over the last this many steps
 
@@ -89,10 +91,7 @@ def main() -> None:
             for key in ("final_loss", "tail_loss", "final_eval_loss"):
                 if r[key] is not None and base[key]:
                     row[f"{key}_vs_fp32_pct"] = round(100 * (r[key] / base[key] - 1), 3)
-        print(json.dumps(row))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        emit(row, args.out)
 
 
 if __name__ == "__main__":
