@@ -748,6 +748,8 @@ class HybridAdamW(torch.optim.Optimizer):
             s.grad_acc = s.master.grad = None
 
     def _refuse_kept_zero_without_grad(self) -> None:
+        if not self._kept_zero:  # the usual zero_grad(): nothing to check on the step's path
+            return
         missing = [s.name for s in self._slots if id(s) in self._kept_zero and not s.has_grad]
         if missing:
             raise RuntimeError(
