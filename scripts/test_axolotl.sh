@@ -26,8 +26,9 @@ fi
 # protrain from this checkout, on axolotl's pins (its own dependencies are among them)
 "$venv/bin/python" -m pip install -q --no-deps -e .
 
+venv=$(cd "$venv" && pwd)  # absolute: axolotl runs from the work folder below
 # axolotl launches `accelerate` from the PATH
-export PATH="$(cd "$venv" && pwd)/bin:$PATH"
+export PATH="$venv/bin:$PATH"
 export AXOLOTL_DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 CUDA_VISIBLE_DEVICES=""
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -35,7 +36,10 @@ trap 'rm -rf "$work"' EXIT
 for config in example lora-1b; do
   "$venv/bin/python" tests/integrations/axolotl_real/configs.py "$config" "$work" > "$work/$config.yml"
   echo "test-axolotl: axolotl $version trains $config ($steps steps)"
-  "$venv/bin/axolotl" train "$work/$config.yml" --max-steps "$steps" 2>&1 | tee "$work/$config.log"
+  # from the work folder: lora-1b.yml leaves dataset_prepared_path at axolotl's default,
+  # last_run_prepared/ under the current directory (the configs' other paths are absolute)
+  (cd "$work" && "$venv/bin/axolotl" train "$config.yml" --max-steps "$steps") 2>&1 |
+    tee "$work/$config.log"
   grep -q "protrain memory plan" "$work/$config.log" || {
     echo "test-axolotl: $config: the plan did not reach axolotl's console" >&2; exit 1; }
   ls "$work/$config-out"/adapter_model.safetensors > /dev/null

@@ -259,6 +259,24 @@ def test_register_takes_over_what_the_engine_does(axolotl_api, tmp_path):
     assert args["bf16"] == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
 
 
+@pytest.mark.parametrize("mode", [True, "legacy", "disk", "hidden_states"])
+@pytest.mark.parametrize("checkpointing", [True, None])
+def test_activation_offloading_is_taken_over_like_checkpointing(
+    axolotl_api, tmp_path, mode, checkpointing
+):
+    """axolotl's activation_offloading (each of its modes) saves activation memory with the
+    same math: the engine's activation placement, off for axolotl itself, and not refused."""
+    from axolotl.utils.dict import DictDefault
+
+    plugin = axolotl_api.load_plugin(PLUGIN)
+    raw = {**example_config(tmp_path, tmp_path), "activation_offloading": mode,
+           "gradient_checkpointing": checkpointing}  # fmt: skip
+    plugin.register(raw)
+    assert raw["activation_offloading"] is False and not raw["gradient_checkpointing"]
+    assert plugin.get_training_args(raw)["gradient_checkpointing"]
+    plugin.pre_model_load(DictDefault(raw))  # checked when axolotl loads it: not refused
+
+
 def test_lora_1b_keys_train_under_the_engine(axolotl_api, tiny_model_dir, tmp_path):
     """gradient_checkpointing: true, bf16: auto and optimizer: adamw_8bit (as in axolotl's
     examples/llama-3/lora-1b.yml) train with the engine: activations planned, 8-bit AdamW."""

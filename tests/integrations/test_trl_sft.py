@@ -5,6 +5,8 @@ SFTTrainer's peft_config without), with offloaded chunks; the example trains."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import subprocess
 import sys
 
@@ -146,14 +148,22 @@ def test_a_loss_that_reads_the_fused_head_is_refused(tmp_path):
     assert not hasattr(model, "_protrain_engine")
 
 
-def test_example_runs(tmp_path):
+def test_the_documented_example_runs_and_offloads(tmp_path):
+    """docs/integrations.md's command, as written there (fewer steps, another folder):
+    SFTConfig() at its defaults, planned for a budget under which chunks move."""
+    doc = (REPO / "docs/integrations.md").read_text()
+    [command] = [line for line in doc.splitlines() if "examples/trl_sft.py --" in line]
+    python, *argv = shlex.split(command)
+    assert python == ".venv/bin/python"
     out = subprocess.run(
-        [sys.executable, str(REPO / "examples/trl_sft.py"), "--max-steps", "2",
-         "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [sys.executable, *argv, "--max-steps", "2", "--output-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     assert (tmp_path / "final" / "adapter_model.safetensors").is_file()
+    assert "protrain memory plan" in out.stderr  # logged, as the docs say
+    moved, total = map(int, re.search(r"(\d+) of (\d+) chunks move", out.stdout).groups())
+    assert 1 <= moved <= total
 
 
 def test_sft_config_defaults_train(tmp_path):

@@ -31,6 +31,9 @@ _OPTIMIZER_KEYS = ("loraplus_lr_ratio", "embedding_lr", "embedding_lr_scale", "l
 _OTHER_ENGINES = ("deepspeed", "fsdp", "fsdp_config")
 _OTHER_TRAINERS = ("rl", "reward_model", "process_reward_model")
 # axolotl's fused LoRA kernels (axolotl/kernels/lora.py), switched on by default for LoRA
+# axolotl keys that save activation memory with the same math; ProTrainPlugin.register
+# takes them over (the plan places activations)
+ACTIVATION_KEYS = ("gradient_checkpointing", "activation_offloading")
 LORA_KERNEL_KEYS = ("lora_mlp_kernel", "lora_qkv_kernel", "lora_o_kernel", "lora_embedding_kernel")
 
 
@@ -88,7 +91,8 @@ def protrain_config(memory: MemoryConfig, compute_dtype: torch.dtype | None) -> 
 def check_config(cfg: Mapping[str, Any]) -> None:
     """One clear error, naming the axolotl key and the fix, for what the engine cannot run
     or would change the math of (``ProTrainPlugin.register`` has already taken over
-    ``gradient_checkpointing``, ``bf16: auto`` and an absent flash-attention kernel)."""
+    ``gradient_checkpointing``, ``activation_offloading``, ``bf16: auto`` and an absent
+    flash-attention kernel)."""
     memory_section(cfg)
     for key in LORA_KERNEL_KEYS:
         if cfg.get(key):
@@ -96,11 +100,6 @@ def check_config(cfg: Mapping[str, Any]) -> None:
                 f"{key}: axolotl's fused LoRA kernels read weights outside the modules the "
                 f"engine gathers for; set {key}: false"
             )
-    if cfg.get("activation_offloading"):
-        raise ValueError(
-            f"activation_offloading: the engine swaps activations itself ({SECTION}.n_swap); "
-            "remove activation_offloading"
-        )
     if cfg.get("fp16") or cfg.get("float16"):
         raise ValueError(
             "fp16: not supported with ProTrainPlugin (fp16 needs a loss scale the Trainer's "

@@ -5,8 +5,8 @@ Written against axolotl 0.21.0 (``axolotl/integrations/base.py``, ``integrations
 in the order axolotl calls them:
 
 - ``register`` (on the raw YAML, before axolotl validates it): takes over what the engine
-  does itself, each said once in the log: ``gradient_checkpointing`` (the plan places
-  activations), ``bf16: true / auto`` (the engine's compute dtype), flash-attention where
+  does itself, each said once in the log: ``gradient_checkpointing`` and
+  ``activation_offloading`` (the plan places activations), ``bf16: true / auto`` (the engine's compute dtype), flash-attention where
   its kernel cannot run here (sdpa), axolotl's fused LoRA kernels left unset (off: they
   read the base layers' weights outside the modules whose hooks make a chunk resident).
   It also sends protrain's log lines through axolotl's logger (``console.py``; again in
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from protrain.integrations.axolotl.args import (
+    ACTIVATION_KEYS,
     LORA_KERNEL_KEYS,
     check_config,
     memory_section,
@@ -66,22 +67,33 @@ class ProTrainPlugin(BasePlugin):
         super().__init__()
         self.trainer: ProTrainTrainer | None = None
         self.compute_dtype = torch.float32  # what bf16 / bf16: auto asked for (register)
-        self.save_activations = False  # what gradient_checkpointing asked for (register)
+        self.save_activations = False  # what ACTIVATION_KEYS asked for (register)
 
     def register(self, cfg: dict) -> None:
         """Runs on the raw YAML before axolotl validates it: takes over what the engine does
         itself, so that axolotl's own validation and model loading see it off."""
         show_in_axolotl_console()
-        changes = [*self._lora_kernels_off(cfg), *self._precision(cfg), *self._attention(cfg)]
-        if cfg.get("gradient_checkpointing"):
-            self.save_activations = True
-            cfg["gradient_checkpointing"] = False
-            changes.append(
-                "gradient_checkpointing: the engine saves activation memory itself (the plan "
-                "places activations: recomputed or swapped blocks)"
-            )
+        changes = [
+            *self._lora_kernels_off(cfg),
+            *self._precision(cfg),
+            *self._attention(cfg),
+            *self._activations(cfg),
+        ]
         for change in changes:
             log.info("ProTrainPlugin: %s", change)
+
+    def _activations(self, cfg: dict) -> list[str]:
+        """gradient_checkpointing and activation_offloading (any of axolotl's modes: true,
+        legacy, disk, hidden_states) ask, with the same math, to save activation memory by
+        recomputing blocks or moving their activations to the host: the engine's activation
+        placement does both (the plan's n_checkpoint / n_swap). Off for axolotl itself, whose
+        checkpoint and offload wrappers would wrap the blocks the engine's hooks run in."""
+        asked = [key for key in ACTIVATION_KEYS if cfg.get(key)]
+        for key in asked:
+            self.save_activations = True
+            cfg[key] = False
+        return [f"{key}: the engine saves activation memory itself (the plan places "
+                "activations: recomputed blocks, or swapped to the host)" for key in asked]  # fmt: skip
 
     @staticmethod
     def _lora_kernels_off(cfg: dict) -> list[str]:
