@@ -86,7 +86,10 @@ def main() -> None:
     ap.add_argument("--clip", action="store_true", help="unscale and clip too (fp16, clipping)")
     ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument("--states", nargs="*", default=[], choices=["bf16", "8bit"])
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     inv, clip = (1.0 / 1024, 0.5) if args.clip else (None, None)
     kernel = host_adam_ext.kernel()
     st = _state(args.numel)

@@ -47,13 +47,14 @@ inline float bits_float(uint32_t b) {
 }
 
 // x rounded to bf16 up or down in magnitude with probability of its distance (16 random bits
-// added below the bf16 mantissa, then truncation): unbiased. Inf stays inf; NaN stays NaN.
-// Branch-free, so that the compiler vectorizes the loops that call it.
+// added below the bf16 mantissa, then truncation): unbiased. Inf stays inf (its low 16 bits
+// are zero: no carry); NaN stays NaN, quiet, its payload's top bits kept (the quiet bit set
+// and nothing added). Branch-free, one compare and a few integer operations, so that the
+// compiler vectorizes the loops that call it.
 inline uint16_t round_stochastic(float x, uint32_t r16) {
-  const uint32_t b = float_bits(x);
-  const bool special = (b & 0x7f800000U) == 0x7f800000U;
-  const uint32_t kept = (b >> 16) | ((b & 0x007fffffU) ? 0x40U : 0U);
-  return uint16_t(special ? kept : (b + (r16 & 0xffffU)) >> 16);
+  const uint32_t nan = x != x ? 0xffffffffU : 0U;
+  const uint32_t b = float_bits(x) | (nan & 0x00400000U);
+  return uint16_t((b + (r16 & ~nan & 0xffffU)) >> 16);
 }
 
 inline float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
@@ -122,11 +123,9 @@ inline float quantize_signed(const float* x, uint8_t* q, int64_t n) {
   return a;
 }
 
-inline void dequantize_signed(const uint8_t* q, float a, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
-    const float mag = SignedCode::decode(q[i] & 0x7fU) * a;
-    x[i] = bits_float(float_bits(mag) | (uint32_t(q[i] & 0x80U) << 24));  // the sign bit
-  }
+inline float dequantize_signed(uint8_t q, float a) {
+  const float mag = SignedCode::decode(q & 0x7fU) * a;
+  return bits_float(float_bits(mag) | (uint32_t(q & 0x80U) << 24));  // the sign bit
 }
 
 // exp_avg_sq of n elements (one block): a nonzero value never encodes to zero, whose
@@ -142,8 +141,6 @@ inline float quantize_unsigned(const float* x, uint8_t* q, int64_t n) {
   return a;
 }
 
-inline void dequantize_unsigned(const uint8_t* q, float a, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] = UnsignedCode::decode(q[i]) * a;
-}
+inline float dequantize_unsigned(uint8_t q, float a) { return UnsignedCode::decode(q) * a; }
 
 }  // namespace state_codes
