@@ -134,3 +134,46 @@ def test_bytes_a_parameter():
     assert sf.host_state_bytes_per_param("8bit") == 6 + 8 / 256
     with pytest.raises(ValueError, match="optimizer_state='fp8' is not allowed"):
         sf.check_state_format("fp8")
+
+
+def _around(values: torch.Tensor) -> torch.Tensor:
+    """``values`` and their fp32 neighbours one ulp below and above."""
+    return torch.cat([torch.nextafter(values, torch.zeros(())), values,
+                      torch.nextafter(values, torch.full((), 2.0))])  # fmt: skip
+
+
+def test_8bit_codes_at_their_boundaries(kernel):
+    """Every midpoint between two codes, and one ulp either side, through the kernel's 8-bit
+    encoding: with beta1 = beta2 = 0 a step's exp_avg is the gradient and exp_avg_sq its
+    square, so the codes must be quantize_blockwise's of those. One block holds the code's
+    midpoints below its normals (quantized element by element), the others only normals
+    (a block whose every element is a normal takes the normals' path)."""
+    mids = (sf.code_values(True)[:-1] + sf.code_values(True)[1:]) / 2
+    mids = mids[mids < 1.0]  # r = |x| / absmax is at most 1
+    normal = mids >= 2.0**-14  # the signed code's normals: at least 2^(1 - 15) of the absmax
+    below = _around(mids[~normal])
+    above = _around(mids[normal])
+    blocks = [torch.cat([below, torch.tensor([0.0, -0.0])]), above[:255], above[255:]]
+    assert all(0 < b.numel() < sf.QBLOCK for b in blocks)
+    grad = torch.zeros(len(blocks), sf.QBLOCK)
+    gen = torch.Generator().manual_seed(0)
+    for b, values in enumerate(blocks):
+        sign = torch.where(torch.rand(values.numel(), generator=gen) < 0.5, -1.0, 1.0)
+        grad[b, 0] = 1.0  # the absmax: r is the value itself
+        grad[b, 1 : 1 + values.numel()] = values * sign
+        grad[b, 1 + values.numel() :] = 1.0
+    grad = grad.reshape(-1)
+    master = torch.zeros_like(grad)
+    st = sf.new_moments("8bit", grad.numel(), sf.n_blocks(grad.numel()))
+    kernel.adamw_step_compact(
+        [master], [st["exp_avg"]], [st["exp_avg_sq"]], [st[sf.ABSMAX[0]]],
+        [st[sf.ABSMAX[1]]], [grad], [torch.empty(0)], [1.0], [0], sf.KERNEL_FORMAT["8bit"],
+        0.0, 0.0, 0.0, 0.0, EPS, None, None,
+    )  # fmt: skip
+    for key, absmax, x, signed in [
+        ("exp_avg", sf.ABSMAX[0], grad, True),
+        ("exp_avg_sq", sf.ABSMAX[1], grad * grad, False),
+    ]:
+        q, a = sf.quantize_blockwise(x, signed)
+        assert torch.equal(st[absmax], a), key
+        assert torch.equal(st[key], q), f"{key}: {(st[key] != q).sum()} codes differ"
