@@ -6,7 +6,9 @@ read by torch's fused AdamW, with a pass each for unscaling and clipping when as
 one pass (the bf16 gradient read, unscale and clip inside, the bf16 copy written). Reports
 seconds, the update's own bytes a parameter (as the engine's ``host_update_bytes`` counts
 them) and the GB/s that makes. ``--states bf16 8bit`` adds the one pass over compact moments
-(``optimizer_state``, ``optim/state_format.py``). Appends one JSON row per path to ``--out``.
+(``optimizer_state``, ``optim/state_format.py``). ``--threads 1`` times one core's arithmetic
+(run it again with ``ATEN_CPU_CAPABILITY=avx2`` or ``default`` for the other builds). Appends
+one JSON row per path to ``--out``.
 
     PYTHONPATH=src python benchmarks/host_step.py --numel 50000000 --clip --out rows.jsonl
 """

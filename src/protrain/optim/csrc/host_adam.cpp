@@ -261,13 +261,17 @@ void parallel_over_segments(const std::vector<int64_t>& numels, int64_t unit, co
 // ---- compact moments (optimizer_state: bf16 | 8bit) -------------------------------------
 //
 // [Note: compact moments]
-// A block's moments are decoded into fp32 buffers, stepped by adam_block exactly as fp32
-// moments are, and encoded back: the update is the fp32 state's arithmetic on the decoded
-// moments; the master stays fp32. bf16: each moment rounded stochastically with 16 bits of
-// a hash of (the parameter's seed, its step count, the element's offset), so a run and its
-// resume draw the same bits on any number of threads. 8bit: per block of kQBlock elements of
-// a parameter its absmax (fp32) and a byte an element (state_codes.h); threads take whole
-// blocks (task units of kQBlock), since a block's absmax needs all of it.
+// A block's moments are decoded to fp32, stepped with the fp32 state's arithmetic (adam_lane,
+// adam_block's lanes on one element; a segment's tail by adam_block itself) and encoded back;
+// the master stays fp32. bf16: each moment rounded stochastically with 16 bits of a hash of
+// (the parameter's seed, its step count, the element's offset), so a run and its resume draw
+// the same bits on any number of threads. 8bit: per block of kQBlock elements of a parameter
+// its absmax (fp32) and a byte an element (state_codes.h); threads take whole blocks (task
+// units of kQBlock), since a block's absmax needs all of it.
+// Decoding, the update and (bf16) encoding run in one loop that the compiler vectorizes, so
+// the moments stay in registers and the integer work of the codes overlaps the update's
+// divisions and square root, which bound the fp32 pass's arithmetic; 8-bit encoding is a
+// second loop over the block, once its absmax is known.
 
 enum class StateFormat : int64_t { kBf16 = 1, k8bit = 2 };
 
