@@ -6,7 +6,9 @@ read by torch's fused AdamW, with a pass each for unscaling and clipping when as
 one pass (the bf16 gradient read, unscale and clip inside, the bf16 copy written). Reports
 seconds, the update's own bytes a parameter (as the engine's ``host_update_bytes`` counts
 them) and the GB/s that makes. ``--states bf16 8bit`` adds the one pass over compact moments
-(``optimizer_state``, ``optim/state_format.py``). Appends one JSON row per path to ``--out``.
+(``optimizer_state``, ``optim/state_format.py``). ``--threads 1`` times one core's arithmetic
+(run it again with ``ATEN_CPU_CAPABILITY=avx2`` or ``default`` for the other builds). Appends
+one JSON row per path to ``--out``.
 
     PYTHONPATH=src python benchmarks/host_step.py --numel 50000000 --clip --out rows.jsonl
 """
@@ -86,7 +88,10 @@ def main() -> None:
     ap.add_argument("--clip", action="store_true", help="unscale and clip too (fp16, clipping)")
     ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument("--states", nargs="*", default=[], choices=["bf16", "8bit"])
+    ap.add_argument("--threads", type=int, default=None, help="torch's threads (default: its own)")
     args = ap.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     inv, clip = (1.0 / 1024, 0.5) if args.clip else (None, None)
     kernel = host_adam_ext.kernel()
     st = _state(args.numel)

@@ -134,3 +134,73 @@ def test_bytes_a_parameter():
     assert sf.host_state_bytes_per_param("8bit") == 6 + 8 / 256
     with pytest.raises(ValueError, match="optimizer_state='fp8' is not allowed"):
         sf.check_state_format("fp8")
+
+
+def _around(values: torch.Tensor) -> torch.Tensor:
+    """``values`` and their fp32 neighbours one ulp below and above."""
+    return torch.cat([torch.nextafter(values, torch.zeros(())), values,
+                      torch.nextafter(values, torch.full((), 2.0))])  # fmt: skip
+
+
+def _first_step_8bit(kernel, grad: torch.Tensor) -> dict:
+    """One kernel step from zero 8-bit moments with beta1 = beta2 = 0 and no learning rate:
+    exp_avg is then ``grad`` (where finite) and exp_avg_sq ``grad * grad``, as encoded."""
+    st = sf.new_moments("8bit", grad.numel(), sf.n_blocks(grad.numel()))
+    kernel.adamw_step_compact(
+        [torch.zeros_like(grad)], [st["exp_avg"]], [st["exp_avg_sq"]], [st[sf.ABSMAX[0]]],
+        [st[sf.ABSMAX[1]]], [grad], [torch.empty(0)], [1.0], [0], sf.KERNEL_FORMAT["8bit"],
+        0.0, 0.0, 0.0, 0.0, EPS, None, None,
+    )  # fmt: skip
+    return st
+
+
+def _assert_codes_are_the_references(st: dict, grad: torch.Tensor) -> None:
+    """The codes of the moments torch's fused AdamW takes to (exp_avg: the gradient where it
+    is finite; exp_avg_sq: its square)."""
+    m, v = torch.zeros_like(grad), torch.zeros_like(grad)
+    group = {"lr": 0.0, "betas": (0.0, 0.0), "eps": EPS, "weight_decay": 0.0}
+    fused_adamw([torch.zeros_like(grad)], [grad], [m], [v], [torch.tensor(0.0)], group)
+    for key, absmax, x, signed in [
+        ("exp_avg", sf.ABSMAX[0], m, True),
+        ("exp_avg_sq", sf.ABSMAX[1], v, False),
+    ]:
+        q, a = sf.quantize_blockwise(x, signed)
+        assert torch.equal(st[absmax].isnan(), a.isnan()), key
+        assert torch.equal(st[absmax].nan_to_num(), a.nan_to_num()), key
+        assert torch.equal(st[key], q), f"{key}: {(st[key] != q).sum()} codes differ"
+
+
+def test_8bit_codes_at_their_boundaries(kernel):
+    """Every midpoint between two codes, and one ulp either side, through the kernel's 8-bit
+    encoding: with beta1 = beta2 = 0 a step's exp_avg is the gradient and exp_avg_sq its
+    square, so the codes must be quantize_blockwise's of those. One block holds the code's
+    midpoints below its normals (quantized element by element), the others only normals
+    (a block whose every element is a normal takes the normals' path)."""
+    mids = (sf.code_values(True)[:-1] + sf.code_values(True)[1:]) / 2
+    mids = mids[mids < 1.0]  # r = |x| / absmax is at most 1
+    normal = mids >= 2.0**-14  # the signed code's normals: at least 2^(1 - 15) of the absmax
+    below = _around(mids[~normal])
+    above = _around(mids[normal])
+    blocks = [torch.cat([below, torch.tensor([0.0, -0.0])]), above[:255], above[255:]]
+    assert all(0 < b.numel() < sf.QBLOCK for b in blocks)
+    grad = torch.zeros(len(blocks), sf.QBLOCK)
+    gen = torch.Generator().manual_seed(0)
+    for b, values in enumerate(blocks):
+        sign = torch.where(torch.rand(values.numel(), generator=gen) < 0.5, -1.0, 1.0)
+        grad[b, 0] = 1.0  # the absmax: r is the value itself
+        grad[b, 1 : 1 + values.numel()] = values * sign
+        grad[b, 1 + values.numel() :] = 1.0
+    grad = grad.reshape(-1)
+    _assert_codes_are_the_references(_first_step_8bit(kernel, grad), grad)
+
+
+def test_8bit_codes_of_nan_and_inf(kernel):
+    """A block with a NaN (absmax NaN: every r is |x| itself, a NaN's code the last) and one
+    with an inf (exp_avg NaN there, exp_avg_sq's absmax inf: r of inf / inf is NaN), coded as
+    quantize_blockwise codes them."""
+    torch.manual_seed(0)
+    grad = torch.randn(3, sf.QBLOCK) * 1e-3
+    grad[0, 5] = float("nan")
+    grad[1, 9] = float("inf")
+    grad = grad.reshape(-1)
+    _assert_codes_are_the_references(_first_step_8bit(kernel, grad), grad)

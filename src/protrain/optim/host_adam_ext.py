@@ -63,7 +63,9 @@ _ISA_FLAGS = {
 # operations round as written, as torch's kernels do. -O3 and -O2 build equally fast.
 # -fno-trapping-math (no trap is ever enabled; no value changes) lets the compact moments'
 # loops compute both sides of a select, so that they vectorize (csrc/state_codes.h).
-_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp"]
+# -fno-math-errno (nothing reads errno; sqrt's value is the same) lets them call sqrt in a
+# vector loop.
+_COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-fopenmp"]
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}  # capability -> operators (None: unavailable)

@@ -120,6 +120,31 @@ void adam_block(float* p, float* m, float* v, const float* g, int64_t n, const C
   }
 }
 
+// adam_block's lanes written on one element, for the compact passes' fused loops, which the
+// compiler vectorizes (csrc/state_codes.h): each step is one IEEE operation (fma where the
+// lanes fmadd), so an element gets the same bits in a lane of any width as in adam_block's
+// vector loop. The decay multiplies by 1.0f where there is none (exact, as skipping it).
+struct Lane {
+  float decay, lerp_coef, beta2, coef2, bc2_sqrt, eps, neg_step;
+  bool small;
+};
+
+Lane lane_coefs(const Coefs& c) {
+  const bool small = std::abs(c.coef1) < 0.5f;
+  return Lane{c.decays ? c.decay : 1.0f, small ? c.coef1 : c.coef1 - 1.0f, c.beta2, c.coef2,
+              c.bc2_sqrt, c.eps, -c.step_size, small};
+}
+
+inline float adam_lane(float p, float& m, float& v, float g, const Lane& c) {
+  p = p * c.decay;
+  const float base = c.small ? m : g;
+  m = kFma ? std::fma(c.lerp_coef, g - m, base) : c.lerp_coef * (g - m) + base;
+  const float coef_g = c.coef2 * g;
+  v = kFma ? std::fma(coef_g, g, v * c.beta2) : v * c.beta2 + coef_g * g;
+  const float denom = std::sqrt(v) / c.bc2_sqrt + c.eps;
+  return p + c.neg_step * m / denom;
+}
+
 // The gradient of n elements as fp32, times the inverse loss scale, then times the clip
 // coefficient (each a multiply of its own, where given).
 template <typename G>
@@ -236,13 +261,17 @@ void parallel_over_segments(const std::vector<int64_t>& numels, int64_t unit, co
 // ---- compact moments (optimizer_state: bf16 | 8bit) -------------------------------------
 //
 // [Note: compact moments]
-// A block's moments are decoded into fp32 buffers, stepped by adam_block exactly as fp32
-// moments are, and encoded back: the update is the fp32 state's arithmetic on the decoded
-// moments; the master stays fp32. bf16: each moment rounded stochastically with 16 bits of
-// a hash of (the parameter's seed, its step count, the element's offset), so a run and its
-// resume draw the same bits on any number of threads. 8bit: per block of kQBlock elements of
-// a parameter its absmax (fp32) and a byte an element (state_codes.h); threads take whole
-// blocks (task units of kQBlock), since a block's absmax needs all of it.
+// A block's moments are decoded to fp32, stepped with the fp32 state's arithmetic (adam_lane,
+// adam_block's lanes on one element; a segment's tail by adam_block itself) and encoded back;
+// the master stays fp32. bf16: each moment rounded stochastically with 16 bits of a hash of
+// (the parameter's seed, its step count, the element's offset), so a run and its resume draw
+// the same bits on any number of threads. 8bit: per block of kQBlock elements of a parameter
+// its absmax (fp32) and a byte an element (state_codes.h); threads take whole blocks (task
+// units of kQBlock), since a block's absmax needs all of it.
+// Decoding, the update and (bf16) encoding run in one loop that the compiler vectorizes, so
+// the moments stay in registers and the integer work of the codes overlaps the update's
+// divisions and square root, which bound the fp32 pass's arithmetic; 8-bit encoding is a
+// second loop over the block, once its absmax is known.
 
 enum class StateFormat : int64_t { kBf16 = 1, k8bit = 2 };
 
@@ -254,53 +283,93 @@ struct Compact {
   uint32_t key;  // bf16: state_codes::step_key of this step
 };
 
-void decode(const Compact& q, StateFormat f, int64_t lo, int64_t n, float* m, float* v) {
+// Elements [lo, lo + n) of a bf16-moment segment, n a multiple of Vec::size(): decode, Adam
+// and encode in one loop the compiler vectorizes, so the moments never leave registers.
+void bf16_lanes(float* __restrict p, uint16_t* __restrict mq, uint16_t* __restrict vq,
+                const float* __restrict g, int64_t n, uint32_t key, uint32_t lo, const Lane c) {
   using namespace state_codes;
-  if (f == StateFormat::kBf16) {
-    const auto* mq = static_cast<const uint16_t*>(q.m) + lo;
-    const auto* vq = static_cast<const uint16_t*>(q.v) + lo;
-    for (int64_t i = 0; i < n; i++) m[i] = bf16_to_float(mq[i]);
-    for (int64_t i = 0; i < n; i++) v[i] = bf16_to_float(vq[i]);
-    return;
-  }
-  for (int64_t j = 0; j < n; j += kQBlock) {
-    const int64_t len = std::min(kQBlock, n - j), blk = (lo + j) / kQBlock;
-    dequantize_signed(static_cast<const uint8_t*>(q.m) + lo + j, q.absmax_m[blk], m + j, len);
-    dequantize_unsigned(static_cast<const uint8_t*>(q.v) + lo + j, q.absmax_v[blk], v + j, len);
+  uint32_t offset = lo;  // 32-bit lanes, as the hash wraps (an int64 index would widen them)
+  for (int64_t i = 0; i < n; i++, offset++) {
+    float m = bf16_to_float(mq[i]), v = bf16_to_float(vq[i]);
+    p[i] = adam_lane(p[i], m, v, g[i], c);
+    const uint32_t r = element_bits(key, offset);
+    mq[i] = round_stochastic(m, r);
+    vq[i] = round_stochastic(v, r >> 16);
   }
 }
 
-void encode(const Compact& q, StateFormat f, int64_t lo, int64_t n, const float* m,
-            const float* v) {
+// The same for the last n < Vec::size() elements of a segment: adam_block's scalar tail.
+void bf16_tail(float* p, uint16_t* mq, uint16_t* vq, const float* g, int64_t n, uint32_t key,
+               uint32_t lo, const Coefs& c) {
   using namespace state_codes;
+  float m[kUnit], v[kUnit];
+  for (int64_t i = 0; i < n; i++) m[i] = bf16_to_float(mq[i]), v[i] = bf16_to_float(vq[i]);
+  adam_block(p, m, v, g, n, c);
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t r = element_bits(key, lo + uint32_t(i));
+    mq[i] = round_stochastic(m[i], r);
+    vq[i] = round_stochastic(v[i], r >> 16);
+  }
+}
+
+// n elements of one 8-bit block (n <= kQBlock) at p, with n8 (a multiple of Vec::size())
+// dequantized and stepped in one vectorized loop, the rest by adam_block's scalar tail; then
+// the block's new absmaxes and codes.
+void q8_block(float* __restrict p, uint8_t* __restrict mq, uint8_t* __restrict vq,
+              float* __restrict absmax_m, float* __restrict absmax_v, const float* __restrict g,
+              int64_t n, int64_t n8, const Coefs& coefs) {
+  using namespace state_codes;
+  alignas(64) float m[kQBlock];
+  alignas(64) float v[kQBlock];
+  const Lane c = lane_coefs(coefs);
+  const float am = *absmax_m, av = *absmax_v;
+  for (int64_t i = 0; i < n8; i++) {
+    m[i] = dequantize_signed(mq[i], am);
+    v[i] = dequantize_unsigned(vq[i], av);
+    p[i] = adam_lane(p[i], m[i], v[i], g[i], c);
+  }
+  if (n8 < n) {
+    for (int64_t i = n8; i < n; i++) {
+      m[i] = dequantize_signed(mq[i], am);
+      v[i] = dequantize_unsigned(vq[i], av);
+    }
+    adam_block(p + n8, m + n8, v + n8, g + n8, n - n8, coefs);
+  }
+  *absmax_m = quantize_signed(m, mq, n);
+  *absmax_v = quantize_unsigned(v, vq, n);
+}
+
+// Elements [lo, lo + n) of one segment with compact moments, gradients in g.
+void compact_block(const Segment& s, const Compact& q, StateFormat f, int64_t lo, int64_t n,
+                   const float* g) {
+  const int64_t end = lo + n;
+  const int64_t end8 = end == s.numel ? end - end % Vec::size() : end;  // the tail's start
   if (f == StateFormat::kBf16) {
-    auto* mq = static_cast<uint16_t*>(q.m) + lo;
-    auto* vq = static_cast<uint16_t*>(q.v) + lo;
-    const uint32_t base = uint32_t(lo);
-    for (int64_t i = 0; i < n; i++) {
-      const uint32_t r = element_bits(q.key, base + uint32_t(i));
-      mq[i] = round_stochastic(m[i], r);
-      vq[i] = round_stochastic(v[i], r >> 16);
+    auto* mq = static_cast<uint16_t*>(q.m);
+    auto* vq = static_cast<uint16_t*>(q.v);
+    bf16_lanes(s.p + lo, mq + lo, vq + lo, g, end8 - lo, q.key, uint32_t(lo), lane_coefs(s.c));
+    if (end8 < end) {
+      bf16_tail(s.p + end8, mq + end8, vq + end8, g + (end8 - lo), end - end8, q.key,
+                uint32_t(end8), s.c);
     }
     return;
   }
-  for (int64_t j = 0; j < n; j += kQBlock) {
-    const int64_t len = std::min(kQBlock, n - j), blk = (lo + j) / kQBlock;
-    q.absmax_m[blk] = quantize_signed(m + j, static_cast<uint8_t*>(q.m) + lo + j, len);
-    q.absmax_v[blk] = quantize_unsigned(v + j, static_cast<uint8_t*>(q.v) + lo + j, len);
+  for (int64_t j = lo; j < end; j += state_codes::kQBlock) {
+    const int64_t len = std::min(state_codes::kQBlock, end - j), blk = j / state_codes::kQBlock;
+    q8_block(s.p + j, static_cast<uint8_t*>(q.m) + j, static_cast<uint8_t*>(q.v) + j,
+             q.absmax_m + blk, q.absmax_v + blk, g + (j - lo), len,
+             std::max<int64_t>(std::min(end8 - j, len), 0), s.c);
   }
 }
 
 // Elements [a, b) of one segment with compact moments ([Note: compact moments]).
 void run_range_compact(const Segment& s, const Compact& q, StateFormat f, int64_t a, int64_t b,
                        const float* inv_scale, const float* clip) {
-  float gbuf[kBlock], mbuf[kBlock], vbuf[kBlock];
+  float gbuf[kBlock];
   for (int64_t lo = a; lo < b; lo += kBlock) {
     const int64_t n = std::min(kBlock, b - lo);
     load_segment_grad(s, lo, n, gbuf, inv_scale, clip);
-    decode(q, f, lo, n, mbuf, vbuf);
-    adam_block(s.p + lo, mbuf, vbuf, gbuf, n, s.c);
-    encode(q, f, lo, n, mbuf, vbuf);
+    compact_block(s, q, f, lo, n, gbuf);
     write_segment_out(s, lo, n);
   }
 }

@@ -47,13 +47,14 @@ inline float bits_float(uint32_t b) {
 }
 
 // x rounded to bf16 up or down in magnitude with probability of its distance (16 random bits
-// added below the bf16 mantissa, then truncation): unbiased. Inf stays inf; NaN stays NaN.
-// Branch-free, so that the compiler vectorizes the loops that call it.
+// added below the bf16 mantissa, then truncation): unbiased. Inf stays inf (its low 16 bits
+// are zero: no carry); NaN stays NaN, quiet, its payload's top bits kept (the quiet bit set
+// and nothing added). Branch-free, one compare and a few integer operations, so that the
+// compiler vectorizes the loops that call it.
 inline uint16_t round_stochastic(float x, uint32_t r16) {
-  const uint32_t b = float_bits(x);
-  const bool special = (b & 0x7f800000U) == 0x7f800000U;
-  const uint32_t kept = (b >> 16) | ((b & 0x007fffffU) ? 0x40U : 0U);
-  return uint16_t(special ? kept : (b + (r16 & 0xffffU)) >> 16);
+  const uint32_t nan = x != x ? 0xffffffffU : 0U;
+  const uint32_t b = float_bits(x) | (nan & 0x00400000U);
+  return uint16_t((b + (r16 & ~nan & 0xffffU)) >> 16);
 }
 
 inline float bf16_to_float(uint16_t h) { return bits_float(uint32_t(h) << 16); }
@@ -76,45 +77,73 @@ struct Code {
   static constexpr float kSubScale = float(1ull << (kTop + 2));  // r / (step below the normals)
   static constexpr float kMinNormal = 8.0f / kSubScale;         // 2^(1 - top)
 
+  // r in [kMinNormal, 2): round half up to 3 mantissa bits by adding half the last kept
+  // bit's unit, and rebias the exponent.
+  static int normal_index(float r) {
+    return int((float_bits(r) + 0x80000U - (kBias << 20)) >> 20);
+  }
+
   static int encode(float r) {
-    // normals: round half up to 3 mantissa bits by adding half the last kept bit's unit
-    const int normal = int((float_bits(r) + 0x80000U) >> 20) - int(kBias);
-    // below: steps of 2^(-top-2); y = r * kSubScale (exact) in [0, 8) rounded half up from
-    // its bits, mantissa * 2^-shift (no float-to-int conversion: the loop vectorizes)
-    const uint32_t y = float_bits(r * kSubScale);
-    const uint32_t mantissa = (y & 0x007fffffU) | 0x00800000U;
-    const int exponent = int(y >> 23) - 127;
-    const uint32_t shift = uint32_t(std::min(23 - exponent, 31));
-    const int sub = int((mantissa + (1U << (shift - 1))) >> shift);
-    const int i = r >= kMinNormal ? normal : sub;
-    return i < kN - 1 ? i : kN - 1;  // a NaN's bits
+    const int normal = int((float_bits(r) + 0x80000U) >> 20) - int(kBias);  // normal_index
+    // below: steps of 2^(-top-2); y = r * kSubScale (exact) in [0, 8) rounded to the nearest
+    // integer by adding 2^23 (ties to even; exact), a tie then moved up. Only fp32 additions
+    // and integer operations (a float-to-int conversion would keep the loop from vectorizing)
+    const float y = r * kSubScale;
+    const float t = y + 8388608.0f;
+    const int nearest = int(float_bits(t) - 0x4b000000U);
+    const int sub = nearest + int(y - (t - 8388608.0f) == 0.5f);
+    const int i = r < kMinNormal ? sub : normal;
+    return uint32_t(i) < uint32_t(kN - 1) ? i : kN - 1;  // a NaN's bits: the last
   }
 
   static float decode(uint32_t i) {
-    const uint32_t e = i >> 3, m = i & 7;
-    const uint32_t normal = (e << 23) + (m << 20) + (kBias << 20);
-    // m * 2^(-top-2), by the exponent's bits (an integer select: the loop vectorizes)
-    const uint32_t m_bits = float_bits(float(int(m)));
-    const uint32_t sub = m == 0 ? 0U : m_bits - (uint32_t(kTop + 2) << 23);
-    return bits_float(e == 0 ? sub : normal);
+    // normals: the index's exponent and mantissa bits are an fp32's, rebiased; below: m
+    // steps of 2^(-top-2) (exact)
+    const float normal = bits_float((i + kBias) << 20);
+    const float sub = float(int(i)) * (1.0f / kSubScale);
+    return i < 8 ? sub : normal;
   }
 };
 
 using SignedCode = Code<4>;
 using UnsignedCode = Code<5>;
 
-// The largest |x| of a block, from the bits (an integer max vectorizes; a NaN's bits exceed
-// every number's, as torch's amax propagates it).
-inline float block_absmax(const float* x, int64_t n) {
-  uint32_t a = 0;
-  for (int64_t i = 0; i < n; i++) a = std::max(a, float_bits(x[i]) & 0x7fffffffU);
-  return bits_float(a);
+// The largest and smallest |x| of a block, from the bits (an integer max and min vectorize; a
+// NaN's bits exceed every number's, as torch's amax propagates it).
+struct Range {
+  float lo, hi;
+};
+
+inline Range block_range(const float* x, int64_t n) {
+  uint32_t lo = 0xffffffffU, hi = 0;
+  for (int64_t i = 0; i < n; i++) {
+    const uint32_t b = float_bits(x[i]) & 0x7fffffffU;
+    lo = std::min(lo, b);
+    hi = std::max(hi, b);
+  }
+  return Range{bits_float(lo), bits_float(hi)};
+}
+
+// Whether every r = |x| / d of a block is a normal of the code (r >= kMinNormal, and r <= 1
+// as d is its largest |x|, no NaN): then encode() is normal_index() alone, about half the
+// operations. Division is monotone, so the smallest |x| gives the smallest r.
+template <typename C>
+inline bool all_normal(Range r, float d) {
+  return r.hi <= d && r.lo / d >= C::kMinNormal;
 }
 
 // exp_avg of n elements (one block) to a sign bit and a 7-bit magnitude index; its absmax.
 inline float quantize_signed(const float* x, uint8_t* q, int64_t n) {
-  const float a = block_absmax(x, n);
+  const Range range = block_range(x, n);
+  const float a = range.hi;
   const float d = a > 0.0f ? a : 1.0f;  // a block of zeros: every r is 0
+  if (all_normal<SignedCode>(range, d)) {
+    for (int64_t i = 0; i < n; i++) {  // no zero (nor -0.0): the sign bit is x < 0
+      const float r = std::abs(x[i]) / d;
+      q[i] = uint8_t(((float_bits(x[i]) >> 24) & 0x80U) | uint32_t(SignedCode::normal_index(r)));
+    }
+    return a;
+  }
   for (int64_t i = 0; i < n; i++) {
     const float r = std::abs(x[i]) / d;
     q[i] = uint8_t((x[i] < 0.0f ? 0x80 : 0) | SignedCode::encode(r));
@@ -122,18 +151,21 @@ inline float quantize_signed(const float* x, uint8_t* q, int64_t n) {
   return a;
 }
 
-inline void dequantize_signed(const uint8_t* q, float a, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) {
-    const float mag = SignedCode::decode(q[i] & 0x7fU) * a;
-    x[i] = bits_float(float_bits(mag) | (uint32_t(q[i] & 0x80U) << 24));  // the sign bit
-  }
+inline float dequantize_signed(uint8_t q, float a) {
+  const float mag = SignedCode::decode(q & 0x7fU) * a;
+  return bits_float(float_bits(mag) | (uint32_t(q & 0x80U) << 24));  // the sign bit
 }
 
 // exp_avg_sq of n elements (one block): a nonzero value never encodes to zero, whose
 // denominator would be eps alone (the second moment's zero point, Li et al. 2023).
 inline float quantize_unsigned(const float* x, uint8_t* q, int64_t n) {
-  const float a = block_absmax(x, n);
+  const Range range = block_range(x, n);
+  const float a = range.hi;
   const float d = a > 0.0f ? a : 1.0f;  // a block of zeros: every r is 0
+  if (all_normal<UnsignedCode>(range, d)) {
+    for (int64_t i = 0; i < n; i++) q[i] = uint8_t(UnsignedCode::normal_index(x[i] / d));
+    return a;
+  }
   for (int64_t i = 0; i < n; i++) {
     const float r = std::abs(x[i]) / d;
     const int k = UnsignedCode::encode(r);
@@ -142,8 +174,6 @@ inline float quantize_unsigned(const float* x, uint8_t* q, int64_t n) {
   return a;
 }
 
-inline void dequantize_unsigned(const uint8_t* q, float a, float* x, int64_t n) {
-  for (int64_t i = 0; i < n; i++) x[i] = UnsignedCode::decode(q[i]) * a;
-}
+inline float dequantize_unsigned(uint8_t q, float a) { return UnsignedCode::decode(q) * a; }
 
 }  // namespace state_codes
