@@ -71,8 +71,11 @@ class ProTrainPlugin(BasePlugin):
 
     def register(self, cfg: dict) -> None:
         """Runs on the raw YAML before axolotl validates it: takes over what the engine does
-        itself, so that axolotl's own validation and model loading see it off."""
+        itself, so that axolotl's own validation and model loading see it off. axolotl keeps
+        one plugin instance per process and calls this for every config it loads there, so
+        what the last config asked for is read afresh."""
         show_in_axolotl_console()
+        self.compute_dtype, self.save_activations = torch.float32, False
         changes = [
             *self._lora_kernels_off(cfg),
             *self._precision(cfg),
