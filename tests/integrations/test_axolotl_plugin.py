@@ -1,4 +1,4 @@
-"""ProTrainPlugin through axolotl 0.19.0's plugin API, hook by hook in axolotl's order
+"""ProTrainPlugin through axolotl 0.21.0's plugin API, hook by hook in axolotl's order
 (axolotl itself cannot be installed next to protrain[hf]: see axolotl_api/README.md).
 The example YAML trains with the engine under the auto plan from the heaviest micro-batch, to the
 same losses as axolotl's trainer without the plugin; the trained adapter is a normal PEFT
@@ -90,9 +90,10 @@ def chat_rows(tokenizer, cfg) -> list[dict]:
 
 
 def run_like_axolotl(raw: dict):
-    """``axolotl train`` on one process, as 0.19.0 calls the plugin hooks: cli/config.py
-    (register, schema), loaders/model.py (ModelLoader.load), core/builders/causal.py
-    (build), train.py (train, execute_training, save_trained_model), cli/train.py."""
+    """``axolotl train`` on one process, as 0.21.0 calls the plugin hooks: cli/config.py
+    (load_cfg: prepare_plugins, validation, plugin_set_cfg), cli/train.py (load_datasets),
+    loaders/model.py and loaders/adapter.py (ModelLoader.load, load_lora),
+    core/builders/causal.py (build), train.py (train, execute_training, save_trained_model)."""
     from axolotl.core.trainers.base import AxolotlTrainer
     from axolotl.integrations.base import PluginManager
     from axolotl.utils.dict import DictDefault
@@ -104,20 +105,25 @@ def run_like_axolotl(raw: dict):
         TrainingArguments,
     )
 
-    manager = PluginManager()
-    for name in raw.get("plugins") or []:
-        manager.register(name)
-    for plugin in manager.plugins.values():
-        plugin.register(raw)
-    for path in manager.get_input_args():  # merged into axolotl's schema and validated
-        module, name = path.rsplit(".", 1)
-        schema = getattr(importlib.import_module(module), name)
-        validated = schema.model_validate(raw)  # a mixin of axolotl's schema: sees it all
-        raw = {**raw, **validated.model_dump(exclude_none=True)}
     cfg = DictDefault(raw)
+    manager = PluginManager()
+    for name in cfg.plugins or []:
+        manager.register(name, required=True)
+    for plugin in manager.plugins.values():
+        plugin.register(cfg)
+    try:  # validate_config: the plugins' schemas merged into axolotl's
+        for path in manager.get_input_args():
+            module, name = path.rsplit(".", 1)
+            schema = getattr(importlib.import_module(module), name)
+            validated = schema.model_validate(cfg)  # a mixin of axolotl's schema: sees it all
+            cfg = DictDefault({**cfg, **validated.model_dump(exclude_none=True)})
+    except Exception:
+        manager.on_config_validation_error(cfg)
+        raise
     manager.cfg = cfg
     torch.manual_seed(cfg.seed)
 
+    assert manager.load_datasets(cfg, preprocess=False) is None  # axolotl's own datasets
     tokenizer = AutoTokenizer.from_pretrained(cfg.base_model)
     train_dataset = chat_rows(tokenizer, cfg)
 
@@ -128,15 +134,17 @@ def run_like_axolotl(raw: dict):
     if cfg.adapter == "lora":
         model = get_peft_model(model, LoraConfig(
             r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-            target_modules="all-linear", task_type="CAUSAL_LM"))  # fmt: skip
+            target_modules="all-linear", task_type="CAUSAL_LM",
+            **manager.get_lora_config_kwargs(cfg)))  # fmt: skip
         for name, p in model.named_parameters():  # a non-zero B: the adapter trains from step 1
             if "lora_B" in name:
                 torch.nn.init.normal_(p, std=0.02)
     manager.post_lora_load(cfg, model)
     manager.post_model_load(cfg, model)
 
-    callbacks = manager.add_callbacks_pre_trainer(cfg, model)
     trainer_cls = manager.get_trainer_cls(cfg) or AxolotlTrainer
+    assert not trainer_cls.requires_all_columns(cfg)
+    assert manager.get_training_args_mixin() == []  # no fields added to the arguments class
     training_args = dict(
         output_dir=cfg.output_dir, max_steps=cfg.max_steps,
         per_device_train_batch_size=cfg.micro_batch_size,
@@ -149,18 +157,23 @@ def run_like_axolotl(raw: dict):
         use_cpu=not torch.cuda.is_available(), dataloader_num_workers=0,
     )  # fmt: skip
     training_args.update(manager.get_training_args(cfg))
+    assert manager.get_collator_cls_and_kwargs(cfg, is_eval=True) is None  # axolotl's collator
+    assert manager.get_collator_cls_and_kwargs(cfg) is None
     collator = DataCollatorForSeq2Seq(tokenizer, return_tensors="pt", padding=True)
     trainer = trainer_cls(
         model=model, train_dataset=train_dataset, eval_dataset=None,
-        args=TrainingArguments(**training_args), data_collator=collator, callbacks=callbacks,
+        args=TrainingArguments(**training_args), data_collator=collator,
+        callbacks=manager.add_callbacks_pre_trainer(cfg, model),
         eval_data_collator=collator, bench_data_collator=collator,
         dataset_tags=[d["path"] for d in cfg.datasets], processing_class=tokenizer,
     )  # fmt: skip
+    trainer.axolotl_cfg = cfg
+    trainer.post_set_axolotl_cfg()
     for callback in manager.add_callbacks_post_trainer(cfg, trainer):
         trainer.add_callback(callback)
     manager.post_trainer_create(cfg, trainer)
 
-    trainer.train(resume_from_checkpoint=None)
+    trainer.train(resume_from_checkpoint=None)  # create_scheduler asks create_lr_scheduler
     manager.post_train(cfg, trainer.model)
     model.save_pretrained(cfg.output_dir)  # save_trained_model: one process, no FSDP
     tokenizer.save_pretrained(cfg.output_dir)
@@ -247,9 +260,11 @@ def test_a_config_that_cannot_run_is_refused_when_axolotl_validates_it(axolotl_a
 def test_register_takes_over_what_the_engine_does(axolotl_api, tmp_path):
     """lora-1b.yml's keys: gradient_checkpointing, bf16: auto and flash-attention are the
     engine's (off for axolotl itself, the engine's in the Trainer's arguments)."""
+    from axolotl.utils.dict import DictDefault
+
     plugin = axolotl_api.load_plugin(PLUGIN)
-    raw = {**example_config(tmp_path, tmp_path), "gradient_checkpointing": True, "bf16": "auto",
-           "fp16": None, "attn_implementation": "flash_attention_2"}  # fmt: skip
+    raw = DictDefault({**example_config(tmp_path, tmp_path), "gradient_checkpointing": True,
+                       "bf16": "auto", "fp16": None, "attn_implementation": "flash_attention_2"})  # fmt: skip
     plugin.register(raw)
     assert raw["gradient_checkpointing"] is False and raw["bf16"] is False
     assert raw["fp16"] is False  # bf16: auto would turn fp16 on without a bf16 GPU
@@ -257,6 +272,22 @@ def test_register_takes_over_what_the_engine_does(axolotl_api, tmp_path):
     args = plugin.get_training_args(raw)
     assert args["gradient_checkpointing"] and not args["fp16"]
     assert args["bf16"] == (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+
+
+def test_each_config_registered_is_read_afresh(axolotl_api, tmp_path):
+    """axolotl keeps one plugin instance per process (PluginManager is a singleton) and calls
+    register for each config it loads there: a config without bf16 or checkpointing trains
+    in fp32 without recomputation, whatever the config before it asked for."""
+    from axolotl.utils.dict import DictDefault
+
+    plugin = axolotl_api.load_plugin(PLUGIN)
+    plugin.register(DictDefault({**example_config(tmp_path, tmp_path), "bf16": True,
+                                 "gradient_checkpointing": True}))  # fmt: skip
+    assert plugin.get_training_args({})["bf16"]
+    plugin.register(DictDefault({**example_config(tmp_path, tmp_path), "bf16": None,
+                                 "gradient_checkpointing": None}))  # fmt: skip
+    args = plugin.get_training_args({})
+    assert not args["bf16"] and not args["gradient_checkpointing"]
 
 
 @pytest.mark.parametrize("mode", [True, "legacy", "disk", "hidden_states"])

@@ -4,7 +4,8 @@ Written against axolotl 0.21.0 (``axolotl/integrations/base.py``, ``integrations
 ``cli/config.py``, ``core/builders/causal.py``, ``train.py``). Only public plugin hooks are used,
 in the order axolotl calls them:
 
-- ``register`` (on the raw YAML, before axolotl validates it): takes over what the engine
+- ``register`` (on the YAML as loaded, before axolotl validates it; for each config axolotl
+  loads in the process, on the one plugin instance it keeps): takes over what the engine
   does itself, each said once in the log: ``gradient_checkpointing`` and
   ``activation_offloading`` (the plan places activations), ``bf16: true / auto`` (the engine's compute dtype), flash-attention where
   its kernel cannot run here (sdpa), axolotl's fused LoRA kernels left unset (off: they
@@ -71,8 +72,11 @@ class ProTrainPlugin(BasePlugin):
 
     def register(self, cfg: dict) -> None:
         """Runs on the raw YAML before axolotl validates it: takes over what the engine does
-        itself, so that axolotl's own validation and model loading see it off."""
+        itself, so that axolotl's own validation and model loading see it off. axolotl keeps
+        one plugin instance per process and calls this for every config it loads there, so
+        what the last config asked for is read afresh."""
         show_in_axolotl_console()
+        self.compute_dtype, self.save_activations = torch.float32, False
         changes = [
             *self._lora_kernels_off(cfg),
             *self._precision(cfg),

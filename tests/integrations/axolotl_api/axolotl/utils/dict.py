@@ -1,6 +1,7 @@
-"""axolotl 0.19.0 ``axolotl/utils/dict.py``: ``DictDefault``, an ``addict.Dict`` returning
+"""axolotl 0.21.0 ``axolotl/utils/dict.py``: ``DictDefault``, an ``addict.Dict`` returning
 None for missing keys. Here a dict with the same access (attribute or item, nested
-mappings converted, None when missing)."""
+mappings converted, None when missing); left out: its ``|`` (addict's recursive merge),
+addict's pickling workaround and ``remove_none_values``."""
 
 from __future__ import annotations
 
