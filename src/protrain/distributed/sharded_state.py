@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot
+from protrain.chunks.shard import shard_range
 
 
 @torch.no_grad()
@@ -73,8 +74,6 @@ def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torc
     trainable one, the host bytes of a frozen one. A collective over the group; only this
     parameter's elements travel (as bytes, whatever the dtype), each rank's run padded to
     the longest (the runs of all ranks are known from the chunk's shard ranges)."""
-    from protrain.chunks.shard import shard_range
-
     pl = slot.placement
     size = own.dtype.itemsize
     world = coll.world_size
