@@ -6,6 +6,8 @@ plans, then wraps (``protrain/planned_wrap.py``); the rest is the engine's
 (``protrain/engine.py``).
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 # public name -> the module that defines it
@@ -23,8 +25,6 @@ __all__ = ["__version__", *_API]
 
 def __getattr__(name: str):
     if name in _API:
-        import importlib
-
         value = getattr(importlib.import_module(_API[name]), name)
         globals()[name] = value
         return value

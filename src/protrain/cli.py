@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+from protrain.runtime.allocator import prefer_expandable_segments
+from protrain.train.errors import ConfigError, OutputDirError
+from protrain.train.log import setup_logging
+
 EXIT_USER_ERROR = 2
 EXIT_OTHER_RANK_FAILED = 3
 
@@ -35,8 +39,8 @@ def _version() -> str:
 
 
 def _user_errors() -> tuple[type[BaseException], ...]:
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train.data import DataError
-    from protrain.train.errors import ConfigError, OutputDirError
 
     return (ConfigError, DataError, OutputDirError)
 
@@ -164,7 +168,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("PROTRAIN_DEBUG", "") not in ("", "0")
-    from protrain.runtime.allocator import prefer_expandable_segments
 
     prefer_expandable_segments()  # before anything touches CUDA
     quiet_third_party_noise()  # before anything imports bitsandbytes
@@ -193,6 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _error(message: str, exc: BaseException) -> int:
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train import rank_failure
 
     rank_failure.record_failure(message)
@@ -217,6 +221,7 @@ def _other_rank_failed(exc: Exception, debug: bool) -> int:
     """A collective that failed because another rank failed or died: one line for this
     node, no traceback. Any other error is this rank's own: recorded for the other
     ranks, and raised with its traceback."""
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train import rank_failure
 
     if not _several_ranks():
@@ -239,6 +244,7 @@ def _reports(exc: BaseException) -> bool:
     started (every rank read the same config and files), rank 0's, agreed to every rank, or
     one every rank raises alike from the same check (``agreed`` / ``alike`` in
     ``distributed/agree.py``). Any other error is this rank's own and always printed."""
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train.ranks import joined_ranks
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or os.environ.get("LOCAL_RANK", "0") == "0":
@@ -288,10 +294,8 @@ class _DropPlanRecord(logging.Filter):
 def _check_recorded_config(cfg) -> None:
     """`--resume` compares the run with the config it recorded: a damaged record is named
     here, before any data or model is loaded."""
-    from pathlib import Path
-
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train.config import read_yaml_mapping
-    from protrain.train.errors import ConfigError, OutputDirError
 
     path = Path(cfg.output_dir) / "config.yaml"
     if not path.exists():
@@ -305,6 +309,7 @@ def _check_recorded_config(cfg) -> None:
 
 
 def _sdpa(cfg):
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train.attention import sdpa_backend
     from protrain.train.modeling import resolve_device
 
@@ -322,6 +327,7 @@ def _chunk_plan_keys(gpu_budget: str) -> list[str]:
 
 
 def _print_chunk_plan(cfg, is_main: bool) -> None:
+    # CLI start-up time: the app (torch) loads on use
     from protrain.plan import candidates_table, explain
     from protrain.train.planning import plan_memory, planning_inputs
 
@@ -343,6 +349,7 @@ def _print_chunk_plan(cfg, is_main: bool) -> None:
 def _print_fsdp2_peak(cfg, device, is_main: bool) -> None:
     """Every rank traces two real steps of the FSDP2 engine on its own; rank 0 prints the
     largest peak of any rank (`train/fsdp2_trace.py`)."""
+    # CLI start-up time: the app (torch) loads on use
     from protrain.train.fsdp2_trace import fsdp2_inputs, largest_over_ranks, measure_fsdp2_peak
 
     log = logging.getLogger("protrain")
@@ -363,9 +370,8 @@ def _print_fsdp2_peak(cfg, device, is_main: bool) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    # CLI start-up time: each command loads the app (torch) on use (here and below)
     from protrain.train.config import load_config
-    from protrain.train.errors import ConfigError
-    from protrain.train.log import setup_logging
 
     setup_logging()
     if args.command == "convert-checkpoint":  # no config: the checkpoint says it all

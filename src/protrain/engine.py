@@ -456,15 +456,10 @@ def wrap(
             groups,
             manager,
             worker,
-            lr=optim.lr,
-            betas=optim.betas,
-            eps=optim.eps,
-            weight_decay=optim.weight_decay,
+            optim,
             scaler=scaler,
             sink=sink,
             device_step=device_step,
-            optimizer=optim.optimizer,
-            state_format=optim.optimizer_state,
         )
     except BaseException:  # nothing half-built stays on the model
         _give_back(model, manager, worker, hooks)

@@ -12,6 +12,7 @@ from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError
 from protrain.train.loop import train
 from protrain.train.metrics import read_metrics
+from protrain.train.plan_checker import PlanChecker
 from protrain.train.trainable import AutoTrainable
 
 from .helpers import tiny_config, write_config
@@ -92,7 +93,7 @@ def test_auto_with_gradient_checkpointing_is_refused(tmp_path):
 def test_auto_matches_plain_pytorch_and_reports_the_check(plain_run, auto_run):
     assert_same_training(plain_run, auto_run)
     checks = [r for r in read_metrics(auto_run.output_dir) if "plan_predicted_peak_gib" in r]
-    assert len(checks) == 1 and checks[0]["step"] == AutoTrainable.CHECK_AFTER_STEPS == 5
+    assert len(checks) == 1 and checks[0]["step"] == PlanChecker.CHECK_AFTER_STEPS == 5
     for key in ("plan_measured_peak_gib", "plan_predicted_step_s", "plan_measured_step_s"):
         assert checks[0][key] > 0, key
     # the step compared is steady state: the warm-up steps are left out
@@ -240,12 +241,12 @@ def test_a_slow_host_optimizer_replans_in_place_to_the_faster_plan(
     )  # fmt: skip
     monkeypatch.setattr(auto, "measure_hardware", lambda *a, **kw: claimed)
     extra = [0.0]  # seconds the step clock is ahead of the real one
-    monkeypatch.setattr(AutoTrainable, "_now", lambda self: time.perf_counter() + extra[0])
+    monkeypatch.setattr(PlanChecker, "clock", lambda self: time.perf_counter() + extra[0])
     real_forward, real_wait = AutoTrainable.forward_loss_sum, ChunkManager._wait_update
 
     def forward(self, batch):
         loss = real_forward(self, batch)
-        if self._steps_run < AutoTrainable.WARMUP_STEPS and self._micro == 1:
+        if self.checker.steps_run < PlanChecker.WARMUP_STEPS and self.checker.micro == 1:
             extra[0] += 1e6
         return loss
 
@@ -332,7 +333,7 @@ def test_a_slow_link_replans_in_place_to_the_faster_plan(
         training[0] = True
         return real_forward(self, batch)
 
-    monkeypatch.setattr(AutoTrainable, "_now", lambda self: clock())
+    monkeypatch.setattr(PlanChecker, "clock", lambda self: clock())
     monkeypatch.setattr(CopyTimes, "clock", staticmethod(clock))
     monkeypatch.setattr(Span, "add", add)
     monkeypatch.setattr(AutoTrainable, "forward_loss_sum", forward)

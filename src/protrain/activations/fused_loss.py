@@ -24,7 +24,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from protrain.activations.chunked_loss import IGNORE_INDEX, shift_labels
+from protrain.activations.chunked_loss import (
+    IGNORE_INDEX,
+    LogitTransform,
+    UnsupportedHead,
+    causal_lm_head,
+    shift_labels,
+)
 from protrain.activations.forward_wrap import wrap_forward
 
 # (head weight, hidden (tokens, hidden), targets (tokens,), head bias or None) -> summed loss
@@ -46,6 +52,7 @@ def reference_linear_cross_entropy(
 
 def liger_linear_cross_entropy() -> LinearCrossEntropy:
     """Liger's fused kernel with the app's reduction (a sum, -100 ignored). Needs Triton."""
+    # optional dependency (liger-kernel, the kernels extra): imported where the fused loss is used
     from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
 
     return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
@@ -55,8 +62,6 @@ def fused_head_problem(causal_lm: nn.Module) -> str | None:
     """Why the fused loss cannot replace ``causal_lm``'s head and loss, or None where it can:
     the head must be a plain ``nn.Linear`` (not an adapter, a quantized layer or a wrapper)
     whose logits the model does not transform (``causal_lm_head``)."""
-    from protrain.activations.chunked_loss import LogitTransform, UnsupportedHead, causal_lm_head
-
     try:
         head, transform = causal_lm_head(causal_lm)
     except UnsupportedHead as exc:

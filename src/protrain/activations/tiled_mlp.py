@@ -102,6 +102,7 @@ def tiled_forward(forward: Callable, tile_tokens: int) -> Callable:
 def _fsdp_children(mlp: nn.Module) -> list[str]:
     kinds: list[type] = []
     try:
+        # torch may be built without torch.distributed (the ImportError below)
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
         kinds = [FSDPModule, FullyShardedDataParallel]

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
+from protrain.model.blocks import discover_blocks
 from protrain.model.readers import direct_reads, has_forward
 
 
@@ -48,8 +49,6 @@ def resident_groups(model: nn.Module, blocks: list | None = None) -> list[tuple[
     reads = direct_reads(model).groups
     if blocks is None:
         try:
-            from protrain.model.blocks import discover_blocks
-
             blocks = discover_blocks(model).blocks
         except ValueError:  # no block stack: the module rule is all there is
             blocks = []

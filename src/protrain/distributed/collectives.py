@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from protrain.distributed.process_group import DistContext
+from protrain.distributed.sharded_state import gather_bytes, gather_fp32, gather_param
 
 # torch 2.13 renamed the tensor-in, tensor-out collectives (the old names warn); the GPU
 # hosts run torch 2.11, which has only the old ones.
@@ -68,16 +69,10 @@ class ChunkCollectives:
         return t
 
     def gather_bytes(self, chunk) -> torch.Tensor:
-        from protrain.distributed.sharded_state import gather_bytes
-
         return gather_bytes(self, chunk)
 
     def gather_fp32(self, chunk, fragments: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        from protrain.distributed.sharded_state import gather_fp32
-
         return gather_fp32(self, chunk, fragments)
 
     def gather_param(self, chunk, slot, own: torch.Tensor) -> torch.Tensor:
-        from protrain.distributed.sharded_state import gather_param
-
         return gather_param(self, chunk, slot, own)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot
+from protrain.chunks.shard import shard_range
 
 
 @torch.no_grad()
@@ -53,19 +54,6 @@ def gather_fp32(coll, chunk: Chunk, fragments: dict[int, torch.Tensor]) -> dict[
     return out
 
 
-def frozen_value(full_bytes: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """A parameter's tensor, in its storage dtype, from the chunk's whole bytes."""
-    pl = slot.placement
-    raw = full_bytes[pl.offset_bytes : pl.offset_bytes + pl.nbytes]
-    return raw.view(pl.dtype).view(pl.shape)
-
-
-def own_part(value: torch.Tensor, slot: ParamSlot) -> torch.Tensor:
-    """The elements of a whole ``value`` (the parameter's shape) this rank owns, flat."""
-    lo, hi = slot.shard
-    return value.reshape(-1)[lo:hi]
-
-
 @torch.no_grad()
 def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torch.Tensor:
     """One parameter of sharded ``chunk`` put back together on every rank (its shape, on the
@@ -73,8 +61,6 @@ def gather_param(coll, chunk: Chunk, slot: ParamSlot, own: torch.Tensor) -> torc
     trainable one, the host bytes of a frozen one. A collective over the group; only this
     parameter's elements travel (as bytes, whatever the dtype), each rank's run padded to
     the longest (the runs of all ranks are known from the chunk's shard ranges)."""
-    from protrain.chunks.shard import shard_range
-
     pl = slot.placement
     size = own.dtype.itemsize
     world = coll.world_size

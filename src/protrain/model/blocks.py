@@ -123,6 +123,7 @@ def _is_layer(module: nn.Module) -> bool:
 
 def _is_adapter_leaf(module: nn.Module) -> bool:
     try:
+        # optional here: the engine runs without peft (then no module is an adapter)
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
         return False

@@ -164,6 +164,7 @@ def apply_kernels(
     if not choice.names:
         _APPLIED[causal_lm] = choice
         return
+    # optional dependency (liger-kernel, the kernels extra)
     import liger_kernel.transformers as liger
 
     family = FAMILIES[causal_lm.config.model_type]

@@ -146,6 +146,7 @@ def check_saved_optimizer(sd: dict, optimizer: str) -> None:
 def import_bitsandbytes():
     """bitsandbytes, or an ImportError that says the 8-bit optimizer needs it."""
     try:
+        # optional dependency (bitsandbytes, the qlora extra)
         import bitsandbytes
     except ImportError as exc:
         raise ImportError(

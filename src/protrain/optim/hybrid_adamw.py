@@ -110,6 +110,7 @@ import torch
 
 from protrain.chunks.chunk import Chunk, ParamSlot, UpdateProgress
 from protrain.chunks.manager import ChunkManager
+from protrain.knobs import OptimizerSettings
 from protrain.optim import host_adam_ext
 from protrain.optim.adamw_8bit import (
     QMAP_KEYS,
@@ -167,28 +168,26 @@ class HybridAdamW(torch.optim.Optimizer):
         param_groups: list[dict],
         manager: ChunkManager,
         worker: HostWorker,
+        settings: OptimizerSettings,
         *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        close_fn=None,
         scaler: LossScaler | None = None,
         sink: GradSink | None = None,
         device_step: DeviceStep | None = None,
-        optimizer: str = "adamw",
-        state_format: str = "fp32",
     ):
-        check_optimizer(optimizer)
-        check_state_format(state_format)
-        self.optimizer_name = optimizer  # "adamw" or "adamw_8bit" (optim/adamw_8bit.py)
-        self.state_format = state_format  # the host's moments (optim/state_format.py)
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        """``param_groups``: the model's parameters (their groups' hyperparameters over
+        ``settings``'); ``settings``: AdamW's defaults (``lr``, ``betas``, ``eps``,
+        ``weight_decay``), ``optimizer`` and ``optimizer_state`` (its ``param_groups`` is
+        not read: the groups are the first argument)."""
+        check_optimizer(settings.optimizer)
+        check_state_format(settings.optimizer_state)
+        self.optimizer_name = settings.optimizer  # "adamw" or "adamw_8bit" (optim/adamw_8bit.py)
+        self.state_format = settings.optimizer_state  # the host's moments (optim/state_format.py)
+        defaults = {k: getattr(settings, k) for k in _HYPER}
         self._ready = False
         super().__init__(param_groups, defaults)
         self._manager = manager
         self._worker = worker
-        self._close_fn = close_fn
+        self._close_fn = None  # the owning engine's close (set by protrain.engine.wrap)
         self._clip_coef: torch.Tensor | None = None
         self._clipped = False  # clip_grad_norm_ ran since zero_grad
         # slots that had a gradient before zero_grad(set_to_none=False): torch would step
@@ -225,14 +224,14 @@ class HybridAdamW(torch.optim.Optimizer):
             )
         self._host_opts: dict[int, list[FlatAdamW]] = {
             c.index: [
-                FlatAdamW(piece, [self._group_of[id(s)] for s in piece], state_format)
+                FlatAdamW(piece, [self._group_of[id(s)] for s in piece], self.state_format)
                 for piece in _pieces(c.trainable_slots)
             ]
             for c in manager.offloaded
             if c.trainable_slots
         }
         self._one_pass = self._choose_one_pass()
-        if state_format != "fp32":
+        if self.state_format != "fp32":
             self._check_compact_state()
         self._ready = True
 

@@ -27,6 +27,7 @@ import copy
 import dataclasses
 
 import numpy as np
+import torch
 from torch import nn
 
 from protrain.chunks.layout import _align, choose_chunk_size
@@ -289,6 +290,4 @@ def _n_pairs(n_blocks: int, fixed: dict) -> int:
 
 
 def _dtype(profile: ModelProfile):
-    import torch
-
     return getattr(torch, profile.compute_dtype)

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field
 
 from protrain.plan.plan import Plan
 from protrain.plan.search import NoPlanFits, PlanProblem, search
+from protrain.profile.hardware import HardwareProfile
 from protrain.profile.trace import ModelProfile
 from protrain.units import GIB
 
@@ -166,24 +167,32 @@ def check_plan(
     return check
 
 
-def _like(problem: PlanProblem, **changes) -> PlanProblem:
+def _like(
+    problem: PlanProblem,
+    *,
+    profile: ModelProfile | None = None,
+    hardware: HardwareProfile | None = None,
+    extra_bytes: int | None = None,
+) -> PlanProblem:
     """``problem`` with another profile or hardware, or more measured bytes."""
-    args = dict(
-        gpu_budget_bytes=problem.gpu_budget_bytes,
-        cpu_budget_bytes=problem.cpu_budget_bytes,
-        fixed_knobs=problem.fixed,
-        extra_bytes=problem.extra_bytes,
-        clipping=problem.clipping,
-        world=problem.world,
-        device_step_search=problem.device_step_search,
-        optimizer=problem.optimizer,
-        optimizer_state=problem.optimizer_state,
-    )
-    hardware = changes.pop("hardware", problem.hardware)
-    profile = changes.pop("profile", problem.profile)
-    if profile is problem.profile and hardware is problem.hardware and not changes:
-        return problem
-    return PlanProblem(profile, hardware, **{**args, **changes})
+    profile = problem.profile if profile is None else profile
+    hardware = problem.hardware if hardware is None else hardware
+    extra_bytes = problem.extra_bytes if extra_bytes is None else extra_bytes
+    like = problem
+    if profile is not problem.profile or hardware is not problem.hardware:
+        like = PlanProblem(
+            profile,
+            hardware,
+            gpu_budget_bytes=problem.gpu_budget_bytes,
+            cpu_budget_bytes=problem.cpu_budget_bytes,
+            fixed_knobs=problem.fixed,
+            clipping=problem.clipping,
+            world=problem.world,
+            device_step_search=problem.device_step_search,
+            optimizer=problem.optimizer,
+            optimizer_state=problem.optimizer_state,
+        )
+    return like if extra_bytes == like.extra_bytes else like.with_extra_bytes(extra_bytes)
 
 
 def _measured_hardware(

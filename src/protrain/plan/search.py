@@ -104,7 +104,6 @@ class PlanProblem:
         gpu_budget_bytes: int,
         cpu_budget_bytes: int | None = None,
         fixed_knobs: dict[str, int] | None = None,
-        extra_bytes: int = 0,
         clipping: bool = True,
         world: World = SINGLE,
         device_step_search: bool = False,
@@ -118,8 +117,9 @@ class PlanProblem:
         self.gpu_budget_bytes = int(gpu_budget_bytes)
         self.cpu_budget_bytes = cpu_budget_bytes
         self.fixed = fixed
-        # Bytes the closed loop measured beyond the prediction (0 before any real step).
-        self.extra_bytes = int(extra_bytes)
+        # Bytes the closed loop measured beyond the prediction (with_extra_bytes; 0 before
+        # any real step).
+        self.extra_bytes = 0
         # the optimizer the plan is for: its device state (optim/adamw_8bit.py)
         self.optimizer = optimizer
         # the host's Adam moments (optim/state_format.py): their host bytes a parameter
@@ -141,6 +141,13 @@ class PlanProblem:
         other = copy.copy(self)
         other.fixed = _known_knobs(fixed_knobs)
         other._check_fixed()
+        return other
+
+    def with_extra_bytes(self, extra_bytes: int) -> PlanProblem:
+        """The same problem with ``extra_bytes`` the closed loop measured beyond the memory
+        model's prediction, added to every candidate's peak."""
+        other = copy.copy(self)
+        other.extra_bytes = int(extra_bytes)
         return other
 
     def _check_fixed(self) -> None:

@@ -41,6 +41,8 @@ import html
 import math
 from pathlib import Path
 
+from PIL import Image, ImageDraw
+
 from protrain.profile.hardware import HardwareProfile
 from protrain.profile.picture import (
     Band,
@@ -427,8 +429,6 @@ def write_timeline_png(
     clipping: bool = True,
 ) -> Path:
     """The same picture as a PNG (Pillow), for terminals and reports without a browser."""
-    from PIL import Image, ImageDraw
-
     pic = build_picture(profile, budget_bytes=budget_bytes, hardware=hardware, clipping=clipping)
     f = _Frame(pic)
 

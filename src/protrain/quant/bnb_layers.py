@@ -13,6 +13,7 @@ from torch import nn
 def import_bnb(what: str) -> ModuleType:
     """bitsandbytes, or an ImportError saying that ``what`` needs it."""
     try:
+        # optional dependency (bitsandbytes, the qlora extra)
         import bitsandbytes as bnb
     except ImportError:
         raise ImportError(f"{what} need bitsandbytes: pip install 'protrain[qlora]'") from None

@@ -22,7 +22,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
@@ -96,8 +98,6 @@ def choose_attn_implementation(
 def _model_classes(model_class: type, config) -> list[type]:
     """``model_class`` and the classes of its sub-models that transformers maps from their
     sub-configs (each checks its attention implementation when built)."""
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
-
     classes = [model_class]
     for key in getattr(config, "sub_configs", None) or {}:
         sub = getattr(config, key, None)
@@ -110,6 +110,4 @@ def _model_classes(model_class: type, config) -> list[type]:
 
 
 def _transformers_version() -> str:
-    import transformers
-
     return transformers.__version__

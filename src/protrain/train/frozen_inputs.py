@@ -27,6 +27,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
+
 from protrain.train.config import ExtraAdapterConfig, TrainConfig
 from protrain.train.errors import ConfigError, OutputDirError
 
@@ -85,7 +87,6 @@ def model_folder(cfg: TrainConfig) -> Path | None:
         return None
     if Path(name).expanduser().is_dir():
         return Path(name).expanduser()
-    from huggingface_hub import try_to_load_from_cache
 
     try:
         found = try_to_load_from_cache(name, "config.json", revision=cfg.model.revision)

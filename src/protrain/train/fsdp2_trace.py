@@ -37,7 +37,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from protrain.train.config import TrainConfig
+from protrain.train.fsdp2_trainable import FSDP2Trainable
 from protrain.train.loss import count_trained_tokens
+from protrain.train.planning import run_autocast_dtype, run_model_and_batch
 
 STEPS = 2  # the first creates the AdamW moments; the second is every later step
 
@@ -78,8 +80,6 @@ def fsdp2_inputs(
 ) -> tuple[nn.Module, dict[str, torch.Tensor], torch.dtype | None]:
     """Model, sample batch and autocast dtype, built as `protrain train` builds them (the
     planner's builder, `planning.run_model_and_batch`), writing nothing."""
-    from protrain.train.planning import run_autocast_dtype, run_model_and_batch
-
     autocast_dtype = run_autocast_dtype(cfg, device)
     model, batch = run_model_and_batch(cfg)
     return model, batch, autocast_dtype
@@ -95,8 +95,6 @@ def measure_fsdp2_peak(
 ) -> FSDP2Peak:
     """This rank's peak through the FSDP2 engine at ``batch`` (see the module's note).
     Several ranks: every rank calls this (the engine's collectives); see `largest_over_ranks`."""
-    from protrain.train.fsdp2_trainable import FSDP2Trainable
-
     if cfg.fsdp is None:
         raise ValueError("measure_fsdp2_peak needs a config with fsdp_version: 2")
     if copy_model:

@@ -44,7 +44,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from protrain.activations import apply_tiled_mlp
+from protrain.activations.checkpoint import checkpointed_forward
 from protrain.activations.forward_wrap import wrap_forward
+from protrain.activations.tiled_mlp import find_mlp
 from protrain.distributed.agree import alike
 from protrain.distributed.fsdp2 import (
     DEFAULT_MIN_NUM_PARAMS,
@@ -56,6 +59,7 @@ from protrain.distributed.fsdp2 import (
     release_groups,
 )
 from protrain.distributed.fsdp2.optimizer import FullStateAdamW
+from protrain.model import BlockDiscoveryError, discover_blocks
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
@@ -177,9 +181,6 @@ class FSDP2Trainable(Trainable):
     def _checkpoint_blocks(self) -> list[Callable[[], None]]:
         """Recompute each discovered block in backward, whatever the wrap policy; the
         module's names stay as they are (its forward is wrapped, not the module)."""
-        from protrain.activations.checkpoint import checkpointed_forward
-        from protrain.model import BlockDiscoveryError, discover_blocks
-
         try:
             layout = discover_blocks(self.model)
         except BlockDiscoveryError as exc:
@@ -188,9 +189,6 @@ class FSDP2Trainable(Trainable):
 
     def _tile_mlps(self, tile_tokens: int) -> Callable[[], None]:
         """Each block's MLP and norms over sequence tiles (no collective of their own)."""
-        from protrain.activations import apply_tiled_mlp
-        from protrain.model import BlockDiscoveryError
-
         try:
             handle = apply_tiled_mlp(self.model, tile_tokens=tile_tokens)
         except (BlockDiscoveryError, ValueError) as exc:
@@ -326,9 +324,6 @@ def _not_units(
         head = names[id(lm.get_output_embeddings())]
         out.update(n for n in names.values() if n == head or n.startswith(head + "."))
     if tiled_mlp_tokens is not None:
-        from protrain.activations.tiled_mlp import find_mlp
-        from protrain.model import BlockDiscoveryError, discover_blocks
-
         try:
             blocks = discover_blocks(model).blocks
         except BlockDiscoveryError as exc:
@@ -360,8 +355,6 @@ def check_layer_classes(model: nn.Module, cfg: TrainConfig) -> None:
 
 def _layer_classes(model: nn.Module, listed: list[str] | None) -> list[str]:
     """The class names of TRANSFORMER_BASED_WRAP: as listed, or the discovered blocks'."""
-    from protrain.model import BlockDiscoveryError, discover_blocks
-
     present = {type(m).__name__ for m in model.modules()}
     if listed:
         missing = [name for name in listed if name not in present]

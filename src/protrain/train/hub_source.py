@@ -15,6 +15,8 @@ import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
+from huggingface_hub import constants, try_to_load_from_cache
+
 from protrain.train.errors import ConfigError
 
 _CONNECT_TIMEOUT_S = 3.0
@@ -26,8 +28,6 @@ _MARKER_FILES = ("config.json", "tokenizer_config.json")
 def check_hub_source(key: str, name: str, revision: str | None) -> None:
     """ConfigError naming ``key`` when ``name`` is neither a local path nor in the hub
     cache and the hub cannot be reached (or is switched off by HF_HUB_OFFLINE)."""
-    from huggingface_hub import constants
-
     if Path(name).expanduser().exists() or _in_cache(name, revision):
         return
     endpoint = constants.ENDPOINT
@@ -47,8 +47,6 @@ def check_hub_source(key: str, name: str, revision: str | None) -> None:
 
 
 def _in_cache(name: str, revision: str | None) -> bool:
-    from huggingface_hub import try_to_load_from_cache
-
     for filename in _MARKER_FILES:
         try:
             found = try_to_load_from_cache(name, filename, revision=revision)

@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 import yaml
 from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, get_scheduler
 
 from protrain.distributed.agree import agreed, alike
 from protrain.train import checkpoint as ckpt
@@ -64,6 +66,7 @@ from protrain.train.metrics import MetricsWriter, set_aside_metrics
 from protrain.train.modeling import (
     DTYPES,
     TINY,
+    TINY_MODEL_CONFIG,
     beyond_positions_note,
     build_model,
     build_tiny_base,
@@ -792,7 +795,6 @@ def _estimate_checkpoint_bytes(cfg: TrainConfig, resume_from: Path | None) -> in
         return ckpt.checkpoint_bytes(resume_from)
     if cfg.adapter.enabled:
         return 0
-    from protrain.train.modeling import TINY, TINY_MODEL_CONFIG
 
     source = cfg.model.name_or_path
     if source != TINY:
@@ -801,8 +803,6 @@ def _estimate_checkpoint_bytes(cfg: TrainConfig, resume_from: Path | None) -> in
         numel = checkpoint_numel(Path(source)) if Path(source).is_dir() else None
         return 12 * numel if numel else 0
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         config = AutoConfig.for_model(**json.loads(TINY_MODEL_CONFIG.read_text()))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -853,8 +853,6 @@ def _saved_note(last_saved: Path | None) -> str:
 
 
 def signal_name(signum: int) -> str:
-    import signal
-
     return signal.Signals(signum).name
 
 
@@ -1017,8 +1015,6 @@ def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
 
 
 def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
-    from transformers import get_scheduler
-
     if cfg.warmup_steps is not None:
         warmup = cfg.warmup_steps
     else:

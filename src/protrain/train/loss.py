@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from protrain import activations
 from protrain.activations.fused_loss import fused_causal_lm_loss_sum, fused_head
+from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
 
 IGNORE_INDEX = -100
 
@@ -62,8 +64,6 @@ def loss_sum(
     chunks of ``chunked_loss_tokens`` positions, else over the whole logits."""
     causal_lm = unwrap_causal_lm(model)
     if getattr(getattr(causal_lm, "config", None), "is_encoder_decoder", False):
-        from protrain.train.seq2seq import decoder_start_token_id, encoder_decoder_batch
-
         # encoder input and causal decoder labels: the same trained tokens as `batch`'s
         batch = encoder_decoder_batch(batch, decoder_start_token_id(causal_lm))
     labels = batch["labels"]
@@ -79,15 +79,13 @@ def loss_sum(
     # Full-sequence logits never exist: the body gives hidden states and the head runs
     # fused with the loss (where the model's kernels include it: it replaces the chunks),
     # or chunk by chunk inside the loss, with the family's logit transform.
-    from protrain.activations import causal_lm_head, chunked_causal_lm_loss_sum
-
     body = causal_lm.base_model(**inputs)
     hidden = body.last_hidden_state
     if fused is not None:
         total = fused_causal_lm_loss_sum(hidden, fused, labels.to(hidden.device))
     else:
-        head, transform = causal_lm_head(causal_lm)
-        total = chunked_causal_lm_loss_sum(
+        head, transform = activations.causal_lm_head(causal_lm)
+        total = activations.chunked_causal_lm_loss_sum(
             hidden,
             head,
             labels.to(hidden.device),

@@ -28,11 +28,18 @@ import shutil
 from pathlib import Path
 
 import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+)
 
 from protrain.train.checkpoint.final_dir import publish, tmp_dir
 from protrain.train.errors import ConfigError, OutputDirError
 from protrain.train.log import logger
-from protrain.train.modeling import DTYPES, TOKENIZER_FILES
+from protrain.train.modeling import DTYPES, TOKENIZER_FILES, model_kind
 from protrain.train.run_lock import check_free_space
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -150,8 +157,8 @@ def _check_output_dir(output_dir: Path, adapter_dir: Path, base: str, force: boo
 
 
 def _merged_model(adapter_dir: Path, base: str, dtype: str) -> torch.nn.Module:
+    # peft loads only where an adapter is used (its import is slow: it loads bitsandbytes)
     from peft import PeftModel
-    from transformers import AutoConfig
 
     try:
         config = AutoConfig.from_pretrained(base)
@@ -173,14 +180,6 @@ def _merged_model(adapter_dir: Path, base: str, dtype: str) -> torch.nn.Module:
 
 
 def _auto_class(config, base: str) -> type:
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSeq2SeqLM,
-    )
-
-    from protrain.train.modeling import model_kind
-
     kind = model_kind(config)
     classes = {
         "causal": AutoModelForCausalLM,
@@ -194,8 +193,6 @@ def _auto_class(config, base: str) -> type:
 
 def _tokenizer(adapter_dir: Path, base: str):
     """The adapter folder's tokenizer, else the base's; None (logged) where neither has one."""
-    from transformers import AutoTokenizer
-
     has_own = any((adapter_dir / name).is_file() for name in TOKENIZER_FILES)
     for source in ([str(adapter_dir)] if has_own else []) + [base]:
         try:

@@ -11,11 +11,28 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
+)
+from transformers.processing_utils import ProcessorMixin
 
+from protrain.quant import quantize_linear_4bit, quantize_linear_8bit
 from protrain.train.attention import choose_attn_implementation
 from protrain.train.config import (
     QUICKSTART_DIR,
@@ -24,14 +41,12 @@ from protrain.train.config import (
     TrainConfig,
     one_line,
 )
+from protrain.train.data import load_processor
 from protrain.train.errors import ConfigError
 from protrain.train.frozen_inputs import check_adapter_dir
 from protrain.train.hub_source import check_hub_source
 from protrain.train.kernels import put_kernels
 from protrain.train.log import logger, warn_once
-
-if TYPE_CHECKING:
-    from transformers import BitsAndBytesConfig
 
 TINY = "tiny"
 TINY_MODEL_CONFIG = QUICKSTART_DIR / "model.json"
@@ -81,8 +96,6 @@ def resolve_autocast_dtype(
 
 
 def load_tokenizer(cfg: TrainConfig):
-    from transformers import AutoTokenizer
-
     key = "model.tokenizer" if cfg.model.tokenizer else "model.name_or_path"
     source = cfg.model.tokenizer or (
         str(TINY_TOKENIZER_DIR) if cfg.model.name_or_path == TINY else cfg.model.name_or_path
@@ -121,10 +134,6 @@ def load_media_processor(cfg: TrainConfig, auto_class: type | None = None):
     its rows' images reach the model through it alone. None for other models (``auto_class``:
     `model_auto_class`'s answer, read here when not given). A checkpoint whose processor
     cannot be loaded is refused: its images would be dropped from every row."""
-    from transformers import AutoModelForImageTextToText
-    from transformers.processing_utils import ProcessorMixin
-
-    from protrain.train.data import load_processor
 
     if cfg.model.name_or_path == TINY:
         return None
@@ -237,15 +246,11 @@ def build_tiny_base(cfg: TrainConfig) -> nn.Module:
 
 
 def _tiny_config():
-    from transformers import AutoConfig
-
     spec = json.loads(TINY_MODEL_CONFIG.read_text())
     return AutoConfig.for_model(spec.pop("model_type"), **spec)
 
 
 def _build_tiny(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
-    from transformers import AutoModelForCausalLM
-
     config = _tiny_config()
     # Random init is seeded by the run's seed, so a resumed run rebuilds the same frozen base.
     attn = _attn_implementation(cfg, AutoModelForCausalLM, config)
@@ -284,6 +289,7 @@ def _load_pretrained(cfg: TrainConfig, dtype: torch.dtype) -> nn.Module:
     if in_process:
         return _quantize_in_process(model, cfg, dtype)
     if cfg.adapter.type == "qlora":
+        # peft loads only where an adapter is used (its import is slow: it loads bitsandbytes)
         from peft import prepare_model_for_kbit_training
 
         model = prepare_model_for_kbit_training(
@@ -298,8 +304,6 @@ def model_on_meta(cfg: TrainConfig) -> nn.Module | None:
     data and the weights load). None where the config alone cannot build it (code that
     ships with the model, a class that refuses the meta device): the check then waits for
     the loaded model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     if cfg.model.name_or_path == TINY:
         spec = json.loads(TINY_MODEL_CONFIG.read_text())
         config, auto_class = (
@@ -345,15 +349,6 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
 
 def _auto_mappings() -> dict[type, object]:
     """Each auto class's public config -> model class mapping (transformers' own tables)."""
-    from transformers import (
-        MODEL_FOR_CAUSAL_LM_MAPPING,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
-        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSeq2SeqLM,
-    )
-
     return {
         AutoModelForCausalLM: MODEL_FOR_CAUSAL_LM_MAPPING,
         AutoModelForSeq2SeqLM: MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
@@ -363,8 +358,6 @@ def _auto_mappings() -> dict[type, object]:
 
 def _model_config(cfg: TrainConfig):
     """The `transformers` config of `model.name_or_path` (no weight is read)."""
-    from transformers import AutoConfig
-
     name = cfg.model.name_or_path
     if _looks_like_path(name) and not Path(name).exists():
         raise ConfigError(f"model.name_or_path = {name!r}: no such file or directory")
@@ -383,12 +376,6 @@ def _model_config(cfg: TrainConfig):
 
 
 def _auto_class_of(cfg: TrainConfig, config) -> type:
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForSeq2SeqLM,
-    )
-
     name = cfg.model.name_or_path
     kind = model_kind(config)
     if kind == "vision-language":
@@ -442,8 +429,6 @@ def _check_seq2seq_run(cfg: TrainConfig, config) -> None:
 # Encoder-only families that transformers also maps to a causal-LM class (BertLMHeadModel,
 # ...): those classes are causal only for a checkpoint trained as a decoder (is_decoder).
 def _encoder_only(config) -> bool:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
-
     return (
         config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
         and not getattr(config, "is_decoder", False)
@@ -454,12 +439,6 @@ def _encoder_only(config) -> bool:
 def model_kind(config) -> str:
     """'causal', 'vision-language', 'seq2seq' (a text-to-text encoder-decoder), or what else
     the model is, as the refusal says it."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES,
-    )
-
     model_type = getattr(config, "model_type", None)
     auto_map = getattr(config, "auto_map", None) or {}
     vision = type(config) in AutoModelForImageTextToText._model_mapping
@@ -498,7 +477,6 @@ def _quantize_in_process(model: nn.Module, cfg: TrainConfig, dtype: torch.dtype)
     (bf16 on a GPU by default), as the engine and autocast do (8-bit layers compute in
     their input's dtype)."""
     _require_bitsandbytes()
-    from protrain.quant import quantize_linear_4bit, quantize_linear_8bit
 
     device = resolve_device(cfg.device)
     if cfg.adapter.bits == 8:
@@ -525,8 +503,6 @@ def _bnb_config(adapter: AdapterConfig) -> BitsAndBytesConfig:
 def bnb_quantization_config(adapter: AdapterConfig) -> BitsAndBytesConfig:
     """transformers' ``BitsAndBytesConfig`` for ``adapter.bits`` (the 8-bit outlier threshold
     the one ``quantize_linear_8bit`` gets under the engine: the same math either way)."""
-    from transformers import BitsAndBytesConfig
-
     if adapter.bits == 8:
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=adapter.int8_threshold)
     return BitsAndBytesConfig(
@@ -548,6 +524,7 @@ def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
     """The peft model: the main adapter, then `adapter.extra` (new ones added, existing
     ones loaded from their PEFT directories), all active in the forward; the frozen ones
     get no gradient (and so no optimizer state: the trainables take `requires_grad`)."""
+    # peft loads only where an adapter is used (its import is slow: it loads bitsandbytes)
     from peft import get_peft_model
 
     task = "SEQ_2_SEQ_LM" if is_seq2seq(model) else "CAUSAL_LM"
@@ -579,6 +556,7 @@ def attach_adapter(model: nn.Module, adapter: AdapterConfig) -> nn.Module:
 
 
 def _lora_config(spec, task: str):
+    # peft loads only where an adapter is used (its import is slow: it loads bitsandbytes)
     from peft import LoraConfig
 
     return LoraConfig(
@@ -665,6 +643,7 @@ def adapter_parameter_names(model: nn.Module) -> dict[str, list[str]]:
     """Adapter name -> the names of its parameters, for every adapter of a peft model (read
     from its tuner layers, not from name patterns, which an adapter named like a module
     would match)."""
+    # peft loads only where an adapter is used (its import is slow: it loads bitsandbytes)
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     out: dict[str, list[str]] = {name: [] for name in model.peft_config}

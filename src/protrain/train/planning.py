@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from protrain.activations import UnsupportedHead, causal_lm_head
@@ -16,10 +17,19 @@ from protrain.activations.fused_loss import fused_head
 from protrain.plan import NoPlanFits, PlanRequest, profile_and_plan, profile_model
 from protrain.plan.loss_chunk import LOSS_CHUNK_FLOOR_TOKENS, LossChunks
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
+from protrain.train.data import build_collator, build_train_dataset
 from protrain.train.errors import ConfigError
 from protrain.train.heaviest_batch import heaviest_batch
 from protrain.train.log import logger
 from protrain.train.loss import count_trained_tokens, loss_sum
+from protrain.train.modeling import (
+    build_model,
+    load_media_processor,
+    load_tokenizer,
+    resolve_autocast_dtype,
+    resolve_device,
+)
+from protrain.train.seeding import seed_everything
 from protrain.units import GIB
 
 
@@ -206,8 +216,6 @@ def _rng_devices(device: torch.device) -> list:
 def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
     """Model, sample batch and planner settings, built as `protrain train` builds them,
     writing nothing: for `protrain plan` and `protrain profile`."""
-    from protrain.train.modeling import resolve_device
-
     device = resolve_device(cfg.device)
     # before the data and the model are built: a missing budget is refused at once
     settings = PlanSettings.from_config(cfg, device, run_autocast_dtype(cfg, device))
@@ -218,9 +226,6 @@ def planning_inputs(cfg: TrainConfig) -> tuple[nn.Module, dict, PlanSettings]:
 def run_autocast_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype | None:
     """The compute dtype `protrain train` resolves for `cfg` on `device` (the engine's own
     where the chunked engine runs or several ranks train)."""
-    import torch.distributed as dist
-
-    from protrain.train.modeling import resolve_autocast_dtype
 
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     engine = cfg.memory.engine_enabled or several
@@ -231,10 +236,6 @@ def run_model_and_batch(cfg: TrainConfig) -> tuple[nn.Module, dict[str, torch.Te
     """The model (in training mode) and the planning micro-batch (`sample_batch`) of a run,
     built as `protrain train` builds them (same seed, data, collator and model), writing
     nothing: the one builder of `planning_inputs` and of the FSDP2 engine's trace."""
-    from protrain.train.data import build_collator, build_train_dataset
-    from protrain.train.modeling import build_model, load_media_processor, load_tokenizer
-    from protrain.train.seeding import seed_everything
-
     seed_everything(cfg.seed)
     tokenizer = load_tokenizer(cfg)
     train_data = build_train_dataset(

@@ -107,11 +107,6 @@ def joined_ranks() -> bool:
     return _joined
 
 
-def launched_with_ranks() -> bool:
-    """More than one process under a launcher (`torchrun`)."""
-    return launched_distributed()
-
-
 def start_ranks(device: torch.device) -> tuple[Ranks, torch.device]:
     """The process group of a `torchrun` launch (NCCL for CUDA, gloo on the CPU) and this
     rank's device (GPU `LOCAL_RANK`); one process: nothing to start."""

@@ -143,6 +143,7 @@ def _exit_code(error: BaseException | None) -> int:
 
 class _WandbTracker:
     def __init__(self, settings: TrackingSettings, output_dir: Path, config: dict):
+        # optional dependency (wandb, the tracking extra)
         import wandb
 
         self._run = wandb.init(
@@ -163,6 +164,7 @@ class _WandbTracker:
 
 class _MlflowTracker:
     def __init__(self, settings: TrackingSettings, output_dir: Path, config: dict):
+        # optional dependency (mlflow, the tracking extra)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -180,6 +182,7 @@ class _MlflowTracker:
         self._client.log_batch(self._run_id, params=params)
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        # optional dependency (mlflow, the tracking extra)
         from mlflow.entities import Metric
 
         now_ms = int(time.time() * 1000)

@@ -11,22 +11,35 @@ from __future__ import annotations
 
 import abc
 import contextlib
-import statistics
-import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import nn
 
+import protrain
+from protrain.activations import UnsupportedHead, apply_activation_knobs, causal_lm_head
 from protrain.knobs import OptimizerSettings
+from protrain.optim.adamw_8bit import (
+    MIN_8BIT_SIZE,
+    check_saved_optimizer,
+    import_bitsandbytes,
+    plain_state_dict,
+)
+from protrain.plan import NoPlanFits, Plan
 from protrain.planned_wrap import apply_plan
 from protrain.planned_wrap import wrap as protrain_wrap
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger, warn_once
 from protrain.train.loss import loss_sum, unwrap_causal_lm
-from protrain.train.planning import PlanSettings, loss_chunk_of, plan_memory
+from protrain.train.plan_checker import PlanChecker
+from protrain.train.planning import (
+    PlanSettings,
+    loss_chunk_of,
+    no_plan_fits_message,
+    plan_memory,
+)
 
 
 def optimizer_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -91,8 +104,6 @@ class Trainable(abc.ABC):
         mem = cfg.memory
         if not mem.activation_knobs_set:
             return
-        from protrain.activations import apply_activation_knobs
-
         try:
             self.activations = apply_activation_knobs(
                 self.model,
@@ -234,8 +245,6 @@ def plain_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
     groups = optimizer_param_groups(model, cfg.weight_decay)
     hyper = dict(lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
     if cfg.optimizer == "adamw_bnb_8bit":
-        from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, import_bitsandbytes
-
         bnb = import_bitsandbytes()
         return bnb.optim.AdamW8bit(groups, min_8bit_size=MIN_8BIT_SIZE, **hyper)
     return torch.optim.AdamW(groups, fused=_fused_supported(model), **hyper)
@@ -308,13 +317,9 @@ class PlainTrainable(Trainable):
         return {name: params[name].detach() for name in self.names}
 
     def optimizer_state(self, copy: bool = True) -> dict:
-        from protrain.optim.adamw_8bit import plain_state_dict
-
         return plain_state_dict(self.optimizer)  # bitsandbytes' state flat, for checkpoints
 
     def load_optimizer_state(self, state: dict) -> None:
-        from protrain.optim.adamw_8bit import check_saved_optimizer
-
         check_saved_optimizer(state, ENGINE_OPTIMIZERS[self.optimizer_choice])
         self.optimizer.load_state_dict({k: v for k, v in state.items() if k != "optimizer"})
 
@@ -344,23 +349,29 @@ class EngineTrainable(Trainable):
         model.train()
         # The engine computes in `compute_dtype` itself: no autocast.
         super().__init__(model, device, None, cfg.memory.chunked_loss_tokens)
-        mem = cfg.memory
-        # the activation knobs are applied by the trainable (apply_activation_knobs, below)
-        knobs = replace(mem.knobs(), n_swap=None, n_checkpoint=None, offload_checkpoint=False,
-                        tiled_mlp_tokens=None)  # fmt: skip
-        if not several_ranks:  # the mode is read with several ranks only
-            knobs = replace(knobs, distributed_mode=None)
+        self.cfg = cfg
+        # Several ranks (torchrun): each rank's loss is already divided by the tokens of the
+        # whole global batch, so the engine sums gradients over ranks.
         self._several_ranks = several_ranks
+        self._closed = True
+        self._place(autocast_dtype or torch.float32)
+
+    def _place(self, compute_dtype: torch.dtype) -> None:
+        """Wrap the model with the config's knobs (the activation knobs are applied by the
+        trainable, after)."""
+        cfg = self.cfg
+        knobs = replace(cfg.memory.knobs(), n_swap=None, n_checkpoint=None,
+                        offload_checkpoint=False, tiled_mlp_tokens=None)  # fmt: skip
+        if not self._several_ranks:  # the mode is read with several ranks only
+            knobs = replace(knobs, distributed_mode=None)
         try:
             self.model, self.optimizer, self.layout = protrain_wrap(
-                model,
+                self.model,
                 knobs,
-                device=device,
-                compute_dtype=autocast_dtype or torch.float32,
-                optim=engine_optimizer(model, cfg),
-                # Several ranks (torchrun): each rank's loss is already divided by the tokens
-                # of the whole global batch, so the engine sums gradients over ranks.
-                grad_reduce="sum" if several_ranks else "mean",
+                device=self.device,
+                compute_dtype=compute_dtype,
+                optim=engine_optimizer(self.model, cfg),
+                grad_reduce="sum" if self._several_ranks else "mean",
             )
         except ValueError as exc:  # a knob that cannot work for this model
             raise ConfigError(f"memory: {exc}") from None
@@ -415,8 +426,6 @@ class EngineTrainable(Trainable):
         self.optimizer.zero_grad()
 
     def model_state(self, copy: bool = True) -> dict[str, torch.Tensor]:
-        import protrain
-
         # only the trainable names: an adapter's save reads nothing of the frozen base
         state = protrain.state_dict(self.model, copy=copy, names=self.names)
         return {name: state[name] for name in self.names}
@@ -425,8 +434,6 @@ class EngineTrainable(Trainable):
         return self.optimizer.state_dict(copy=copy)
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        import protrain
-
         self._check_state_names(state)
         protrain.load_state_dict(self.model, state, strict=False)
 
@@ -436,63 +443,30 @@ class EngineTrainable(Trainable):
         return self.model
 
     def full_tensor(self, name: str) -> torch.Tensor:
-        import protrain
-
         return protrain.full_tensor(self.model, name)
 
     def own_trainable_values(self) -> dict[str, torch.Tensor]:
-        import protrain
-
         return protrain.own_values(self.model, self.names)
 
     def close(self, keep_weights: bool = True) -> None:
-        import protrain
-
         self.remove_activation_policies()
         if not self._closed:
             protrain.close(self.model, keep_weights=keep_weights)
             self._closed = True
 
 
-# the engine's copy counters the plan check reads, in MeasuredCopies' order
-_COPY_COUNTERS = ("h2d_bytes", "h2d_s", "d2h_bytes", "d2h_s", "copy_busy_s", "wait_copy_s")
-
-
 class AutoTrainable(EngineTrainable):
     """`memory: {auto: true}`: the planner profiles one step of the real model at the first
     micro-batch, searches the fastest knobs that fit `gpu_budget` (the ones the user set are
     kept) and the engine runs the plan. After the first steps the measured peak and step
-    time are checked against the prediction; a plan that would pass the budget, or one much
-    slower than predicted where the measured rates make another clearly faster, is replaced
-    in place (model and optimizer state carried over exactly).
+    time are checked against the prediction (a :class:`PlanChecker`; [Note: what is
+    measured] there); a plan that would pass the budget, or one much slower than predicted
+    where the measured rates make another clearly faster, is replaced in place (model and
+    optimizer state carried over exactly).
 
-    [Note: what is measured]
-    The planner predicts one micro-batch's forward and backward plus the optimizer step,
-    the waits for the previous step's host updates included. The measured step is the
-    whole optimizer step, from its first forward to the end of `optimizer_step`, less the
-    micro-batches before the last, each counted as long as the last one's forward and
-    backward (they wait for no host update; the first micro-batch's forward is where the
-    waits land). The step compared is the median of the steady steps: the
-    `WARMUP_STEPS` after the plan was applied are left out ([Note: steady-state steps] in
-    `plan/closed_loop.py`), and the engine's host-optimizer counters are read over the same
-    steps (the host work of the last warm-up step finished before, of the last step
-    counted after), and so are its copy counters (bytes and seconds of the host-device
-    copies each way, the link's busy time, the compute stream's waits for gathers;
-    ``chunks/copy_times.py``), per micro-batch, as the model predicts one. The peak is the
-    allocator's reserved peak on CUDA; on the CPU, the engine's device-side tensor bytes
-    (what the planner's CPU accounting counts) over the first two optimizer steps (the
-    first creates the optimizer state, the second runs with it), counted from the freshly
-    applied plan as `protrain.profile.measure` does.
+    Several ranks: one plan for all, made on the first (plan_memory); the check after the
+    first steps compares the largest peak and step of any rank, decided there too.
     """
-
-    # The first step creates the optimizer state and touches its host pages, the allocator
-    # grows to its peak; the second is the first with the state in place but still pays the
-    # CPU peak counter (PEAK_STEPS) and the allocator's last growth. From the third on the
-    # steps repeat.
-    WARMUP_STEPS = 2
-    STEADY_STEPS = 3  # a median of three: one outlier does not move it
-    CHECK_AFTER_STEPS = WARMUP_STEPS + STEADY_STEPS
-    PEAK_STEPS = 2  # CPU: counted steps (the second is the first with optimizer state)
 
     def __init__(
         self,
@@ -503,35 +477,21 @@ class AutoTrainable(EngineTrainable):
         sample_batch: dict[str, torch.Tensor],
         several_ranks: bool = False,
     ):
-        model.train()
-        Trainable.__init__(self, model, device, None, cfg.memory.chunked_loss_tokens)
-        # Several ranks: one plan for all, made on the first (plan_memory); the check after
-        # the first steps compares the largest peak and step of any rank, decided there too.
-        self._several_ranks = several_ranks
-        self.cfg = cfg
         self.settings = PlanSettings.from_config(cfg, device, autocast_dtype)
-        self.plan, self.problem = plan_memory(model, sample_batch, self.settings)
+        self._sample_batch = sample_batch  # planned on by `_place`, in the parent's __init__
+        super().__init__(model, cfg, device, autocast_dtype, several_ranks)
+        self._sample_batch = None
+        self.checker = PlanChecker(device, cfg.gradient_accumulation_steps)
+
+    def _place(self, compute_dtype: torch.dtype) -> None:
+        """Plan at the sample batch, then run the plan."""
+        self.plan, self.problem = plan_memory(self.model, self._sample_batch, self.settings)
         logger.info("memory plan:\n%s", self.plan)
         # the loss chunk the plan was made for (searched unless memory.chunked_loss_tokens)
         self.chunked_loss_tokens = loss_chunk_of(self.plan, self.settings)
-        self._closed = True
         self._apply(self.plan)
-        self._checked = False
-        self._peak_counter = None  # CPU: the tensor-bytes counter over the first steps
-        self._measured_peak_bytes = 0
-        self._micro = 0  # micro-batches of the current optimizer step so far
-        self._steps_run = 0
-        # this optimizer step's times: first forward begun, last forward begun, last
-        # backward ended ([Note: what is measured])
-        self._t_first: float | None = None
-        self._t_last: float | None = None
-        self._t_last_backward: float | None = None
-        self._step_times: list[float] = []  # the steady steps' ([Note: what is measured])
-        self._last_step_s = 0.0
-        self._stats_after_warmup: dict | None = None  # the engine's counters then
 
-    def _apply(self, plan) -> None:
-        cfg = self.cfg
+    def _apply(self, plan: Plan) -> None:
         try:
             self.model, self.optimizer, self.layout, self.activations = apply_plan(
                 self.model,
@@ -539,167 +499,51 @@ class AutoTrainable(EngineTrainable):
                 self.settings.request.knobs,
                 device=self.device,
                 compute_dtype=self.settings.compute_dtype,
-                optim=engine_optimizer(self.model, cfg),
-                # the loss is divided by the whole global batch's tokens (train/ranks.py)
+                optim=engine_optimizer(self.model, self.cfg),
                 grad_reduce="sum" if self._several_ranks else "mean",
             )
         except ValueError as exc:
             raise ConfigError(f"memory: {exc}") from None
         self._closed = False
-        self._choose_step_mode(cfg)
+        self._choose_step_mode(self.cfg)
         logger.info("memory layout:\n%s", self.layout)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def forward_loss_sum(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        if torch.is_grad_enabled() and not self._checked:  # training, not evaluation
-            self._micro += 1
-            if self._steps_run == 0 and self._micro == 1 and self.device.type != "cuda":
-                self._start_peak_counter()
-            if self._micro == 1:
-                self._t_first = self._now()
-            if self._micro == self.cfg.gradient_accumulation_steps:
-                self._t_last = self._t_first if self._micro == 1 else self._now()
+        if torch.is_grad_enabled():  # training, not evaluation
+            self.checker.micro_batch_begun(self.model._protrain_engine)
         return super().forward_loss_sum(batch)
 
     def backward(self, loss: torch.Tensor, last: bool = False, may_step: bool = True) -> None:
         super().backward(loss, last, may_step)
-        if last and self._t_last is not None:
-            self._t_last_backward = self._now()
+        self.checker.backward_ended(last)
 
     def optimizer_step(self) -> None:
         super().optimizer_step()
-        if self._t_last_backward is None:
-            return
-        # the whole optimizer step less the micro-batches before the last, each taken to
-        # last as long as the last one (which waits for no host update); never below an
-        # even share of the whole (micro-batches of uneven length)
-        micro_s = self._t_last_backward - self._t_last
-        whole_s = self._now() - self._t_first
-        step_s = max(whole_s - (self._micro - 1) * micro_s, whole_s / self._micro)
-        self._reset_step_times()
-        self._steps_run += 1
-        # Timed: steps after the warm-up that ran without the CPU counter's overhead.
-        if self._steps_run > self.WARMUP_STEPS and self._peak_counter is None:
-            self._step_times.append(step_s)
-        self._last_step_s = step_s
-        if self._steps_run == self.PEAK_STEPS:
-            self._stop_peak_counter()
-        if self._steps_run == self.WARMUP_STEPS:  # the host work of the warm-up is done
-            self._stats_after_warmup = self._settled_stats()
+        self.checker.step_ended(self.model._protrain_engine)
 
     def skip_step(self) -> None:
         super().skip_step()
-        self._reset_step_times()  # a skipped step is not timed
-
-    def _reset_step_times(self) -> None:
-        self._t_first = self._t_last = self._t_last_backward = None
-        self._micro = 0
+        self.checker.step_skipped()  # a skipped step is not timed
 
     def check_plan(self, step: int, total_steps: int) -> dict[str, Any] | None:
-        from protrain.distributed import resolve_context
-        from protrain.distributed.agree import max_over_ranks, on_main
-        from protrain.plan import NoPlanFits, check_plan
-        from protrain.plan.closed_loop import MeasuredCopies
-
-        if self._checked or self._steps_run == 0:
+        if not self.checker.due(step, total_steps):
             return None
-        if self._steps_run < self.CHECK_AFTER_STEPS and step < total_steps:
-            return None
-        self._checked = True
-        self._stop_peak_counter()
-        steady = bool(self._step_times)
-        measured_step_s = statistics.median(self._step_times) if steady else self._last_step_s
-        host_adam_s = wait_s = -1.0  # not measured
-        copies = [-1.0] * len(_COPY_COUNTERS)
-        if self._stats_after_warmup is not None and self._steps_run > self.WARMUP_STEPS:
-            # the last step's host work and copies are counted too
-            before, now = self._stats_after_warmup, self._settled_stats()
-            n = self._steps_run - self.WARMUP_STEPS
-
-            def per_step(key: str) -> float:
-                return (now.get(key, 0.0) - before.get(key, 0.0)) / n
-
-            host_adam_s = per_step("host_adam_s")
-            wait_s = per_step("wait_cpu_optimizer_s")
-            micro = self.cfg.gradient_accumulation_steps
-            copies = [per_step(key) / micro for key in _COPY_COUNTERS]
-        cuda = self.device.type == "cuda"
-        measured_peak = (
-            torch.cuda.max_memory_reserved(self.device) if cuda else self._measured_peak_bytes
-        )
-        allocated = torch.cuda.max_memory_allocated(self.device) if cuda else -1
-        ctx = resolve_context()
-        # every rank runs the plan: the largest of each is what must fit, the slowest rank's
-        # step and host optimizer what the plan is judged by
-        measured = max_over_ranks(
-            ctx,
-            [measured_peak, allocated, measured_step_s, host_adam_s, wait_s, *copies],
-            self.device,
-        )
-        measured_peak, allocated = int(measured[0]), int(measured[1])
-        measured_step_s = measured[2]
-        host_adam_s, wait_s = (v if v >= 0 else None for v in measured[3:5])
-        copies = measured[5:]
-        measured_copies = MeasuredCopies(*copies) if min(copies) >= 0 else None
-        record = {
-            "plan_predicted_peak_gib": self.plan.predicted_peak_bytes / 2**30,
-            "plan_measured_peak_gib": measured_peak / 2**30,
-            "plan_predicted_step_s": self.plan.predicted_step_s,
-            "plan_measured_step_s": measured_step_s,
-            "plan_warmup_steps": self.WARMUP_STEPS,
-            "plan_steady_steps": len(self._step_times),
-        }
-        if host_adam_s is not None:
-            record["plan_measured_host_adam_s"] = host_adam_s
-        if wait_s is not None:
-            record["plan_measured_wait_host_optimizer_s"] = wait_s
-        if measured_copies is not None:
-            for key, value in zip(_COPY_COUNTERS, copies):
-                record[f"plan_measured_{key}"] = value
-
-        def check_here():
-            return check_plan(self.plan, self.problem, measured_peak_bytes=measured_peak,
-                              measured_step_s=measured_step_s,
-                              measured_allocated_bytes=allocated if cuda else None,
-                              measured_host_adam_s=host_adam_s,
-                              measured_wait_host_optimizer_s=wait_s,
-                              measured_copies=measured_copies,
-                              steady=steady)  # fmt: skip
-
+        engine = self.model._protrain_engine
         try:
-            check = on_main(ctx, check_here)  # the first rank holds the problem and decides
+            record, check = self.checker.check(engine, self.plan, self.problem)
         except NoPlanFits as exc:
-            from protrain.train.planning import no_plan_fits_message
-
             message = no_plan_fits_message(exc, self.settings)
             raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
-        if check.corrected_step_s is not None:
-            record["plan_corrected_step_s"] = check.corrected_step_s
-            for name, (_, rate) in check.corrected_rates.items():
-                record[f"plan_corrected_{name}"] = rate
-            if check.measured_compute_s is not None:
-                record["plan_measured_compute_s"] = check.measured_compute_s
-            if check.compute_scale is not None:
-                record["plan_compute_scale"] = check.compute_scale
         if check.corrected is not None:
             self.replan(check.corrected)
             record["plan_corrected"] = True
             record["plan_correction"] = check.reason
         return record
 
-    def _settled_stats(self) -> dict:
-        """The engine's counters with every host task and copy so far counted in (a
-        synchronization: between steps only)."""
-        self.optimizer.synchronize()
-        self.model._protrain_engine.manager.settle_counters()
-        return dict(self.optimizer.stats)
-
-    def replan(self, plan) -> None:
+    def replan(self, plan: Plan) -> None:
         """Run `plan` from here on: the model and optimizer state move over exactly."""
-        import protrain
-        from protrain.train.planning import loss_chunk_of
-
         model_state = protrain.state_dict(self.model)
         optimizer_state = self.optimizer.state_dict()
         self.close()
@@ -711,42 +555,13 @@ class AutoTrainable(EngineTrainable):
         logger.info("memory plan, corrected:\n%s", plan)
 
     def close(self, keep_weights: bool = True) -> None:
-        self._stop_peak_counter()
+        self.checker.stop_peak_counter()
         super().close(keep_weights)
-
-    def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _start_peak_counter(self) -> None:
-        from protrain.profile.measure import engine_static_device_bytes
-        from protrain.profile.memory_clock import TensorBytesCounter
-
-        manager = self.model._protrain_engine.manager
-        static = engine_static_device_bytes(self.model)
-        chunk = manager.layout.chunk_size_bytes
-        peak = [0]
-
-        def sample(counter: TensorBytesCounter) -> None:
-            peak[0] = max(peak[0], static + counter.live_bytes + len(manager.resident) * chunk)
-
-        self._peak_counter = (TensorBytesCounter(on_op=sample), peak)
-        self._peak_counter[0].__enter__()
-
-    def _stop_peak_counter(self) -> None:
-        if self._peak_counter is not None:
-            counter, peak = self._peak_counter
-            self._peak_counter = None
-            counter.__exit__(None, None, None)
-            self._measured_peak_bytes = peak[0]
 
 
 def check_chunked_loss_supported(model: nn.Module) -> None:
     """Refuse `memory.chunked_loss_tokens` where the model's logits are not a known
     transform of its output embedding's output (see `causal_lm_head`)."""
-    from protrain.activations import UnsupportedHead, causal_lm_head
-
     causal_lm = unwrap_causal_lm(model)
     model_type = getattr(getattr(causal_lm, "config", None), "model_type", None)
     try:

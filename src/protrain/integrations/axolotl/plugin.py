@@ -149,6 +149,7 @@ class ProTrainPlugin(BasePlugin):
                 "bf16_full_eval": False, "gradient_checkpointing": self.save_activations}  # fmt: skip
 
     def get_trainer_cls(self, cfg: Any) -> type[ProTrainTrainer]:
+        # optional dependency (axolotl): imported when axolotl asks for the trainer class
         from axolotl.core.trainers.base import AxolotlTrainer
 
         show_in_axolotl_console()  # the plan is logged while the trainer is built

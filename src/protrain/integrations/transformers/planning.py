@@ -151,6 +151,7 @@ class ArrowSizedRows:
         return self.dataset[index]
 
     def token_counts(self) -> list[int]:
+        # pyarrow comes with datasets, which is optional here (see arrow_sized)
         import pyarrow.compute as pc
 
         # the arrow format follows the dataset's indices (shuffle, select)
@@ -161,6 +162,7 @@ def arrow_sized(dataset: Any) -> Any:
     """``dataset`` as ``ArrowSizedRows`` where it is a Python-format ``datasets.Dataset``
     with a list column ``input_ids``; else as it is."""
     try:
+        # optional here: the Trainer takes any dataset, datasets' only where it is installed
         import datasets
     except ImportError:
         return dataset

@@ -28,6 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from transformers.core_model_loading import revert_weight_conversion
+from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
 from protrain.train.checkpoint.final_dir import publish, tmp_dir
 from protrain.train.modeling import trained_adapter_names
@@ -118,9 +121,6 @@ class SafetensorsStreamWriter:
 def saved_meta(trainable: Trainable) -> dict[str, torch.Tensor] | None:
     """Name -> meta tensor (shape and dtype) of what `save_pretrained` would write for the
     trained model, or None where its names are not the parameters' (weight conversions)."""
-    from transformers.core_model_loading import revert_weight_conversion
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-
     model = trainable.model
     meta = {
         name: torch.empty(shape, dtype=dtype, device="meta")
@@ -199,8 +199,6 @@ def _export_adapter(trainable: Trainable, tmp: Path, ranks: Ranks) -> None:
 
 
 def _export_full(trainable: Trainable, tmp: Path, ranks: Ranks, max_shard_size) -> None:
-    from huggingface_hub import split_torch_state_dict_into_shards
-
     meta = saved_meta(trainable)
     assert meta is not None, "streamable() refuses such a model"
     split = split_torch_state_dict_into_shards(

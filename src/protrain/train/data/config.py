@@ -262,6 +262,7 @@ class DataSettings(BaseModel):
     def _processor_class(cls, v: str | None) -> str | None:
         if v is None:
             return v
+        # the config check imports this module: transformers loads where a model is built
         import transformers
 
         if not v.endswith("Processor") or not hasattr(transformers, v):

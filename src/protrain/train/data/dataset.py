@@ -22,6 +22,7 @@ from protrain.train.data.formats import ChatSample, parse_row
 from protrain.train.data.items import TokenizedDataset
 from protrain.train.data.loading import UnreadableRow, read_rows, select_rows
 from protrain.train.data.masks import IGNORE_INDEX, MaskSettings, resolve_mask_settings
+from protrain.train.data.packing import pack_items
 from protrain.train.data.prepared import fingerprint, load_prepared
 from protrain.train.data.rendering import (
     ChatRenderer,
@@ -37,6 +38,7 @@ from protrain.train.data.role_boundaries import (
     resolve_boundaries,
 )
 from protrain.train.data.templates import resolve_chat_template
+from protrain.train.data.vision import VisionEncoder
 
 logger = logging.getLogger("protrain.train.data")
 
@@ -110,8 +112,6 @@ class DatasetEncoder:
                 source, template, end_of_turn_markers(tokenizer), special_token_strings(tokenizer)
             )
             if processor is not None:
-                from protrain.train.data.vision import VisionEncoder
-
                 self.vision = VisionEncoder(
                     settings, cfg, processor, tokenizer, self.renderer, self.mask
                 )
@@ -268,8 +268,6 @@ def _split_validation(
 def _finish(samples: list[Encoded], settings: DataSettings, sequence_len: int, seed: int):
     items = [s.item() for s in samples]
     if settings.sample_packing:
-        from protrain.train.data.packing import pack_items
-
         items = pack_items(items, sequence_len=sequence_len, seed=seed)
     return TokenizedDataset(items)
 

@@ -57,6 +57,7 @@ class ArrowItems(torch.utils.data.Dataset):
 
     def token_counts(self) -> list[int]:
         """Tokens of every item, read from the Arrow column without building its lists."""
+        # pyarrow comes with datasets, which the config check does not load (see loading.py)
         import pyarrow.compute as pc
 
         return pc.list_value_length(self.ds.with_format("arrow")["input_ids"]).to_pylist()

@@ -105,6 +105,7 @@ def _read_json_lines(text: str, path: Path, dataset: str) -> list[Any]:
 
 
 def _read_with_datasets(files: list[Path], fmt: str, dataset: str) -> list[dict[str, Any]]:
+    # the config check imports this module: datasets loads where a dataset is read
     import datasets
 
     try:
@@ -187,6 +188,7 @@ def _read_local(cfg: DatasetConfig) -> list[dict[str, Any]]:
 
 
 def _read_saved(path: Path, cfg: DatasetConfig) -> list[dict[str, Any]]:
+    # the config check imports this module: datasets loads where a dataset is read
     import datasets
 
     try:
@@ -205,6 +207,7 @@ def _read_saved(path: Path, cfg: DatasetConfig) -> list[dict[str, Any]]:
 
 
 def _read_hub(cfg: DatasetConfig) -> list[dict[str, Any]]:
+    # the config check imports this module: datasets loads where a dataset is read
     import datasets
 
     try:

@@ -88,6 +88,7 @@ def save_prepared(dataset: torch.utils.data.Dataset, folder: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(items, tmp / "items.pt")
     else:
+        # the config check imports this module: datasets loads where a dataset is read
         import datasets
 
         datasets.Dataset.from_list(items).save_to_disk(str(tmp))
@@ -97,6 +98,7 @@ def save_prepared(dataset: torch.utils.data.Dataset, folder: Path) -> None:
 def _load(folder: Path) -> torch.utils.data.Dataset:
     if (folder / "items.pt").exists():
         return TokenizedDataset(torch.load(folder / "items.pt", weights_only=True))
+    # the config check imports this module: datasets loads where a dataset is read
     import datasets
 
     return ArrowItems(datasets.load_from_disk(str(folder)))

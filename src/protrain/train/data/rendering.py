@@ -254,6 +254,7 @@ class ChatRenderer:
 
     @property
     def renders_with_tokenizer(self) -> bool:
+        # the config check imports this module: transformers loads where a model is built
         from transformers import PreTrainedTokenizerBase
 
         return isinstance(self.renderer, PreTrainedTokenizerBase)
@@ -265,6 +266,7 @@ class ChatRenderer:
         add_generation_prompt: bool,
         with_generation_spans: bool = False,
     ):
+        # the config check imports this module: transformers loads where a model is built
         from transformers.utils.chat_template_utils import render_jinja_template
 
         # Rendered as `apply_chat_template` renders (tokenizers and processors alike: processors

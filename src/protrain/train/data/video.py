@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from protrain.train.data.errors import DataError
 
@@ -126,8 +127,6 @@ class VideoReader:
         raise self._error(f"{ALLOWED}; got {type(source).__name__}", row, field)
 
     def from_frames(self, sources: list[Any], row: int, field: str, fps: Any = None) -> Video:
-        from PIL import Image
-
         if not sources:
             raise self._error("a video needs at least one frame", row, field)
         if fps is None:
@@ -185,6 +184,7 @@ class VideoReader:
                 row,
                 field,
             )
+        # the config check imports this module: transformers loads where a model is built
         from transformers.video_utils import load_video
 
         sample = self.sample_indices or (

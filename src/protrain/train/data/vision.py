@@ -22,12 +22,14 @@ any text the processor writes in place of a video (Qwen3-VL's `<1.0 seconds>` ti
 from __future__ import annotations
 
 import difflib
+import io
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 
 from protrain.train.data.audio import AudioReader
 from protrain.train.data.config import MANAGED_PROCESSOR_KWARGS, DatasetConfig, DataSettings
@@ -77,6 +79,7 @@ def _split_placeholders(text: str, kinds: list[str]) -> str | list[dict[str, Any
 def _is_prefix_lm(processor) -> bool:
     """PaliGemma (1 and 2): its `token_type_ids` split a row into a prefix (0, attended
     bidirectionally: image and prompt) and a suffix (1, causal: the answer)."""
+    # the config check imports this module: transformers loads where a model is built
     from transformers import PaliGemmaProcessor
 
     return isinstance(processor, PaliGemmaProcessor)
@@ -114,6 +117,7 @@ def load_processor(
     trust_remote_code: bool = False,
 ):
     """The processor named by `processor_type` (default: AutoProcessor) for a model."""
+    # the config check imports this module: transformers loads where a model is built
     import transformers
 
     cls_name = settings.processor_type or "AutoProcessor"
@@ -191,14 +195,10 @@ class VisionEncoder:
     # --- images -------------------------------------------------------------------------------
 
     def _load_image(self, source: Any, row: int, field: str):
-        from PIL import Image
-
         if isinstance(source, Image.Image):
             return source.convert("RGB")
         if isinstance(source, dict):
             if source.get("bytes"):
-                import io
-
                 return Image.open(io.BytesIO(source["bytes"])).convert("RGB")
             source = source.get("path")
         if not isinstance(source, str) or not source:
