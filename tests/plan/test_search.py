@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import time
 
 import numpy as np
 import plan_synthetic as syn
@@ -170,15 +169,12 @@ def test_bad_fixed_knobs_are_errors():
 def test_search_work_for_300_chunks_and_100_blocks():
     prof = syn.profile(n_blocks=100, n_chunks=300, seed=6, chunk_mib=32)
     problem = PlanProblem(prof, syn.hardware(), gpu_budget_bytes=24 * GIB)
-    t0 = time.perf_counter()
-    result = search(problem)
-    elapsed = time.perf_counter() - t0
-    work = result.work
+    # The search's work, not its seconds, is what a test can bound on a shared machine; its
+    # time is benchmarks/search_time.py's.
+    work = search(problem).work
     assert work["pairs"] == 101 * 102 // 2  # every (n_swap, n_checkpoint) once, as one matrix
     assert work["persist_values"] == 301
     assert work["exact_pairs"] <= 200, work  # the bound leaves few pairs to evaluate exactly
-    print(f"search: {elapsed:.3f} s, work {work}")
-    assert elapsed < 5.0  # generous: the acceptance bound (0.5 s) is checked on the GPU machine
 
 
 def test_plan_round_trips_through_json():
@@ -243,17 +239,13 @@ def test_best_candidates_are_the_k_fastest_fitting_plans(device, budget_gib):
 def test_best_candidates_work_stays_bounded_for_300_chunks():
     prof = syn.profile(n_blocks=100, n_chunks=300, seed=6, chunk_mib=32)
     problem = PlanProblem(prof, syn.hardware(), gpu_budget_bytes=1000 * GIB)  # everything fits
-    t0 = time.perf_counter()
     result = search(problem, n_candidates=8)
-    elapsed = time.perf_counter() - t0
-    print(f"search (generous budget): {elapsed:.3f} s, work {result.work}")
     cands = result.plan.candidates
     assert len(cands) == 8 and cands[0]["predicted_step_s"] == result.plan.predicted_step_s
     assert is_plain_layout(result.plan)  # it fits: plain PyTorch's layout, then the fastest
     rest = [c["predicted_step_s"] for c in cands[1:]]
     assert rest == sorted(rest) and rest[0] >= cands[0]["predicted_step_s"] * (1 - PLAIN_MARGIN)
     assert result.work["exact_pairs"] <= 200 and result.work["rows"] <= 8 * 8, result.work
-    assert elapsed < 5.0  # generous for CI; about 0.2 s on a 2-core CPU
 
 
 def test_the_reasons_say_when_the_host_is_the_bound():
