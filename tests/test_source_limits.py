@@ -97,3 +97,54 @@ def test_every_import_inside_a_function_says_why():
                 if imports and not _says_why(lines, imports[0]):
                     silent += [f"{_where(path, n)} {lines[n.lineno - 1].strip()}" for n in imports]
     assert not silent, sorted(set(silent))
+
+
+# The package's layers, ground up: a module imports from its own layer and lower ones, never
+# from a higher one (the bare ``protrain`` package is the API: ``wrap``'s layer).
+LAYERS = (
+    ("model", "knobs", "units", "devices"),
+    ("chunks", "activations"),
+    ("quant", "runtime"),
+    ("optim", "distributed"),
+    ("engine",),
+    ("profile",),
+    ("plan",),
+    ("planned_wrap",),
+    ("train",),
+    ("cli", "integrations", "__main__"),
+)
+_LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
+_LAYER_OF[""] = _LAYER_OF["planned_wrap"]
+
+
+def _layer(module: str) -> int | None:
+    """The layer of ``protrain.<top>...``, or None for a module outside the package."""
+    parts = module.split(".")
+    if parts[0] != "protrain":
+        return None
+    return _LAYER_OF[parts[1] if len(parts) > 1 else ""]
+
+
+def _imported(node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules ``node`` imports; ``from protrain import x`` imports ``protrain.x`` where
+    ``x`` is a top-level module of the package, else the package itself."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.module != "protrain":
+        return [node.module or ""]
+    return [f"protrain.{a.name}" if a.name in _LAYER_OF else "protrain" for a in node.names]
+
+
+def test_no_module_imports_from_a_higher_layer():
+    upward = []
+    for path, _, tree in _modules():
+        rel = path.relative_to(SRC)
+        if rel == Path("__init__.py"):
+            continue
+        own = _LAYER_OF[rel.parts[0].removesuffix(".py")]
+        for node in _imports_in(tree):
+            for module in _imported(node):
+                layer = _layer(module)
+                if layer is not None and layer > own:
+                    upward.append(f"{_where(path, node)} imports {module}")
+    assert not upward, upward

@@ -97,12 +97,8 @@ def setup(spec: RowSpec) -> Trainer:
 
 def put_kernels(model: torch.nn.Module, spec: RowSpec):
     """Liger's kernels for ``spec.kernels`` (auto | none), as `model.kernels` in the app."""
-    from protrain.model.kernels import (
-        apply_kernels,
-        choose_kernels,
-        fused_head_problem,
-        liger_installed,
-    )
+    from protrain.activations.fused_loss import apply_kernels, fused_head_problem
+    from protrain.model.kernels import choose_kernels, liger_installed
 
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     choice = choose_kernels(

@@ -84,3 +84,38 @@ def test_resume_is_bit_for_bit(path, monkeypatch, request):
     for name, value in protrain.state_dict(model).items():
         assert torch.equal(value, whole[name]), name
     protrain.close(model)
+
+
+def _clip_step_then(model, opt, data, again: str) -> None:
+    """A clipped step, then before ``zero_grad`` a second step on the same gradient
+    (``step``) or a backward that adds onto it and a step (``backward``)."""
+    model(**data[0]).loss.backward()
+    if isinstance(opt, torch.optim.AdamW):
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], 0.05)
+    else:
+        opt.clip_grad_norm_(0.05)
+    opt.step()
+    if again == "backward":
+        model(**data[1]).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("again", ["step", "backward"])
+def test_what_follows_a_clipped_step_before_zero_grad_sees_the_clipped_gradient(
+    again, monkeypatch, request
+):
+    """The one pass clips as it reads, leaving the landed gradient as it was; torch clips
+    ``.grad`` in place. A second step, or a backward adding onto the gradient, must see the
+    clipped one, as torch's does."""
+    base = build("llama")
+    data = batches("llama", 2)
+    ref = copy.deepcopy(base)
+    params = [p for p in ref.parameters() if p.requires_grad]
+    _clip_step_then(ref, torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True), data, again)
+    model, opt, _ = _wrap(base, "one_pass", monkeypatch, request)
+    _clip_step_then(model, opt, data, again)
+    state = protrain.state_dict(model)
+    for name, value in ref.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=0, msg=name)
+    protrain.close(model)

@@ -1,6 +1,6 @@
-"""Liger's fused kernels (protrain.model.kernels): which run for a setting, that `auto` is
-off on the CPU with one log line, how they are put on a model through Liger's public
-per-family function, that the fused loss gives the app's summed loss, and that the plan
+"""Liger's fused kernels (protrain.model.kernels, the fused loss's head in
+protrain.activations.fused_loss): which run for a setting, that `auto` is off on the CPU
+with one log line, how they are put on a model through Liger's public per-family function, that the fused loss gives the app's summed loss, and that the plan
 and the run agree on the kernels. Liger's kernels are Triton (no CPU backend): on the CPU
 the family function is a stand-in that records its call, and the fused loss's kernel is
 its reference with the logits materialized (`reference_linear_cross_entropy`)."""
@@ -17,17 +17,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from protrain.activations.fused_loss import (
+    apply_kernels,
     fused_head,
     fused_head_problem,
     reference_linear_cross_entropy,
 )
-from protrain.model.kernels import (
-    FUSED_CE,
-    KernelChoice,
-    applied_kernels,
-    apply_kernels,
-    choose_kernels,
-)
+from protrain.model.kernels import FUSED_CE, KernelChoice, applied_kernels, choose_kernels
 from protrain.train.loss import count_trained_tokens, loss_sum
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -204,6 +199,16 @@ def test_heads_the_fused_loss_cannot_take():
     assert fused_head_problem(_llama()) is None
     wrapped = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["lm_head"]))
     assert "not a plain nn.Linear" in fused_head_problem(wrapped.get_base_model())
+
+
+def test_a_head_the_fused_loss_cannot_take_is_refused_before_any_kernel_is_put_on(fake_liger):
+    from peft import LoraConfig, get_peft_model
+
+    base = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["lm_head"])).get_base_model()
+    with pytest.raises(ValueError, match="fused linear cross-entropy cannot run: the output head"):
+        apply_kernels(base, KernelChoice(("rms_norm", FUSED_CE), "test"),
+                      loss_kernel=reference_linear_cross_entropy)  # fmt: skip
+    assert fake_liger == [] and applied_kernels(base) == () and fused_head(base) is None
 
 
 def test_the_plan_records_the_traced_kernels_and_the_run_must_run_them(fake_liger):

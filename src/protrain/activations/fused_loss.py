@@ -32,6 +32,7 @@ from protrain.activations.chunked_loss import (
     shift_labels,
 )
 from protrain.activations.forward_wrap import wrap_forward
+from protrain.model.kernels import KernelChoice, apply_module_kernels
 
 # (head weight, hidden (tokens, hidden), targets (tokens,), head bias or None) -> summed loss
 LinearCrossEntropy = Callable[
@@ -73,13 +74,29 @@ def fused_head_problem(causal_lm: nn.Module) -> str | None:
     return None
 
 
+def apply_kernels(
+    causal_lm: nn.Module,
+    choice: KernelChoice,
+    *,
+    loss_kernel: LinearCrossEntropy | None = None,
+) -> None:
+    """Put ``choice`` on ``causal_lm`` (the transformers model, unwrapped from PEFT): its
+    module kernels and the record of what runs (``protrain.model.kernels``), then, where it
+    has the fused loss, the head that computes it (``install_fused_head``; ``loss_kernel``:
+    the fused loss's kernel, default Liger's). A head the fused loss cannot take is refused
+    before anything is put on."""
+    if choice.fused_loss:
+        _refuse_unfit_head(causal_lm)
+    apply_module_kernels(causal_lm, choice)
+    if choice.fused_loss:
+        install_fused_head(causal_lm, loss_kernel or liger_linear_cross_entropy())
+
+
 def install_fused_head(causal_lm: nn.Module, kernel: LinearCrossEntropy) -> Callable[[], None]:
     """Let ``causal_lm``'s head compute the fused loss when called with ``fused_ce_targets``
     (see [Note: the fused loss runs inside the head's call]); return the undo. Raises
     ``ValueError`` where ``fused_head_problem`` names a reason."""
-    problem = fused_head_problem(causal_lm)
-    if problem is not None:
-        raise ValueError(f"the fused linear cross-entropy cannot run: {problem}")
+    _refuse_unfit_head(causal_lm)
     head = causal_lm.get_output_embeddings()
 
     def make(forward: Callable) -> Callable:
@@ -98,6 +115,12 @@ def install_fused_head(causal_lm: nn.Module, kernel: LinearCrossEntropy) -> Call
         _FUSED_HEADS.pop(causal_lm, None)
 
     return undo
+
+
+def _refuse_unfit_head(causal_lm: nn.Module) -> None:
+    problem = fused_head_problem(causal_lm)
+    if problem is not None:
+        raise ValueError(f"the fused linear cross-entropy cannot run: {problem}")
 
 
 def fused_head(causal_lm: nn.Module) -> nn.Module | None:

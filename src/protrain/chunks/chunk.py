@@ -108,6 +108,25 @@ class ParamSlot:
         it has landed (``grad_event``)."""
         return self.grad_staging.float() if self.grad_low else self.grad_acc
 
+    def apply_pending(self) -> None:
+        """Make ``grad_acc`` the gradient as torch's ``.grad`` holds it now (``fold_grad``
+        of the slot's own marks) and clear the marks: a backward adds onto it next."""
+        self.fold_grad(self.grad_low, self.grad_pending_mul)
+        self.grad_low = False
+        self.grad_pending_mul = None
+
+    def fold_grad(self, low: bool, multipliers: tuple[float | None, float | None] | None) -> None:
+        """``grad_acc`` as torch's ``.grad`` after a one-pass step: the landed low-precision
+        gradient in fp32 where ``low`` (exact), then each of ``multipliers`` (inverse loss
+        scale, clip coefficient; None: not applied) in that order. The marks are passed, not
+        read: the one pass reads them as fixed when its step was queued
+        (``optim/host_one_pass.py``)."""
+        if low:
+            self.grad_acc.copy_(self.grad_staging)
+        for factor in multipliers or ():
+            if factor is not None:
+                self.grad_acc.mul_(factor)
+
 
 class UpdateProgress:
     """One host update of a chunk, shared between the host worker, which runs it as piece

@@ -1,6 +1,7 @@
-"""Fused kernels from Liger Kernel: which run on a model (``choose_kernels``), putting them on
-a loaded model (``apply_kernels``), and the record of what runs (``applied_kernels``), read
-by the loss, the planner's trace and the plan, so that the plan and the run agree.
+"""Fused kernels from Liger Kernel: which run on a model (``choose_kernels``), putting the
+module kernels on a loaded model (``apply_module_kernels``), and the record of what runs
+(``applied_kernels``), read by the loss, the planner's trace and the plan, so that the plan
+and the run agree.
 
 The kernels are Liger's public per-family functions ``apply_liger_kernel_to_<family>(model=
 ...)`` (RMSNorm, SwiGLU/GeGLU MLP, RoPE), called on the loaded causal LM (inside a PEFT
@@ -8,8 +9,10 @@ wrapper: LoRA layers inside the MLP stay, the fused MLP calls them). Liger swaps
 process-wide for the family (``apply_rotary_pos_emb`` of the family's modeling module),
 as it does for every user. Its fused linear cross-entropy is not taken through its
 replacement ``forward`` (that computes the loss its own way, a mean): the app's loss calls
-the kernel itself through the head (``protrain.activations.fused_loss``), where it replaces
-the chunked loss and keeps the app's summed, token-weighted loss.
+the kernel itself through the head, where it replaces the chunked loss and keeps the app's
+summed, token-weighted loss. The loss's layer installs that head, above this one:
+``protrain.activations.fused_loss.apply_kernels`` puts a whole choice on a model (these
+module kernels, then the head).
 
 Liger's kernels are Triton, which has no CPU backend: ``auto`` is off on the CPU.
 """
@@ -23,13 +26,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-
-from protrain.activations.fused_loss import (
-    LinearCrossEntropy,
-    fused_head_problem,
-    install_fused_head,
-    liger_linear_cross_entropy,
-)
 
 FUSED_CE = "fused_linear_cross_entropy"
 KERNELS = ("rms_norm", "swiglu", "geglu", "rope", FUSED_CE)
@@ -85,7 +81,7 @@ def choose_kernels(
 ) -> KernelChoice:
     """The kernels ``setting`` (``"auto"``, ``"none"`` or a list of ``KERNELS``) gives for a
     model of ``model_type`` on ``device``. ``head_problem``: why the fused loss cannot take
-    the model's head (``fused_head_problem``), or None.
+    the model's head (``protrain.activations.fused_loss.fused_head_problem``), or None.
 
     ``auto``: every kernel of the family where Liger is installed and the device is a CUDA
     GPU (the fused loss only where the head allows it), else none, with the reason. A list:
@@ -152,15 +148,12 @@ def _listed(names, model_type, family, device, liger_available, head_problem) ->
 _APPLIED: weakref.WeakKeyDictionary[nn.Module, KernelChoice] = weakref.WeakKeyDictionary()
 
 
-def apply_kernels(
-    causal_lm: nn.Module,
-    choice: KernelChoice,
-    *,
-    loss_kernel: LinearCrossEntropy | None = None,
-) -> None:
-    """Put ``choice``'s kernels on ``causal_lm`` (the transformers model, unwrapped from
-    PEFT) through Liger's public function for its family, and record them. ``loss_kernel``:
-    the fused loss's kernel (default Liger's)."""
+def apply_module_kernels(causal_lm: nn.Module, choice: KernelChoice) -> None:
+    """Put ``choice``'s module kernels (RMSNorm, SwiGLU/GeGLU, RoPE) on ``causal_lm`` (the
+    transformers model, unwrapped from PEFT) through Liger's public function for its
+    family, and record ``choice`` as what runs. Its fused loss is recorded, not installed:
+    ``protrain.activations.fused_loss.apply_kernels`` installs the head as well, and is
+    the entry point for a choice with it."""
     if not choice.names:
         _APPLIED[causal_lm] = choice
         return
@@ -176,13 +169,12 @@ def apply_kernels(
         cross_entropy=False,
         fused_linear_cross_entropy=False,  # the app's loss calls the kernel (module doc)
     )
-    if choice.fused_loss:
-        install_fused_head(causal_lm, loss_kernel or liger_linear_cross_entropy())
     _APPLIED[causal_lm] = choice
 
 
 def applied_kernels(causal_lm: nn.Module) -> tuple[str, ...]:
-    """The kernels ``apply_kernels`` put on ``causal_lm`` (empty where none or not called)."""
+    """The kernels put on ``causal_lm`` (``apply_module_kernels``; empty where none or not
+    called)."""
     choice = _APPLIED.get(causal_lm)
     return choice.names if choice is not None else ()
 
@@ -192,9 +184,8 @@ __all__ = [
     "FUSED_CE",
     "KERNELS",
     "KernelChoice",
-    "apply_kernels",
     "applied_kernels",
+    "apply_module_kernels",
     "choose_kernels",
-    "fused_head_problem",
     "liger_installed",
 ]

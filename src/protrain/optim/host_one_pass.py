@@ -75,7 +75,7 @@ def step_piece(
     grad_of = {}
     for s, low, earlier in zip(with_grad, reads.low, reads.earlier):
         if earlier is not None:  # a second step on the same gradient
-            _apply(s, low, earlier)
+            s.fold_grad(low, earlier)
         grad_of[id(s)] = (s.grad_staging if low and earlier is None else s.grad_acc).view(-1)
     adam.ensure_state(set(map(id, with_grad)))
     by_group: dict[int, list[ParamSlot]] = {}
@@ -119,26 +119,3 @@ def _call_kernel(kernel, adam, slots, grads, outs, steps, h, inv_scale, clip_coe
         grads, outs, steps, [adam.seed(s) for s in slots], KERNEL_FORMAT[adam.state_format],
         *hyper, inv_scale, clip_coef,
     )  # fmt: skip
-
-
-def _apply(s: ParamSlot, low: bool, earlier: tuple) -> None:
-    """``grad_acc`` as torch's ``.grad`` after an earlier pass's unscale and clip."""
-    if low:
-        s.grad_acc.copy_(s.grad_staging)
-    for factor in earlier:
-        if factor is not None:
-            s.grad_acc.mul_(factor)
-
-
-def apply_pending(s: ParamSlot) -> None:
-    """Make ``s.grad_acc`` the gradient as torch's ``.grad`` holds it now: the landed
-    low-precision one in fp32 (exact), then the unscale and clip a one-pass step applied
-    as it read it (each a multiply, in that order)."""
-    if s.grad_low:
-        s.grad_acc.copy_(s.grad_staging)
-        s.grad_low = False
-    if s.grad_pending_mul is not None:
-        for factor in s.grad_pending_mul:
-            if factor is not None:
-                s.grad_acc.mul_(factor)
-        s.grad_pending_mul = None

@@ -100,7 +100,6 @@ from torch.autograd import Variable
 from protrain.chunks.chunk import ParamSlot
 from protrain.chunks.copy_times import D2H
 from protrain.chunks.manager import ChunkManager, Phase
-from protrain.optim.host_one_pass import apply_pending
 from protrain.runtime.host_worker import URGENT, HostWorker
 
 _PIECE_NUMEL = 1 << 26  # elements cast to fp32 at a time on the device (256 MiB)
@@ -222,7 +221,7 @@ class GradSink:
             slot.grad_event.synchronize()
         if slot.grad_low:
             self.accumulates = True
-        apply_pending(slot)
+        slot.apply_pending()
 
     def flush(self) -> None:
         """Offload the first gradients held since the last flush, as one batch (see

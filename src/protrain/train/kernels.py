@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from protrain.model.kernels import (
-    KernelChoice,
-    apply_kernels,
-    choose_kernels,
-    fused_head_problem,
-    liger_installed,
-)
+from protrain.activations.fused_loss import apply_kernels, fused_head_problem
+from protrain.model.kernels import KernelChoice, choose_kernels, liger_installed
 from protrain.train.config import TrainConfig
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
