@@ -9,7 +9,7 @@ as given (transformers refuses an unsupported one).
 Packed rows (`sample_packing`) on a CUDA GPU take flex_attention instead, where the class
 supports it. A packed micro-batch is one row whose `position_ids` restart at each sample;
 under SDPA transformers builds from them a dense boolean `(1, 1, tokens, tokens)` mask once
-a forward (1 GiB at 32K tokens), which also keeps SDPA off its flash and cuDNN kernels;
+a forward (1 GiB at 32K tokens), which also rules out SDPA's flash kernel (it takes no mask);
 under flex_attention it builds a `BlockMask` (a few bytes a 128 x 128 block) and the
 compiled kernel skips the blocks between samples. The math is the same (same softmax over
 the same keys). flash-attn's varlen kernel would do the same but has no wheel for this
