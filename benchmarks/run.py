@@ -114,6 +114,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="protrain: Liger Kernel's fused kernels (model.kernels; auto: those of the family "
              "on a CUDA GPU where liger-kernel is installed); the row records which ran",
     )  # fmt: skip
+    p.add_argument(
+        "--attn", choices=["sdpa", "flex_attention"], default="sdpa",
+        help="plain, plain_liger: the model's attn_implementation (flex_attention needs a CUDA "
+             "GPU: torch has no flex_attention backward on the CPU)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pack-samples", type=int, default=0,
+        help="plain, plain_liger, with --batch 1: the row is one pack of K samples of seq/K "
+             "tokens, position_ids restarting at each, no attention mask (sample_packing's "
+             "micro-batch); sdpa then gets a dense seq x seq mask, flex_attention a BlockMask",
+    )  # fmt: skip
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--out", type=Path, help="default: benchmarks/results/<workload>.jsonl")
@@ -123,6 +134,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.profiles and not args.auto:
         p.error("--profiles writes the planner's profiles: add --auto")
+    if (args.pack_samples or args.attn != "sdpa") and args.system not in ("plain", "plain_liger"):
+        p.error("--pack-samples and --attn are read by --system plain and plain_liger only")
+    if args.pack_samples < 0 or (args.pack_samples and args.batch not in (None, 1)):
+        p.error("--pack-samples K: K >= 1 samples in one row; a pack is one row: --batch 1")
+    if args.attn == "flex_attention" and args.tiny:
+        p.error("--attn flex_attention needs a CUDA GPU: torch has no flex_attention backward "
+                "on the CPU")  # fmt: skip
     if args.device_step_search and not args.auto:
         p.error("--device-step-search is read only by the planner: add --auto, or fix "
                 "--n-device-step yourself")  # fmt: skip
@@ -146,11 +164,11 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
     workload = WORKLOADS[args.workload]
     if args.tiny:
         device, model = torch.device("cpu"), "tiny"
-        batch, seq, budget = args.batch or 2, args.seq or 32, None
+        batch, seq, budget = (1 if args.pack_samples else args.batch or 2), args.seq or 32, None
     else:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         model = workload.model
-        batch = args.batch or workload.batches[0]
+        batch = 1 if args.pack_samples else args.batch or workload.batches[0]
         seq = args.seq or workload.seq
         budget = args.budget_gib if args.budget_gib is not None else workload.budget_gib
     return systems.RowSpec(
@@ -179,6 +197,8 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         profiles=args.profiles,
         grad_accum=args.grad_accum,
         kernels=args.kernels,
+        attn=args.attn,
+        pack_samples=args.pack_samples,
     )
 
 
@@ -350,6 +370,8 @@ def main(argv: list[str] | None = None) -> int:
         "optimizer_state": spec.optimizer_state,
         "chunked_loss_tokens": spec.chunked_loss_tokens,
         "kernels_setting": spec.kernels if spec.system == "protrain" else None,
+        "attn": spec.attn if spec.system in ("plain", "plain_liger") else None,
+        "pack_samples": spec.pack_samples,
         "steps": args.steps,
         "warmup": args.warmup,
         "torch": torch.__version__,

@@ -45,6 +45,10 @@ class RowSpec:
     grad_accum: int = 1  # micro-batches of `batch` rows per optimizer step
     optimizer_state: str = "fp32"  # protrain only: the host's Adam moments (fp32, bf16, 8bit)
     kernels: str = "none"  # protrain only: model.kernels (auto | none), Liger's fused kernels
+    attn: str = "sdpa"  # plain, plain_liger: the model's attn_implementation
+    # plain, plain_liger: > 0 makes each row one pack of this many samples of seq / k tokens
+    # (position_ids restart at each), as sample_packing lays out a micro-batch
+    pack_samples: int = 0
 
 
 @dataclass

@@ -25,6 +25,7 @@ def setup(spec: RowSpec) -> Trainer:
     )
     dtype = torch.bfloat16 if spec.mode == "lora" else torch.float32
     model = build_on_meta(config, dtype, spec.lora_rank)
+    model.set_attn_implementation(spec.attn)
     materialize(model, spec.device, fill_device=spec.device)
     if spec.checkpointing:
         enable_checkpointing(model)

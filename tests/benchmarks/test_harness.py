@@ -162,3 +162,27 @@ def test_protrain_kernels_auto_row_records_the_kernels_that_ran(tmp_path: Path) 
     row = json.loads((tmp_path / "rows.jsonl").read_text())
     assert row["status"] == "ok" and row["mode"] == "lora"
     assert row["kernels_setting"] == "auto" and row["plan"]["kernels"] == []
+
+
+def test_packed_row_feeds_the_samples_of_one_pack(tmp_path: Path) -> None:
+    """--pack-samples K: one row of seq tokens holding K samples (position_ids restart at
+    each), so the model attends within each; one sample is the plain causal row. The CPU
+    runs sdpa only: flex_attention is refused there with the reason."""
+    rows = {}
+    for k in (1, 4):
+        out = tmp_path / f"k{k}"
+        out.mkdir()
+        proc = _run(out, "--workload", "lora-8b", "--system", "plain", "--pack-samples", str(k))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        rows[k] = json.loads((out / "rows.jsonl").read_text())
+    for k, row in rows.items():
+        assert row["status"] == "ok" and (row["attn"], row["pack_samples"]) == ("sdpa", k)
+        assert row["batch"] == 1
+        assert row["tokens_per_s"] == pytest.approx(row["seq"] / row["step_s"], 1e-2)
+    assert rows[1]["loss"] != rows[4]["loss"]  # the same tokens, cut into four samples
+    refused = _run(tmp_path, "--workload", "lora-8b", "--system", "plain",
+                   "--attn", "flex_attention", "--pack-samples", "4")  # fmt: skip
+    assert refused.returncode != 0
+    assert "flex_attention needs a CUDA GPU: torch has no flex_attention backward" in (
+        refused.stderr
+    )

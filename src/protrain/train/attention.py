@@ -6,6 +6,16 @@ eager: transformers 5.24 refuses SDPA for Gemma 2 and the attention-free Mamba m
 decided from the config before any weight is loaded, and logged. An explicit value is kept
 as given (transformers refuses an unsupported one).
 
+Packed rows (`sample_packing`) on a CUDA GPU take flex_attention instead, where the class
+supports it. A packed micro-batch is one row whose `position_ids` restart at each sample;
+under SDPA transformers builds from them a dense boolean `(1, 1, tokens, tokens)` mask once
+a forward (1 GiB at 32K tokens), which also rules out SDPA's flash kernel (it takes no mask);
+under flex_attention it builds a `BlockMask` (a few bytes a 128 x 128 block) and the
+compiled kernel skips the blocks between samples. The math is the same (same softmax over
+the same keys). flash-attn's varlen kernel would do the same but has no wheel for this
+torch: it builds from source against CUDA. On the CPU torch 2.13 has no flex_attention
+backward, so SDPA stays there.
+
 Which fused kernel runs scaled-dot-product attention: `model.sdpa_backend`.
 
 torch picks an SDPA kernel by itself; at long context attention is most of a step, and the
@@ -25,6 +35,7 @@ import torch
 import transformers
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers.models.auto.modeling_auto import MODEL_MAPPING
+from transformers.utils import is_torch_flex_attn_available
 
 from protrain.train.errors import ConfigError
 from protrain.train.log import logger
@@ -56,14 +67,22 @@ def sdpa_backend(name: str, device: torch.device) -> contextlib.AbstractContextM
 
 
 def choose_attn_implementation(
-    requested: str | None, sdpa_backend_name: str, model_class: type | None, config
+    requested: str | None,
+    sdpa_backend_name: str,
+    model_class: type | None,
+    config,
+    *,
+    packing: bool = False,
+    device: torch.device | None = None,
 ) -> str | None:
     """The `attn_implementation` to load ``model_class`` (built from ``config``) with.
 
-    ``requested`` None: 'sdpa' where the class and its sub-models support it, else 'eager';
-    a forced ``sdpa_backend_name`` needs SDPA, so it is a `ConfigError` there. ``model_class``
-    None (remote code, not known before loading): None, transformers' own default, which
-    is the same rule applied to the class it loads. One line is logged saying which and why.
+    ``requested`` None: 'flex_attention' for ``packing`` rows on a CUDA ``device`` where the
+    class and its sub-models support it and no SDPA kernel is forced; else 'sdpa' where they
+    support it, else 'eager'; a forced ``sdpa_backend_name`` needs SDPA, so it is a
+    `ConfigError` there. ``model_class`` None (remote code, not known before loading): None,
+    transformers' own default, which is the same rule applied to the class it loads, without
+    flex. One line is logged saying which and why.
     """
     if requested is not None:
         return requested
@@ -73,6 +92,14 @@ def choose_attn_implementation(
             "(sdpa where it supports it, else eager)"
         )
         return None
+    if packing and sdpa_backend_name == "default" and _flex_fits(model_class, config, device):
+        logger.info(
+            "attention: flex_attention (model.attn_implementation unset; sample_packing on a "
+            "CUDA GPU: each packed sample attends within itself through a block mask, no "
+            "dense tokens x tokens mask; supported by %s)",
+            model_class.__name__,
+        )
+        return "flex_attention"
     lacking = [cls.__name__ for cls in _model_classes(model_class, config)
                if not getattr(cls, "_supports_sdpa", False)]  # fmt: skip
     if not lacking:
@@ -93,6 +120,15 @@ def choose_attn_implementation(
         _transformers_version(),
     )
     return "eager"
+
+
+def _flex_fits(model_class: type, config, device: torch.device | None) -> bool:
+    """flex_attention can run ``model_class`` on ``device``: a CUDA GPU (torch has no
+    flex_attention backward on the CPU), and the class and its sub-models support it."""
+    if device is None or device.type != "cuda" or not is_torch_flex_attn_available():
+        return False
+    classes = _model_classes(model_class, config)
+    return all(getattr(cls, "_supports_flex_attn", False) for cls in classes)
 
 
 def _model_classes(model_class: type, config) -> list[type]:

@@ -334,16 +334,21 @@ def model_auto_class(cfg: TrainConfig) -> type:
 
 
 def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | None:
-    """`model.attn_implementation`, or where unset the one the model's class supports
-    (see `protrain.train.attention`); the class is read from the auto class's mapping,
-    unknown (None) for remote code."""
+    """`model.attn_implementation`, or where unset the one the model's class supports for
+    this run's rows and device (see `protrain.train.attention`); the class is read from the
+    auto class's mapping, unknown (None) for remote code."""
     found = _auto_mappings()[auto_class].get(type(config), None)
     if isinstance(found, (list, tuple)):  # several architectures: the config names its own
         by_name = {c.__name__: c for c in found}
         named = [by_name[a] for a in getattr(config, "architectures", None) or [] if a in by_name]
         found = (named or list(found))[0]
     return choose_attn_implementation(
-        cfg.model.attn_implementation, cfg.model.sdpa_backend, found, config
+        cfg.model.attn_implementation,
+        cfg.model.sdpa_backend,
+        found,
+        config,
+        packing=cfg.sample_packing,
+        device=resolve_device(cfg.device) if cfg.sample_packing else None,
     )
 
 
