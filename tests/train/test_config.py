@@ -1,3 +1,5 @@
+import importlib.util
+
 import pytest
 
 from protrain.train.config import TrainConfig, load_config, validate_config
@@ -264,3 +266,21 @@ def test_optimizer_state_needs_the_chunked_engine_without_device_step(tmp_path):
         )
     with pytest.raises(ConfigError, match="optimizer_state"):
         validate_config(tiny_config(tmp_path, optimizer_state="fp8"))
+
+
+def test_what_needs_bitsandbytes_is_refused_when_the_config_is_read(monkeypatch):
+    """Without bitsandbytes, the 8-bit optimizer and qlora are refused in one line naming the
+    keys, before any data or model loads (not an ImportError traceback at the optimizer)."""
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a),
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["optimizer=adamw_bnb_8bit"])
+    msg = str(err.value)
+    assert "optimizer = 'adamw_bnb_8bit' needs bitsandbytes" in msg and "\n" not in msg
+    with pytest.raises(ConfigError, match="adapter.type = 'qlora' needs bitsandbytes"):
+        load_config(None, ["adapter.type=qlora"])
+    assert load_config(None).optimizer == "adamw_torch"  # nothing needs it: read as before

@@ -13,6 +13,7 @@ beyond reading the YAML file.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import re
 from pathlib import Path
@@ -635,6 +636,7 @@ class TrainConfig(DataSettings, TrackingSettings):
     def _check_combinations(self) -> TrainConfig:
         self._check_fsdp()
         self._check_optimizer_state()
+        self._check_bitsandbytes()
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if self.gradient_checkpointing and self.memory.auto:
@@ -665,6 +667,25 @@ class TrainConfig(DataSettings, TrackingSettings):
                 "threshold and applies to type qlora with bits 8 only; remove it, or set those"
             )
         return self
+
+    def _check_bitsandbytes(self) -> None:
+        """What needs bitsandbytes is refused when the config is read, before any data or
+        model loads, where it is not installed (found without importing it: its import is
+        slow)."""
+        needs = [
+            what
+            for what, used in (
+                ("optimizer = 'adamw_bnb_8bit'", self.optimizer == "adamw_bnb_8bit"),
+                ("adapter.type = 'qlora'", self.adapter.type == "qlora"),
+            )
+            if used
+        ]
+        if needs and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError(
+                f"{' and '.join(needs)} needs bitsandbytes, which is not installed: "
+                "pip install 'protrain[qlora]', or use optimizer = 'adamw_torch' and "
+                "adapter.type = 'lora'"
+            )
 
     def _check_optimizer_state(self) -> None:
         if self.optimizer_state == "fp32":
