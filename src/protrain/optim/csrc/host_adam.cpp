@@ -123,7 +123,10 @@ void adam_block(float* p, float* m, float* v, const float* g, int64_t n, const C
 // adam_block's lanes written on one element, for the compact passes' fused loops, which the
 // compiler vectorizes (csrc/state_codes.h): each step is one IEEE operation (fma where the
 // lanes fmadd), so an element gets the same bits in a lane of any width as in adam_block's
-// vector loop. The decay multiplies by 1.0f where there is none (exact, as skipping it).
+// vector loop, but for the sign of a NaN: where two NaN operands meet (a NaN master and a
+// NaN moment of the other sign), the default build's compiler-vectorized loop may keep the
+// other one's sign (no finite value differs; the AVX2 and AVX-512 builds keep torch's). The
+// decay multiplies by 1.0f where there is none (exact, as skipping it).
 struct Lane {
   float decay, lerp_coef, beta2, coef2, bc2_sqrt, eps, neg_step;
   bool small;
