@@ -4,8 +4,6 @@ unsupported 'sdpa' is refused by transformers, named in one line)."""
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from tests.families.configs import build
 
@@ -14,25 +12,6 @@ from protrain.train.errors import ConfigError
 from protrain.train.modeling import build_model
 
 from .helpers import tiny_config
-
-
-@pytest.fixture
-def protrain_log():
-    """INFO records of the `protrain` logger (it does not propagate to pytest's caplog)."""
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("protrain")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 fixed knobs, the closed-loop re-plan, and `protrain plan` / `protrain profile`."""
 
 import dataclasses
-import logging
 import time
 
 import pytest
@@ -27,22 +26,6 @@ BUDGET = "100MiB"  # on the CPU: the engine's tensor bytes as the planner counts
 
 def fast_config(tmp_path, **overrides):
     return tiny_config(tmp_path, **{**FAST, **overrides})
-
-
-@pytest.fixture
-def protrain_log():
-    """INFO records of the `protrain` logger (it does not propagate to pytest's caplog)."""
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("protrain")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ neither the data order nor any random state, and a resumed auto run stays bitwis
 from __future__ import annotations
 
 import itertools
-import logging
 import random
 from types import SimpleNamespace
 
@@ -28,24 +27,6 @@ from protrain.train.planning import PlanSettings, plan_memory, planner_loss, sam
 from protrain.train.sampling import MicroBatchStream, StreamPosition
 
 from .helpers import tiny_config
-
-
-@pytest.fixture
-def protrain_log():
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("protrain")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _rng_states():

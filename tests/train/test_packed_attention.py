@@ -16,7 +16,6 @@ is the GPU benchmark's (`benchmarks/run.py --pack-samples`).
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
@@ -34,25 +33,6 @@ from .helpers import tiny_config
 
 CUDA = torch.device("cuda")  # the choice reads the device's type only: no GPU is used
 LENGTHS = (7, 13, 4, 10)  # samples of one packed row
-
-
-@pytest.fixture
-def protrain_log():
-    """INFO records of the `protrain` logger (it does not propagate to pytest's caplog)."""
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            records.append(record.getMessage())
-
-    handler = Collect(logging.INFO)
-    logger = logging.getLogger("protrain")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield records
-    logger.removeHandler(handler)
-    logger.setLevel(level)
 
 
 def _choose(name: str, *, packing: bool, device: torch.device, backend: str = "default") -> str:
