@@ -199,6 +199,7 @@ def row_spec(args: argparse.Namespace) -> systems.RowSpec:
         kernels=args.kernels,
         attn=args.attn,
         pack_samples=args.pack_samples,
+        optimizer_state=args.optimizer_state,
     )
 
 

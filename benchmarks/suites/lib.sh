@@ -18,7 +18,7 @@ if [ -n "${2:-}" ]; then
 else
   C=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 fi
-T0=$SECONDS; LIMIT=${LIMIT:-585}; WHL=${WHL:-.whl}
+T0=$SECONDS; ROWN=0; LIMIT=${LIMIT:-585}; WHL=${WHL:-.whl}
 left() { echo $(( LIMIT - (SECONDS - T0) )); }  # seconds left of this suite's budget
 if ls "$WHL"/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -35,14 +35,18 @@ row() {  # row <max seconds> <run.py args...>: one row through $R, its JSON line
   [ "$l" -lt 20 ] && { echo "skipped (time): $*"; return; }
   [ "$t" -gt "$l" ] && t=$l
   [[ "$*" == *ds_z* ]] && install_deepspeed
-  timeout "$t" $R "$@" 2>&1 | grep '^{\|Error' | tail -2 | cut -c1-1500
+  ROWN=$((ROWN + 1)); mkdir -p "$OUT/logs"  # the whole output kept, the JSON line shown
+  timeout "$t" $R "$@" > "$OUT/logs/row-$ROWN.log" 2>&1
+  local rc=$?; [ $rc = 124 ] && echo "timed out after $t s (log: logs/row-$ROWN.log)"
+  grep '^{\|Error' "$OUT/logs/row-$ROWN.log" | tail -2 | cut -c1-1500 \
+    || tail -3 "$OUT/logs/row-$ROWN.log" | cut -c1-300
 }
 rows() {  # rows <out file> <spec>...: each spec "<max seconds> <run.py args>", from $START
   local out=$1; shift; local specs=("$@") i
   for ((i = ${START:-1}; i <= ${#specs[@]}; i++)); do
     set -- ${specs[$((i - 1))]}
     [ "$1" -gt "$(( $(left) - 5 ))" ] && { echo "next: START=$i (same RID=$RID)"; return; }
-    echo "row $i: ${*:2}"; row "$@" --out "$out"
+    echo "row $i: ${*:2}"; ROWN=$((i - 1)); row "$@" --out "$out"
   done
 }
 machine() {  # what the rows ran on, for the log

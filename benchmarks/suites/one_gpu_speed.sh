@@ -19,8 +19,8 @@ R="$R --max-grad-norm 0"
 specs=()
 for w in ${WORKLOADS:-full-3b}; do
   case $w in
-  full-3b | full-8b)
-    A="--workload $w --grad-accum ${GA:-1}"
+  full-3b | full-8b)  # both at 24 GiB on one GPU (full-8b's workload default is 80)
+    A="--workload $w --budget-gib 24 --grad-accum ${GA:-1}"
     specs+=("200 $A $AUTO")
     [ "${TORCH_PATH:-0}" = 1 ] && specs+=("200 $A $AUTO --host-update torch")
     for st in ${STATES:-}; do specs+=("200 $A $AUTO --optimizer-state $st"); done
