@@ -5,9 +5,10 @@
 #              H200; batch $BATCH x 2048: protrain auto, plain PEFT without recompute, plain
 #              PEFT + Liger without recompute), lora-14b (24 GiB: protrain auto with kernels at
 #              batch 4, FSDP2 CPU offload at batch 2, its largest), packed (Llama-3-8B LoRA,
-#              plain PEFT with recompute, one pack of 8K and of 32K tokens holding samples of
-#              2048: sdpa, today's path with its dense tokens x tokens mask, beside
-#              flex_attention with a block mask); default "lora-8b lora-14b"
+#              plain PEFT with recompute and the chunked loss (32K tokens of whole fp32
+#              logits are 15.7 GiB), one pack of 8K and of 32K tokens holding samples of
+#              2048: sdpa with its dense tokens x tokens mask, beside flex_attention with a
+#              block mask); default "lora-8b lora-14b"
 #   BATCH      lora-8b's batch (default 4; the acceptance range is 2 to 4)
 #   START      continue at row k on the same warm machine (with the same RID)
 # Needs liger-kernel in $WHL (see benchmarks/README.md, "Wheels"); Triton comes with the GPU
@@ -34,7 +35,7 @@ for w in ${WORKLOADS:-lora-8b lora-14b}; do
                     "150 --workload lora-14b --system fsdp2_offload --batch 2") ;;
   packed) for s in 8192 32768; do
             for a in sdpa flex_attention; do
-              specs+=("$(( s == 8192 ? 90 : 180 )) --workload lora-8b --system plain --seq $s --pack-samples $(( s / 2048 )) --attn $a")
+              specs+=("$(( s == 8192 ? 90 : 180 )) --workload lora-8b --system plain --seq $s --pack-samples $(( s / 2048 )) --attn $a --chunked-loss-tokens 4096")
             done
           done ;;
   *) echo "unknown workload: $w (allowed: lora-8b lora-14b packed)"; exit 2 ;;

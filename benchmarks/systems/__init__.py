@@ -37,7 +37,7 @@ class RowSpec:
     n_device_step: int | None = None  # protrain only: offloaded chunks stepped on the GPU
     auto: bool = False  # protrain only: the planner picks the knobs for budget_gib
     device_step_search: bool = False  # protrain --auto: the planner picks n_device_step too
-    chunked_loss_tokens: int | None = None  # protrain only: the app's chunked loss
+    chunked_loss_tokens: int | None = None  # protrain and plain: the app's chunked loss
     distributed_mode: str | None = None  # protrain only, several ranks: sharded | replicated
     world_size: int = 1  # ranks under torchrun; batch is per rank
     checkpointing: bool = True  # plain, protrain with fixed knobs: HF recompute of every layer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from materialize import build_on_meta, materialize
+from protrain.train.planning import planner_loss
 from systems import RowSpec, Trainer
 from workloads import hf_config
 
@@ -27,11 +28,17 @@ def adamw_trainer(model: torch.nn.Module, spec: RowSpec, *, autocast: bool) -> T
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=spec.lr, weight_decay=spec.weight_decay, fused=True)
     packed = pack_positions(spec) if spec.pack_samples else {}
+    chunked = (
+        planner_loss(spec.device, spec.chunked_loss_tokens) if spec.chunked_loss_tokens else None
+    )
 
     def step(micro_batches: list[torch.Tensor]) -> torch.Tensor:
         for input_ids in micro_batches:  # the mean over micro-batches, as the app's loop
             with torch.autocast(spec.device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(input_ids=input_ids, labels=input_ids, **packed).loss
+                if chunked is None:
+                    loss = model(input_ids=input_ids, labels=input_ids, **packed).loss
+                else:  # the app's chunked loss: no (tokens x vocab) logits tensor at once
+                    loss = chunked(model, {"input_ids": input_ids, "labels": input_ids, **packed})
             (loss / len(micro_batches)).backward()
         if spec.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(params, spec.max_grad_norm)
