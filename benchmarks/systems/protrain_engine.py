@@ -91,7 +91,9 @@ def setup(spec: RowSpec) -> Trainer:
                 "planned_n_device_step": chosen.n_device_step}  # fmt: skip
         predicted_peak_gib = chosen.predicted_peak_bytes / _GIB
         predicted_step_s = chosen.predicted_step_s
-    plan = {**(plan or {}), "kernels": list(kernels.names)}
+    # what the engine runs with, read back from it (not the row's request)
+    plan = {**(plan or {}), "kernels": list(kernels.names),
+            "optimizer_state": getattr(optimizer, "state_format", "fp32")}  # fmt: skip
     return Trainer(step, plan, predicted_peak_gib, predicted_step_s, StepCounters(model, optimizer))
 
 
@@ -138,6 +140,7 @@ def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):
         loss_fn=auto["loss_fn"],
         clipping=auto["clipping"],
         device_step_search=auto["device_step_search"],
+        optimizer_state=spec.optimizer_state,
     )
     plan, problem = profile_and_plan(
         model, request, device=spec.device, compute_dtype=torch.bfloat16
@@ -150,7 +153,10 @@ def _plan_keeping_profiles(model, spec: RowSpec, knobs: dict, auto: dict):
             f.write(problem.profile.to_json())
         (spec.profiles / f"{name}.hardware.json").write_text(json.dumps(problem.hardware.to_dict()))
     optim = OptimizerSettings(
-        lr=spec.lr, weight_decay=spec.weight_decay, host_threads=knobs.get("host_threads")
+        lr=spec.lr,
+        weight_decay=spec.weight_decay,
+        host_threads=knobs.get("host_threads"),
+        optimizer_state=spec.optimizer_state,
     )
     model, optimizer, layout, _ = apply_plan(
         model, plan, device=spec.device, compute_dtype=torch.bfloat16, optim=optim

@@ -164,6 +164,17 @@ def test_protrain_kernels_auto_row_records_the_kernels_that_ran(tmp_path: Path) 
     assert row["kernels_setting"] == "auto" and row["plan"]["kernels"] == []
 
 
+def test_protrain_row_runs_the_optimizer_state_it_names(tmp_path: Path) -> None:
+    """--optimizer-state bf16 reaches the engine: the row's plan says which format the
+    engine's optimizer keeps (read back from it), beside the row's request."""
+    proc = _run(tmp_path, "--workload", "fits", "--system", "protrain", "--n-persist", "0",
+                "--n-buffer", "2", "--optimizer-state", "bf16")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    row = json.loads((tmp_path / "rows.jsonl").read_text())
+    assert row["status"] == "ok", row.get("error")
+    assert row["optimizer_state"] == "bf16" and row["plan"]["optimizer_state"] == "bf16"
+
+
 def test_packed_row_feeds_the_samples_of_one_pack(tmp_path: Path) -> None:
     """--pack-samples K: one row of seq tokens holding K samples (position_ids restart at
     each), so the model attends within each; one sample is the plain causal row. The CPU
