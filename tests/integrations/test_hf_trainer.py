@@ -17,6 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 import protrain
 from protrain.integrations.transformers import ProTrainConfig, ProTrainTrainer
+from protrain.integrations.transformers.arguments import take_over
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL_JSON = REPO / "src/protrain/train/quickstart/model.json"
@@ -231,6 +232,18 @@ def test_bf16_next_to_an_fp32_compute_dtype_is_refused(tmp_path):
     with pytest.raises(ValueError, match="bf16=True and ProTrainConfig.compute_dtype"):
         ProTrainTrainer(model=tiny_model(), args=arguments(tmp_path, 1.0, bf16=True),
                         train_dataset=[], protrain_config=config)  # fmt: skip
+
+
+def test_bf16_false_computes_in_fp32_as_the_plain_trainer_does(tmp_path):
+    """bf16=False (the Trainer's default) is fp32 compute on any device, as the plain
+    Trainer's; an explicit ProTrainConfig.compute_dtype is kept."""
+    args = arguments(tmp_path, 1.0, bf16=False)
+    assert take_over(args, ProTrainConfig(), "t").compute_dtype == torch.float32
+    chosen = ProTrainConfig(compute_dtype=torch.bfloat16)
+    assert take_over(args, chosen, "t").compute_dtype == torch.bfloat16
+    assert take_over(arguments(tmp_path, 1.0, bf16=True), ProTrainConfig(), "t").compute_dtype == (
+        torch.bfloat16
+    )
 
 
 def test_gradient_checkpointing_is_the_engines_recompute_with_the_same_losses(tmp_path):

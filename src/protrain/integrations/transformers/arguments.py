@@ -7,7 +7,9 @@ refused, and the log says so once:
   ``ProTrainConfig.gpu_budget`` the plan places activations (the searched ``n_checkpoint`` /
   ``n_swap``); without one every block is recomputed (``n_checkpoint`` = the model's
   blocks), as the Trainer's checkpointing would.
-- ``bf16=True`` is the engine's compute dtype (``ProTrainConfig.compute_dtype``).
+- ``bf16=True`` is the engine's compute dtype (``ProTrainConfig.compute_dtype``); ``bf16=False``
+  (the Trainer's default) is fp32 compute, as the plain Trainer computes then, unless
+  ``ProTrainConfig.compute_dtype`` says otherwise.
 - ``optim`` ``adamw_8bit`` / ``adamw_bnb_8bit`` / ``paged_adamw_8bit`` is the engine's 8-bit
   AdamW (bitsandbytes' blockwise state for the persistent chunks, ``optim/adamw_8bit.py``);
   ``adamw_torch`` / ``adamw_torch_fused`` its fp32 AdamW.
@@ -68,6 +70,8 @@ def take_over(args: TrainingArguments, config: ProTrainConfig, who: str) -> Take
                 "bf16=False, or compute_dtype=torch.bfloat16"
             )
         dtype = torch.bfloat16
+    elif dtype is None:  # the plain Trainer computes in fp32 then: the same math
+        dtype = torch.float32
     # transformers 5 names it activation_checkpointing; gradient_checkpointing mirrors it
     save_activations = bool(
         getattr(args, "activation_checkpointing", False)
@@ -95,6 +99,8 @@ def with_taken_over(config: ProTrainConfig, taken: TakenOver, model: nn.Module) 
     config = replace(config, compute_dtype=taken.compute_dtype)
     if taken.compute_dtype == torch.bfloat16:
         log.info("protrain: bf16=True is the engine's compute dtype (bfloat16)")
+    elif taken.compute_dtype == torch.float32:
+        log.info("protrain: the engine computes in float32 (bf16=True for bfloat16)")
     if taken.optimizer == "adamw_8bit":
         log.info("protrain: the 8-bit optim is the engine's 8-bit AdamW (bitsandbytes' state)")
     if not taken.save_activations:

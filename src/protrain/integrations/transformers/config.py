@@ -19,7 +19,8 @@ class ProTrainConfig(Knobs):
     """The engine's knobs (every field of ``protrain.knobs.Knobs``, which documents them;
     None keeps the engine's default) and what the Trainer adds.
 
-    ``compute_dtype``: float32 or bfloat16 (default bfloat16 on CUDA, float32 on the CPU);
+    ``compute_dtype``: float32 or bfloat16 (default: the Trainer's ``bf16``, so bfloat16
+    where ``bf16=True`` and float32 where it is False, as the plain Trainer computes);
     the masters and AdamW state are fp32 either way. ``host_threads``: intra-op threads of
     the host AdamW. ``step_in_backward``: without clipping, start each offloaded chunk's AdamW inside the
     last backward of the step (the same arithmetic, overlapped with the backward).
