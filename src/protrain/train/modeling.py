@@ -47,6 +47,7 @@ from protrain.train.frozen_inputs import check_adapter_dir
 from protrain.train.hub_source import check_hub_source
 from protrain.train.kernels import put_kernels
 from protrain.train.log import logger, warn_once
+from protrain.train.packing_check import packing_problem
 
 TINY = "tiny"
 TINY_MODEL_CONFIG = QUICKSTART_DIR / "model.json"
@@ -342,7 +343,7 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
         by_name = {c.__name__: c for c in found}
         named = [by_name[a] for a in getattr(config, "architectures", None) or [] if a in by_name]
         found = (named or list(found))[0]
-    return choose_attn_implementation(
+    attn = choose_attn_implementation(
         cfg.model.attn_implementation,
         cfg.model.sdpa_backend,
         found,
@@ -350,6 +351,13 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
         packing=cfg.sample_packing,
         device=resolve_device(cfg.device) if cfg.sample_packing else None,
     )
+    problem = packing_problem(config, attn) if cfg.sample_packing else None
+    if problem is not None:
+        raise ConfigError(
+            f"sample_packing = true is not allowed with model.name_or_path = "
+            f"{cfg.model.name_or_path!r}: {problem}; set sample_packing: false"
+        )
+    return attn
 
 
 def _auto_mappings() -> dict[type, object]:
