@@ -11,6 +11,7 @@ import torch
 
 import protrain
 from protrain.optim import host_adam_ext
+from protrain.optim.adamw_8bit import check_saved_optimizer
 
 from .models import batches, build
 
@@ -94,6 +95,9 @@ def test_state_dict_carries_the_format(fmt):
     with pytest.raises(ValueError, match="saved with optimizer_state='fp32'"):
         opt.load_state_dict(fp32_sd)
     protrain.close(model)
+    # plain PyTorch and FSDP2 (the app without the chunked engine) keep fp32 moments
+    with pytest.raises(ValueError, match=f"saved with optimizer_state='{fmt}', this run's"):
+        check_saved_optimizer(sd, "adamw")
 
 
 def test_compact_state_refuses_what_steps_fp32_moments(monkeypatch):

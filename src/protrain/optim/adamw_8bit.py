@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import torch
 
+from protrain.optim.state_format import check_saved_format
+
 OPTIMIZERS = ("adamw", "adamw_8bit")
 MIN_8BIT_SIZE = 4096  # bitsandbytes' default: smaller tensors keep fp32 state
 BLOCK = 256  # elements per absmax of the blockwise state
@@ -133,6 +135,7 @@ def check_saved_optimizer(sd: dict, optimizer: str) -> None:
     """Refuse a plain optimizer state dict saved with the other ``optimizer`` choice (the
     choice :func:`plain_state_dict` names; older checkpoints: told by their state's keys).
     bitsandbytes' ``load_state_dict`` takes torch's AdamW state and fails at the first step."""
+    check_saved_format(sd, "fp32", "run")  # the chunked engine's compact host moments
     saved = sd.get("optimizer")
     if saved is None and sd.get("state"):
         saved = "adamw_8bit" if any("state1" in st for st in sd["state"].values()) else "adamw"

@@ -126,6 +126,7 @@ from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.host_one_pass import plan_reads, step_piece
 from protrain.optim.loss_scaler import LossScaler
 from protrain.optim.state_format import (
+    check_saved_format,
     check_state_format,
     decode_state,
     encode_state,
@@ -867,7 +868,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 f"{saved_choice!r}, this engine's is {self.optimizer_name!r}; resume with the "
                 "optimizer it was saved with"
             )
-        self._check_saved_format(state_dict)
+        check_saved_format(state_dict, self.state_format)
         ordered = [pid for sg in saved_groups for pid in sg["params"]]
         converted = 0
         for s, pid in zip(self._slots, ordered):
@@ -898,17 +899,6 @@ class HybridAdamW(torch.optim.Optimizer):
                 "fp32 (host) moments: this plan places them on the other side than the one "
                 "that saved them",
                 converted,
-            )
-
-    def _check_saved_format(self, state_dict: dict) -> None:
-        """Refuse a state saved with another ``optimizer_state`` (saved before the marker:
-        fp32). Not converted: a changed format changes the math of the resumed run."""
-        saved = state_dict.get("optimizer_state", "fp32")
-        if saved != self.state_format:
-            raise ValueError(
-                f"optimizer state_dict does not match: it was saved with optimizer_state="
-                f"{saved!r}, this engine's is {self.state_format!r}; resume with the "
-                "optimizer_state it was saved with"
             )
 
     def _check_device_state(self, s: ParamSlot, pid, st: dict) -> None:

@@ -57,6 +57,19 @@ def check_state_format(state_format: str) -> None:
         )
 
 
+def check_saved_format(state_dict: dict, state_format: str, where: str = "") -> None:
+    """Refuse an optimizer state dict saved with another ``optimizer_state`` (no marker:
+    fp32). Not converted: another format changes the math of the resumed run, and a
+    compact state read as fp32 moments would be garbage."""
+    saved = state_dict.get("optimizer_state", "fp32")
+    if saved != state_format:
+        raise ValueError(
+            f"optimizer state_dict does not match: it was saved with optimizer_state="
+            f"{saved!r}, this {where or 'engine'}'s is {state_format!r}; resume with the "
+            "optimizer_state (and the chunked engine) it was saved with"
+        )
+
+
 def state_keys(state_format: str) -> set[str]:
     """The keys of one parameter's host state in this format (torch's for fp32 and bf16)."""
     keys = {"step", *MOMENTS}

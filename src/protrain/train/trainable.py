@@ -26,6 +26,7 @@ from protrain.optim.adamw_8bit import (
     import_bitsandbytes,
     plain_state_dict,
 )
+from protrain.optim.state_format import check_saved_format
 from protrain.plan import NoPlanFits, Plan
 from protrain.planned_wrap import apply_plan
 from protrain.planned_wrap import wrap as protrain_wrap
@@ -183,7 +184,9 @@ class Trainable(abc.ABC):
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Load what `optimizer_state` returned."""
+        """Load what `optimizer_state` returned (the chunked engine's compact host moments
+        refused: read as fp32 moments they would be garbage)."""
+        check_saved_format(state, "fp32", "run")
         self.optimizer.load_state_dict(state)
 
     @abc.abstractmethod
