@@ -275,6 +275,7 @@ def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> lis
             if id(p) in seen:
                 raise ValueError(f"{names[id(p)]} appears in more than one parameter group")
             seen.add(id(p))
+        _refuse_group_flags(i, g)
         groups.append({**g, "params": ps})
     left_out = [names[id(p)] for p in trainable if id(p) not in seen]
     if left_out:
@@ -283,6 +284,21 @@ def _normalize_groups(model, param_groups, trainable: list[nn.Parameter]) -> lis
             "add them to a group or set requires_grad=False"
         )
     return groups
+
+
+# torch.optim.AdamW's flags that change its math; the engine's AdamW runs the default of each
+_GROUP_FLAGS = {"maximize": False, "amsgrad": False, "decoupled_weight_decay": True}
+
+
+def _refuse_group_flags(i: int, group: dict) -> None:
+    """A group's AdamW flag the engine does not run is refused, not ignored (``maximize``
+    ignored would minimize)."""
+    for flag, runs in _GROUP_FLAGS.items():
+        if flag in group and bool(group[flag]) != runs:
+            raise ValueError(
+                f"param_groups[{i}] sets {flag}={group[flag]!r}: the engine's AdamW runs "
+                f"{flag}={runs} only; remove the key from the group"
+            )
 
 
 def _buffers_needed(model: nn.Module, layout: ChunkLayout, recompute: bool) -> int:

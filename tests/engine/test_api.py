@@ -241,6 +241,12 @@ def test_param_group_errors():
     some = [p for p in model.parameters()][:2]
     with pytest.raises(ValueError, match="in no parameter group"):
         _wrap(model, param_groups=[{"params": some}])
+    every = list(model.parameters())
+    for flag, value in (("maximize", True), ("amsgrad", True), ("decoupled_weight_decay", False)):
+        with pytest.raises(ValueError, match=rf"param_groups\[0\] sets {flag}={value}"):
+            _wrap(model, param_groups=[{"params": every, flag: value}])
+    _, opt, _ = _wrap(model, param_groups=[{"params": every, "maximize": False}])
+    opt.close()
 
 
 @pytest.mark.parametrize("mode", ["full", "lora"])

@@ -27,9 +27,8 @@ def _kernel(one_pass_kernel):
 
 def _wrap(base, fmt, **kw):
     model = copy.deepcopy(base)
-    return protrain.wrap(
-        model, n_persist=0, lr=LR, weight_decay=WD, device="cpu", optimizer_state=fmt, **kw
-    )
+    kw.setdefault("n_persist", 0)
+    return protrain.wrap(model, lr=LR, weight_decay=WD, device="cpu", optimizer_state=fmt, **kw)
 
 
 def _train(model, opt, data, steps=STEPS, start=0):
@@ -107,3 +106,25 @@ def test_compact_state_refuses_what_steps_fp32_moments(monkeypatch):
     monkeypatch.setenv(host_adam_ext.ENV_VAR, "torch")
     with pytest.raises(ValueError, match="without the host's one-pass kernel"):
         _wrap(base, "8bit")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_host_moments_moved_to_the_device_take_the_parameters_shape(fmt):
+    """A plan that keeps every chunk on the device resumes a compact host state: each
+    moment is decoded to fp32 in its parameter's shape (torch's fused AdamW on CUDA takes
+    no other), the same values as the host's."""
+    base = build("llama")
+    data = batches("llama", 1)
+    model, opt, layout = _wrap(base, fmt)
+    _train(model, opt, data, steps=1)
+    saved = copy.deepcopy(opt.state_dict())
+    protrain.close(model)
+    model, opt, _ = _wrap(base, fmt, n_persist=layout.n_chunks)
+    opt.load_state_dict(saved)
+    params = [p for p in model.parameters() if p.requires_grad]
+    moved = opt.state_dict()["state"]
+    for i, p in enumerate(params):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert moved[i][key].shape == p.shape, (i, key)
+    _train(model, opt, data, steps=1)
+    protrain.close(model)

@@ -887,18 +887,21 @@ class HybridAdamW(torch.optim.Optimizer):
             )
             if self.state_format != "fp32" and _is_compact(st) == persistent:
                 # another plan placed it on the other side of the host's compact moments
-                st = _convert_host_state(st, persistent, self.state_format)
+                st = _convert_host_state(st, persistent, self.state_format, s.master.shape)
                 converted += 1
             if set(st) != want:  # another plan placed it on the other side (same choice)
                 st = convert_state(st, want, opt if isinstance(opt, DeviceAdamW8bit) else None)
                 converted += 1
             opt.state[s.master] = {k: _loaded(opt, k, v, s) for k, v in st.items()}
         if converted:
+            device = "8-bit" if self.optimizer_name == "adamw_8bit" else "fp32"
             log.warning(
-                "protrain: the AdamW state of %d parameters moved between 8-bit (device) and "
-                "fp32 (host) moments: this plan places them on the other side than the one "
+                "protrain: the AdamW state of %d parameters moved between %s (device) and "
+                "%s (host) moments: this plan places them on the other side than the one "
                 "that saved them",
                 converted,
+                device,
+                self.state_format,
             )
 
     def _check_device_state(self, s: ParamSlot, pid, st: dict) -> None:
@@ -960,13 +963,14 @@ def _is_compact(st: dict) -> bool:
     return "exp_avg" in st and st["exp_avg"].dtype != torch.float32
 
 
-def _convert_host_state(st: dict, persistent: bool, state_format: str) -> dict:
-    """A host state of ``state_format`` as torch's fp32 state (exact: decoded), which the
-    caller converts on to the device optimizer's; or a device state as the host's (via
-    torch's fp32 state, then encoded once: bf16 rounded to nearest)."""
+def _convert_host_state(st: dict, persistent: bool, state_format: str, shape) -> dict:
+    """A host state of ``state_format`` as torch's fp32 state of the parameter's ``shape``
+    (exact: decoded; torch's fused AdamW on CUDA takes moments of the parameter's shape
+    only), which the caller converts on to the device optimizer's; or a device state as
+    the host's (via torch's fp32 state, then encoded once: bf16 rounded to nearest)."""
     if persistent:
         m, v = decode_state(state_format, st)
-        return encode_state("fp32", st["step"], m, v)
+        return encode_state("fp32", st["step"], m.view(shape), v.view(shape))
     if set(st) != TORCH_STATE_KEYS:  # bitsandbytes' state of a persistent parameter
         st = convert_state(st, TORCH_STATE_KEYS)
     m, v = decode_state("fp32", st)
