@@ -347,3 +347,23 @@ def test_a_slow_link_replans_in_place_to_the_faster_plan(
     assert check.corrected.knobs == favoured.knobs
     assert any("re-planned to" in m and "copies: h2d" in m for m in protrain_log)
     assert_same_training(plain_run, run, rtol=1e-6, atol=1e-6)
+
+
+def test_a_plan_check_after_the_last_step_keeps_the_finished_run(tmp_path, monkeypatch):
+    """A run shorter than the check's warm-up is checked after its last step: a check
+    finding that no plan fits is recorded and warned, and the last checkpoint and the
+    export are written all the same (nothing is left to protect)."""
+    import protrain.plan as plan_api
+    from protrain.plan import NoPlanFits
+
+    def nothing_fits(plan, problem, **measured):
+        raise NoPlanFits("with the measured peak counted, no plan fits (test)", None)
+
+    monkeypatch.setattr(plan_api, "check_plan", nothing_fits)
+    memory = {"auto": True, "gpu_budget": BUDGET}
+    cfg = fast_config(tmp_path, memory=memory, max_steps=3, save_steps=2)
+    run = train(validate_config(cfg))
+    assert len(run.losses) == 3
+    assert (run.output_dir / "checkpoint-3").is_dir() and (run.output_dir / "final").is_dir()
+    records = [r for r in read_metrics(run.output_dir) if "plan_check" in r]
+    assert records and records[0]["plan_corrected"] is False

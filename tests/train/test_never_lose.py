@@ -530,3 +530,28 @@ def test_a_second_signal_ends_at_once_leaving_nothing_half_written(tmp_path):
     assert [p.name for p in checkpoint_dirs(run)] == ["checkpoint-1", "checkpoint-2"]
     assert_only_intact_checkpoints(run)
     assert not (run / "final").exists()
+
+
+def test_a_failing_last_evaluation_keeps_the_last_step_saved(tmp_path, monkeypatch):
+    """The last step is saved before its evaluation: an evaluation that fails there (out of
+    memory on an eval batch) loses no trained step; a resume finishes the run."""
+    import protrain.train.loop as loop
+
+    real, calls = loop.evaluate, []
+
+    def evaluate(trainable, data, collate, cfg):
+        calls.append(1)
+        if len(calls) == 2:  # the evaluation after the last step
+            raise torch.OutOfMemoryError("simulated: out of memory in the evaluation")
+        return real(trainable, data, collate, cfg)
+
+    monkeypatch.setattr(loop, "evaluate", evaluate)
+    cfg = tiny_config(tmp_path, max_steps=8, save_steps=5, eval={"steps": 4},
+                      val_set_size=0.05)  # fmt: skip
+    with pytest.raises(torch.OutOfMemoryError):
+        train(validate_config(cfg))
+    out = Path(cfg["output_dir"])
+    assert (out / "checkpoint-8").is_dir() and not (out / "final").exists()
+    monkeypatch.setattr(loop, "evaluate", real)
+    resumed = train(validate_config(cfg), resume=True)
+    assert (resumed.output_dir / "final").is_dir()

@@ -529,6 +529,9 @@ class Run:
         if step % cfg.logging_steps == 0 or step == total_steps:
             self._log(grad_norm)
         stopping = ranks.any(self.stops.requested is not None)
+        saved = False
+        if step == total_steps:  # the last step is saved before its evaluation can fail
+            saved, stopping = self._save_if_due(stopping)
         if (
             self.eval_data is not None
             and not stopping
@@ -540,13 +543,20 @@ class Run:
             self.say(f"step {step}/{total_steps} | eval_loss {eval_loss:.4f}")
             # a signal that came during the evaluation stops the run here, saved
             stopping = ranks.any(self.stops.requested is not None)
-        if ranks.any(_save_due(cfg, step, total_steps, self.last_save_s)) or stopping:
-            self._save_now()
-            self.last_save_s = time.monotonic()
-            logger.info("saved %s", self.last_saved)
-            # a signal that came during the save stops the run here, not a step later
-            stopping = ranks.any(self.stops.requested is not None)
+        if not saved:
+            _, stopping = self._save_if_due(stopping)
         return stopping
+
+    def _save_if_due(self, stopping: bool) -> tuple[bool, bool]:
+        """A checkpoint where one is due or the run stops; (saved, stopping)."""
+        due = _save_due(self.cfg, self.step, self.total_steps, self.last_save_s)
+        if not (self.ranks.any(due) or stopping):
+            return False, stopping
+        self._save_now()
+        self.last_save_s = time.monotonic()
+        logger.info("saved %s", self.last_saved)
+        # a signal that came during the save stops the run here, not a step later
+        return True, self.ranks.any(self.stops.requested is not None)
 
     def _log(self, grad_norm: float) -> None:
         """The window's record to the metrics, the progress bar and the log."""

@@ -534,15 +534,21 @@ class AutoTrainable(EngineTrainable):
         if not self.checker.due(step, total_steps):
             return None
         engine = self.model._protrain_engine
+        last = step >= total_steps  # nothing left to protect: the check is only recorded
         try:
             record, check = self.checker.check(engine, self.plan, self.problem)
         except NoPlanFits as exc:
             message = no_plan_fits_message(exc, self.settings)
+            if last:  # the run's steps are done: they are saved and exported all the same
+                logger.warning("memory plan check after the last step: %s", message)
+                return {"plan_check": "no plan fits the measured peak", "plan_corrected": False}
             raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
-        if check.corrected is not None:
+        if check.corrected is not None and not last:
             self.replan(check.corrected)
             record["plan_corrected"] = True
             record["plan_correction"] = check.reason
+        elif check.corrected is not None:
+            record["plan_correction"] = f"{check.reason} (after the last step: not applied)"
         return record
 
     def replan(self, plan: Plan) -> None:
