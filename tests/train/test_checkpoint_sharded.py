@@ -5,6 +5,7 @@ in tests/multirank/test_checkpoint_*.py."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pickle
 import shutil
@@ -207,3 +208,31 @@ def _trainer_state(checkpoint: Path) -> dict:
     if ckpt.checkpoint_format(checkpoint) == ckpt.SHARDED:
         return json.loads((checkpoint / "state.json").read_text())["trainer"]
     return ckpt.load_checkpoint(checkpoint).trainer_state
+
+
+def test_a_sharded_checkpoint_carries_the_optimizer_choice_and_format(runs, tmp_path):
+    """The sharded format names the optimizer choice and the host moments' format, the round
+    trip keeps them, and a resume under another choice or format is refused in one line
+    before anything loads (it read torch's state into bitsandbytes' and failed a step later)."""
+    meta = json.loads((runs / "pristine" / "checkpoint-2" / "state.json").read_text())
+    assert meta["optimizer"]["optimizer"] == "adamw"  # no format marker: fp32
+    back = json.loads((runs / "plain" / "checkpoint-2" / "state.json").read_text())["optimizer"]
+    assert back["extra"]["optimizer"] == "adamw"
+    for change, needle in (
+        ({"memory": {"n_persist": 1}, "optimizer_state": "bf16"}, "optimizer_state='fp32'"),
+        ({"memory": {"n_persist": 1}, "optimizer": "adamw_bnb_8bit"}, "optimizer='adamw'"),
+    ):
+        if "optimizer" in change and importlib.util.find_spec("bitsandbytes") is None:
+            continue  # the config itself is refused without bitsandbytes
+        run = tmp_path / str(len(needle))
+        shutil.copytree(runs / "pristine", run)
+        cfg = validate_config(tiny_config(tmp_path, output_dir=str(run), **STEPS, **change))
+        with pytest.raises(OutputDirError, match=rf"its optimizer state was saved with {needle}"):
+            train(cfg, resume=True)
+
+
+def test_convert_refuses_moments_the_sharded_format_does_not_carry(tmp_path):
+    train(_cfg(tmp_path, "compact", memory={"n_persist": 1}, optimizer_state="8bit"))
+    with pytest.raises(OutputDirError, match="holds optimizer_state='8bit' moments, which the"):
+        convert_checkpoint(tmp_path / "compact" / "checkpoint-2", tmp_path / "sharded")
+    assert not (tmp_path / "sharded" / "checkpoint-2").exists()

@@ -78,6 +78,7 @@ def _to_plain(src: Path, output_dir: Path) -> Path:
     }
     if "loss_scaler" in meta:
         optimizer_state["loss_scaler"] = meta["loss_scaler"]
+    optimizer_state.update({k: meta[k] for k in MARKERS if k in meta})
     # save_checkpoint writes this process's RNG states: make them the saved rank 0's
     torch.set_rng_state(rng_tensors["torch_cpu"])
     sharded.set_host_rng(state["rng"][0])
@@ -105,6 +106,7 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
             "(a checkpoint written before they were recorded); resume it and save once, then "
             "convert the new checkpoint"
         )
+    _check_fp32_moments(src, plain.optimizer_state)
     pieces = []
     for name, t in plain.model_state.items():
         flat = t.detach().to(torch.float32).reshape(-1).contiguous()
@@ -121,6 +123,9 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     optimizer_meta: dict[str, Any] = {"param_groups": groups, "param_names": names}
     if "loss_scaler" in plain.optimizer_state:
         optimizer_meta["loss_scaler"] = plain.optimizer_state["loss_scaler"]
+    optimizer_meta.update(
+        {k: plain.optimizer_state[k] for k in MARKERS if k in plain.optimizer_state}
+    )
     state = {
         "mode": "single",
         "parameters": {k: list(v.shape) for k, v in plain.model_state.items()},
@@ -132,3 +137,29 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     path = sharded.write_sharded(output_dir, plain.step, pieces, state, Ranks(), None)
     logger.info("converted %s (plain) to %s (sharded)", src, path)
     return path
+
+
+MARKERS = ("optimizer", "optimizer_state")  # the optimizer choice and host-moment format
+_FP32_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
+
+
+def _check_fp32_moments(src: Path, optimizer_state: dict[str, Any]) -> None:
+    """The sharded format holds torch's fp32 Adam moments of each parameter's shape: a
+    checkpoint with bitsandbytes' 8-bit state or compact host moments is refused, not
+    written as garbage floats."""
+    for st in optimizer_state["state"].values():
+        other = set(st) - _FP32_ADAM_KEYS
+        compact = any(
+            torch.is_tensor(st.get(k)) and st[k].dtype != torch.float32
+            for k in ("exp_avg", "exp_avg_sq")
+        )
+        if other or compact:
+            what = (
+                f"optimizer_state={optimizer_state.get('optimizer_state', 'fp32')!r} moments"
+                if compact
+                else "bitsandbytes' 8-bit optimizer state"
+            )
+            raise OutputDirError(
+                f"convert-checkpoint: {src} holds {what}, which the sharded format does not "
+                "carry (it holds fp32 Adam moments); resume it in the plain format as it is"
+            )

@@ -231,6 +231,7 @@ def load_sharded_checkpoint(path: Path, trainable, ranks: Ranks) -> Resumed:
     _check_parameters(path, state, trainable)
     group = ranks.ctx.group if ranks.several else None
     try:
+        _check_markers(trainable.optimizer, state["optimizer"], path)
         if engine_of(trainable) is not None or is_fsdp2(trainable):
             if engine_of(trainable) is not None:
                 load = plan_engine_load(trainable.model, trainable.optimizer, trainable.names, path)
@@ -421,11 +422,34 @@ def _optimizer_meta(optimizer, model) -> dict[str, Any]:
     meta: dict[str, Any] = {
         "param_groups": groups,
         "param_names": optimizer_param_names(optimizer, model),
+        **_optimizer_markers(optimizer),
     }
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and scaler.enabled:
         meta["loss_scaler"] = json_scalars(scaler.state_dict())
     return meta
+
+
+def _optimizer_markers(optimizer) -> dict[str, str]:
+    """The optimizer choice and the host moments' format, as the plain format names them."""
+    choice = getattr(optimizer, "optimizer_name", None)
+    if choice is None:
+        is_8bit = type(optimizer).__module__.startswith("bitsandbytes")
+        choice = "adamw_8bit" if is_8bit else "adamw"
+    return {"optimizer": choice, "optimizer_state": getattr(optimizer, "state_format", "fp32")}
+
+
+def _check_markers(optimizer, meta: dict[str, Any], path: Path) -> None:
+    """Refuse a checkpoint of another optimizer choice or host-moment format before
+    anything loads (older checkpoints carry no markers: fp32, choice unchecked)."""
+    have = _optimizer_markers(optimizer)
+    for key, saved in (("optimizer", meta.get("optimizer")),
+                       ("optimizer_state", meta.get("optimizer_state", "fp32"))):  # fmt: skip
+        if saved is not None and saved != have[key]:
+            raise CheckpointMismatch(
+                f"{path / 'state.json'}: its optimizer state was saved with {key}={saved!r}, "
+                f"this run's is {have[key]!r}; resume with the {key} it was saved with"
+            )
 
 
 def _check_groups(optimizer, saved: list[dict], path: Path) -> None:
