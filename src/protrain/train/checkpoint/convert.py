@@ -24,6 +24,7 @@ import torch
 
 from protrain.distributed.dcp_flat import FlatPiece, load_pieces, saved_keys
 from protrain.distributed.dcp_state import model_key, optim_key
+from protrain.optim.state_format import decode_state
 from protrain.train.checkpoint import plain as ckpt
 from protrain.train.checkpoint import sharded
 from protrain.train.checkpoint.directory import CHECKPOINT_RE, SHARDED, checkpoint_format, verify
@@ -78,6 +79,10 @@ def _to_plain(src: Path, output_dir: Path) -> Path:
     }
     if "loss_scaler" in meta:
         optimizer_state["loss_scaler"] = meta["loss_scaler"]
+    fmt = meta.get("optimizer_state", "fp32")
+    optimizer_state["optimizer_state"] = fmt
+    if fmt != "fp32":  # the sharded format holds compact moments decoded to fp32
+        optimizer_state["moments_gathered"] = True
     # save_checkpoint writes this process's RNG states: make them the saved rank 0's
     torch.set_rng_state(rng_tensors["torch_cpu"])
     sharded.set_host_rng(state["rng"][0])
@@ -109,8 +114,12 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     for name, t in plain.model_state.items():
         flat = t.detach().to(torch.float32).reshape(-1).contiguous()
         pieces.append(FlatPiece(model_key(name), flat, 0, flat.numel()))
+    fmt = plain.optimizer_state.get("optimizer_state", "fp32")
     for index, st in plain.optimizer_state["state"].items():
         name = names[int(index)]
+        if fmt != "fp32" and st["exp_avg"].dtype != torch.float32:  # compact: decoded
+            m, v = decode_state(fmt, st)
+            st = {"step": st["step"], "exp_avg": m, "exp_avg_sq": v}
         for k, v in st.items():
             flat = torch.as_tensor(v, dtype=torch.float32).reshape(-1).contiguous()
             pieces.append(FlatPiece(optim_key(name, k), flat, 0, flat.numel()))
@@ -121,6 +130,7 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     optimizer_meta: dict[str, Any] = {"param_groups": groups, "param_names": names}
     if "loss_scaler" in plain.optimizer_state:
         optimizer_meta["loss_scaler"] = plain.optimizer_state["loss_scaler"]
+    optimizer_meta["optimizer_state"] = fmt
     state = {
         "mode": "single",
         "parameters": {k: list(v.shape) for k, v in plain.model_state.items()},

@@ -229,6 +229,7 @@ def load_sharded_checkpoint(path: Path, trainable, ranks: Ranks) -> Resumed:
     ranks); see [Note: resuming at another world size]."""
     state = read_state(path)
     _check_parameters(path, state, trainable)
+    _check_state_format(path, state["optimizer"], trainable.optimizer)
     group = ranks.ctx.group if ranks.several else None
     try:
         if engine_of(trainable) is not None or is_fsdp2(trainable):
@@ -425,7 +426,21 @@ def _optimizer_meta(optimizer, model) -> dict[str, Any]:
     scaler = getattr(optimizer, "scaler", None)
     if scaler is not None and scaler.enabled:
         meta["loss_scaler"] = json_scalars(scaler.state_dict())
+    # the host moments' format (saved decoded to fp32: distributed/dcp_state.py)
+    meta["optimizer_state"] = getattr(optimizer, "state_format", "fp32")
     return meta
+
+
+def _check_state_format(path: Path, meta: dict[str, Any], optimizer) -> None:
+    """A checkpoint of another ``optimizer_state`` is refused (before anything loads): a
+    changed format changes the math of the resumed run (saved before the marker: fp32)."""
+    saved = meta.get("optimizer_state", "fp32")
+    have = getattr(optimizer, "state_format", "fp32")
+    if saved != have:
+        raise OutputDirError(
+            f"--resume: {path / 'state.json'}: saved with optimizer_state = {saved!r}, this "
+            f"run's is {have!r}; resume with the optimizer_state it was saved with"
+        )
 
 
 def _check_groups(optimizer, saved: list[dict], path: Path) -> None:
