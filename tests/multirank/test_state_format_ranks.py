@@ -50,6 +50,8 @@ def _kernel(one_pass_kernel):
 
 
 def _wrap(model, mode, fmt):
+    """``mode`` None: one process."""
+    ranks = {} if mode is None else {"distributed_mode": mode, "grad_reduce": "sum"}
     return protrain.wrap(
         model,
         device="cpu",
@@ -58,9 +60,8 @@ def _wrap(model, mode, fmt):
         weight_decay=WD,
         eps=EPS,
         chunk_size_bytes=16384,
-        distributed_mode=mode,
-        grad_reduce="sum",
         optimizer_state=fmt,
+        **ranks,
     )
 
 
@@ -106,6 +107,10 @@ def _rank_train(rank, world, mode, fmt, out_dir):
     result = {"pieces": pieces, "names": names, "whole": whole, "resumed": resumed}
     result |= {"saved": saved, "reloaded": reloaded}
     result["resumed_dcp"] = _resume_sharded_checkpoint(base, data, rank, world, mode, fmt, out_dir)
+    model, opt, _ = _wrap(copy.deepcopy(base), mode, fmt)  # one process's checkpoint
+    opt.load_state_dict(torch.load(os.path.join(out_dir, "one.pt")))
+    result["from_one"] = _own_codes(model, opt)
+    protrain.close(model)
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
@@ -205,12 +210,55 @@ def _assert_equal_states(got, want, what):
             assert torch.equal(got["state"][i][k], v), (what, i, k)
 
 
+def _one_process_state(fmt, out_dir):
+    """A one-process engine's state dict after RESUME_AT steps (its moments compact,
+    encoded over whole parameters), saved for the ranks to load."""
+    model, opt, _ = _wrap(build("llama"), None, fmt)
+    _train(model, opt, batches("llama", STEPS), 1, 0, RESUME_AT)
+    saved = opt.state_dict()
+    protrain.close(model)
+    torch.save(saved, os.path.join(out_dir, "one.pt"))
+    return saved
+
+
+def _encoded(fmt, st, lo, hi):
+    """The elements ``[lo, hi)`` of a saved state (compact or fp32) encoded afresh."""
+    m, v = _fp32(fmt, st)
+    return sf.reencode_state(fmt, st["step"], m[lo:hi].contiguous(), v[lo:hi].contiguous())
+
+
+def _assert_loaded_across_world_sizes(fmt, mode, one, results, pieces):
+    """A one-process checkpoint on the ranks, and the ranks' on one process: each holds the
+    saved values encoded afresh over its own elements (the same codes where the pieces are
+    the saved ones: a replicated rank's, or a one-process engine's of a replicated run)."""
+    names = results[0]["names"]
+    for r, res in enumerate(results):
+        for i, name in enumerate(names):
+            a, b = res["pieces"][name] or (0, sum(h - lo for lo, h in pieces[name]))
+            want = _encoded(fmt, one["state"][i], a, b) if b > a else {}
+            for k, t in want.items():
+                assert torch.equal(res["from_one"][(name, k)].reshape(-1), t.reshape(-1)), (
+                    r,
+                    name,
+                    k,
+                )
+    model, opt, _ = _wrap(build("llama"), None, fmt)
+    opt.load_state_dict(results[0]["saved"])
+    for i, st in opt.state_dict()["state"].items():
+        saved = results[0]["saved"]["state"][i]
+        want = saved if mode == "replicated" else _encoded(fmt, saved, 0, saved["exp_avg"].numel())
+        for k, t in want.items():
+            assert torch.equal(st[k].reshape(-1), t.reshape(-1)), (names[i], k)
+    protrain.close(model)
+
+
 CASES = [(2, "sharded"), (3, "sharded"), (2, "replicated")]
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "8bit"])
 @pytest.mark.parametrize("world,mode", CASES)
 def test_compact_state_on_ranks(tmp_path, one_pass_kernel, world, mode, fmt):
+    one = _one_process_state(fmt, str(tmp_path))
     run_ranks(world, _rank_train, mode, fmt, str(tmp_path))
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     n_params = {n: p.numel() for n, p in build("llama").named_parameters()}
@@ -236,6 +284,7 @@ def test_compact_state_on_ranks(tmp_path, one_pass_kernel, world, mode, fmt):
         _assert_equal_states(res["resumed_dcp"]["optim"], whole["optim"], f"sharded ckpt {r}")
         # every rank: the same whole state (replicated: the same seeds drew the same bits)
         _assert_equal_states(res["whole"]["optim"], results[0]["whole"]["optim"], f"rank {r}")
+    _assert_loaded_across_world_sizes(fmt, mode, one, results, pieces)
 
 
 @pytest.mark.parametrize("saved,have", [("bf16", "fp32"), (None, "8bit"), ("8bit", "bf16")])

@@ -923,7 +923,8 @@ class HybridAdamW(torch.optim.Optimizer):
             if not persistent and self.state_format != "fp32" and _needs_encoding(st, s):
                 # a gathered checkpoint's fp32 moments, or a one-rank one under a shard
                 opt.state[s.master] = _encoded_own(st, s, self.state_format)
-                converted += state_dict.get("moments_gathered") is None and not _is_compact(st)
+                if not _is_compact(st) and not state_dict.get("moments_gathered"):
+                    converted += 1  # fp32: saved where the parameter was persistent
                 continue
             if self.state_format != "fp32" and _is_compact(st) == persistent:
                 # another plan placed it on the other side of the host's compact moments
