@@ -14,8 +14,11 @@ ranks, in another order than one process's.
 
 Each rank also saves after RESUME_AT steps (sharded: the moments gathered decoded to fp32),
 resumes in a fresh engine (the moments encoded again over its own elements, which gives
-back every code) and continues: bit for bit the uninterrupted run. A state dict marked with
-another format is refused in one line.
+back every code) and continues: bit for bit the uninterrupted run, through a state dict and
+through a sharded checkpoint (``distributed/dcp_state.py``). A state dict marked with
+another format is refused in one line, as is a sharded checkpoint's. Across world sizes (a
+one-process checkpoint on the ranks, theirs on one process) each holder's moments are the
+saved values encoded afresh over its own elements.
 """
 
 from __future__ import annotations
