@@ -231,8 +231,25 @@ def test_a_sharded_checkpoint_carries_the_optimizer_choice_and_format(runs, tmp_
             train(cfg, resume=True)
 
 
-def test_convert_refuses_moments_the_sharded_format_does_not_carry(tmp_path):
-    train(_cfg(tmp_path, "compact", memory={"n_persist": 1}, optimizer_state="8bit"))
-    with pytest.raises(OutputDirError, match="holds optimizer_state='8bit' moments, which the"):
-        convert_checkpoint(tmp_path / "compact" / "checkpoint-2", tmp_path / "sharded")
-    assert not (tmp_path / "sharded" / "checkpoint-2").exists()
+@pytest.mark.usefixtures("one_pass_kernel")
+def test_convert_compact_moments_both_ways_and_resume_bitwise(tmp_path):
+    """8-bit host moments (the chunked engine on the CPU): the sharded format holds them
+    decoded to fp32 and records the format; a resume from either conversion encodes them
+    again over the same elements, so it ends on the uninterrupted run's bits, and a run of
+    another optimizer_state refuses the sharded checkpoint."""
+    memory = {"n_persist": 0, "chunk_size": "256KiB"}
+
+    def cfg(run, fmt="8bit"):
+        return _cfg(tmp_path, run, optimizer_state=fmt, memory=memory)
+
+    train(cfg("straight"))
+    sharded = convert_checkpoint(tmp_path / "straight" / "checkpoint-2", tmp_path / "sharded")
+    shutil.copytree(sharded, tmp_path / "other" / sharded.name)
+    convert_checkpoint(sharded, tmp_path / "plain")
+    want = _final(tmp_path / "straight")
+    for run in ("sharded", "plain"):
+        train(cfg(run), resume=True)
+        got = _final(tmp_path / run)
+        assert all(torch.equal(got[k], want[k]) for k in want), run
+    with pytest.raises(OutputDirError, match="saved with optimizer_state='8bit', this run's"):
+        train(cfg("other", "fp32"), resume=True)

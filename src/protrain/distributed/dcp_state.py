@@ -8,6 +8,9 @@ Keys (``protrain.distributed.dcp_flat``: 1-D tensors, each rank holding element 
                            ``exp_avg_sq``), flattened
     optim/<name>/step      a one-element tensor: the parameter's step count
 
+Compact host moments (``optimizer_state`` bf16 or 8bit) are saved decoded to fp32 and
+encoded again over the elements a rank holds when loaded (``HybridAdamW.checkpoint_state``).
+
 Which elements a rank writes: its own ``[lo, hi)`` of a parameter of a sharded chunk (the
 elements it alone holds; possibly none); an equal ``1/world`` slice of any parameter every
 rank holds whole (persistent chunks, the replicated mode, one rank), so that replicated
@@ -69,9 +72,9 @@ def _slots_by_name(model: nn.Module, names: Iterable[str]) -> dict[str, ParamSlo
 
 
 def _adam_state(optimizer, slot: ParamSlot) -> dict:
-    """The inner fused AdamW's state of one slot's master (empty before its first step).
-    ``HybridAdamW`` keeps one torch AdamW per chunk piece; this reads the one of ``slot``."""
-    return optimizer._opt_of(slot).state.get(slot.master) or {}
+    """The Adam state of one slot's master as a checkpoint holds it (empty before its first
+    step): its inner optimizer's, with compact host moments decoded to fp32."""
+    return optimizer.checkpoint_state(slot)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -142,7 +145,7 @@ class EngineLoad:
         for s, moments, step in self.states:
             # fused AdamW keeps its step as a 0-d fp32 tensor beside the parameter
             state = {STEP: step.view(()).to(s.master.device, copy=True), **moments}
-            self.optimizer._opt_of(s).state[s.master] = state
+            self.optimizer.load_checkpoint_state(s, state)
         for s in self.no_state:
             self.optimizer._opt_of(s).state.pop(s.master, None)
 

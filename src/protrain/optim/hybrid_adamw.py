@@ -126,10 +126,12 @@ from protrain.optim.flat_adamw import FlatAdamW
 from protrain.optim.host_one_pass import plan_reads, step_piece
 from protrain.optim.loss_scaler import LossScaler
 from protrain.optim.state_format import (
+    MOMENTS,
     check_saved_format,
     check_state_format,
     decode_state,
     encode_state,
+    reencode_state,
     state_keys,
 )
 from protrain.runtime.grad_offload import GradSink
@@ -238,12 +240,17 @@ class HybridAdamW(torch.optim.Optimizer):
 
     def _check_compact_state(self) -> None:
         """Refuse a compact ``state_format`` where something other than the one pass would
-        step its moments, and say once what it changes."""
+        step its moments, and say once what it changes.
+
+        Any number of ranks: each rank's one pass steps the slots it holds, so a sharded
+        chunk's moments are encoded over the rank's own elements (the 8-bit blocks of 256
+        laid from each rank's first element of a parameter, the bf16 rounding bits drawn by
+        the offset in the shard); replicated, every rank steps the whole chunk from the
+        same reduced gradient with the same seeds and step counts, so all hold the same
+        state. A checkpoint gathers the moments decoded to fp32 (:meth:`state_dict`)."""
         fmt, manager = self.state_format, self._manager
         where = None
-        if manager.collectives is not None:
-            where = "with several ranks (their checkpoints gather fp32 moments)"
-        elif self._device_step is not None:
+        if self._device_step is not None:
             where = "with n_device_step > 0 (the device step streams fp32 moments)"
         elif self._one_pass is None and not manager.discard_offloaded_grads and self._host_opts:
             where = "without the host's one-pass kernel (the log's line on the host AdamW says why)"
@@ -804,7 +811,9 @@ class HybridAdamW(torch.optim.Optimizer):
         state = {}
         for i, s in enumerate(self._slots):
             st = self._opt_of(s).state.get(s.master)
-            if st:
+            if st and (id(s), "exp_avg") in whole:  # gathered: fp32 moments (no absmaxes)
+                state[i] = {"step": st["step"].clone()} | {k: whole[(id(s), k)] for k in MOMENTS}
+            elif st:
                 state[i] = {
                     k: whole[(id(s), k)]
                     if (id(s), k) in whole
@@ -825,6 +834,8 @@ class HybridAdamW(torch.optim.Optimizer):
         # under the same choice (convert_state), and refuses the other choice's checkpoint
         out = {"state": state, "param_groups": groups, "optimizer": self.optimizer_name}
         out["optimizer_state"] = self.state_format  # the host moments' format
+        if whole and self.state_format != "fp32":  # sharded: compact moments gathered as fp32
+            out["moments_gathered"] = True
         if self.scaler.enabled:
             out["loss_scaler"] = self.scaler.state_dict()
         return out
@@ -838,12 +849,37 @@ class HybridAdamW(torch.optim.Optimizer):
         out = {}
         for c in manager.offloaded:
             slots = [s for s in c.trainable_slots if self._opt_of(s).state.get(s.master)]
-            for key in ("exp_avg", "exp_avg_sq"):
-                frags = {id(s): self._opt_of(s).state[s.master][key] for s in slots}
+            # compact moments: each rank's own elements decoded (exact), gathered as fp32
+            own = {id(s): self._own_moments(s) for s in slots}
+            for i, key in enumerate(MOMENTS):
+                frags = {sid: moments[i] for sid, moments in own.items()}
                 for sid, t in manager.collectives.gather_fp32(c, frags).items():
                     if sid in frags:
                         out[(sid, key)] = t.clone()
         return out
+
+    def _own_moments(self, s: ParamSlot) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's fp32 ``exp_avg`` and ``exp_avg_sq`` of ``s`` (compact ones decoded)."""
+        m, v = decode_state(self.state_format, self._opt_of(s).state[s.master])
+        return m.view_as(s.master), v.view_as(s.master)
+
+    def checkpoint_state(self, s: ParamSlot) -> dict:
+        """``s``'s Adam state as a sharded checkpoint saves it (``distributed/dcp_state.py``;
+        empty before its first step): its optimizer's, with compact host moments decoded to
+        fp32 of the master's shape (the elements this rank holds)."""
+        st = self._opt_of(s).state.get(s.master) or {}
+        if not st or self.state_format == "fp32" or self._manager.chunks[s.chunk].persistent:
+            return st
+        m, v = self._own_moments(s)
+        return {"step": st["step"], "exp_avg": m, "exp_avg_sq": v}
+
+    def load_checkpoint_state(self, s: ParamSlot, state: dict) -> None:
+        """Put a sharded checkpoint's state of ``s`` in place: fp32 moments of the elements
+        this rank holds, encoded in the host's compact format where it keeps one."""
+        if self.state_format != "fp32" and not self._manager.chunks[s.chunk].persistent:
+            m, v = state["exp_avg"].reshape(-1), state["exp_avg_sq"].reshape(-1)
+            state = reencode_state(self.state_format, state["step"], m, v)
+        self._opt_of(s).state[s.master] = state
 
     def load_state_dict(self, state_dict: dict) -> None:
         self.check_between_steps("optimizer.load_state_dict()")
@@ -885,6 +921,12 @@ class HybridAdamW(torch.optim.Optimizer):
                 if persistent
                 else state_keys(self.state_format)
             )
+            if not persistent and self.state_format != "fp32" and _needs_encoding(st, s):
+                # a gathered checkpoint's fp32 moments, or a one-rank one under a shard
+                opt.state[s.master] = _encoded_own(st, s, self.state_format)
+                if not _is_compact(st) and not state_dict.get("moments_gathered"):
+                    converted += 1  # fp32: saved where the parameter was persistent
+                continue
             if self.state_format != "fp32" and _is_compact(st) == persistent:
                 # another plan placed it on the other side of the host's compact moments
                 st = _convert_host_state(st, persistent, self.state_format, s.master.shape)
@@ -961,6 +1003,26 @@ def _is_compact(st: dict) -> bool:
     """Whether a saved state is a host's compact one (bf16 or 8-bit moments), not the
     device's (torch's fp32 state or bitsandbytes')."""
     return "exp_avg" in st and st["exp_avg"].dtype != torch.float32
+
+
+def _needs_encoding(st: dict, s: ParamSlot) -> bool:
+    """Whether a host slot's saved state must be re-encoded for a compact engine: it is fp32
+    (gathered from sharded ranks, or saved where the parameter was persistent), or compact
+    but whole where this rank holds a shard (its blocks and bits are laid over the shard)."""
+    return not _is_compact(st) or s.shard is not None
+
+
+def _encoded_own(st: dict, s: ParamSlot, state_format: str) -> dict:
+    """A host slot's saved state (compact whole, or fp32 whole) as ``state_format`` over the
+    elements ``s`` holds: decoded to fp32 (exact), sliced, encoded again (the same codes
+    where they were laid over the same elements: ``reencode_state``)."""
+    if set(st) != TORCH_STATE_KEYS and not _is_compact(st):  # bitsandbytes' device state
+        st = convert_state(st, TORCH_STATE_KEYS)
+    saved_format = state_format if _is_compact(st) else "fp32"
+    m, v = decode_state(saved_format, st)
+    m, v = _own("exp_avg", m, s), _own("exp_avg_sq", v, s)
+    step = torch.as_tensor(st["step"], dtype=torch.float32).clone()
+    return reencode_state(state_format, step, m.contiguous(), v.contiguous())
 
 
 def _convert_host_state(st: dict, persistent: bool, state_format: str, shape) -> dict:

@@ -28,9 +28,12 @@ fp32's small updates (Kahan summation), which is 4 bytes a parameter again.
 The formats apply to the offloaded chunks stepped by the host's one pass
 (``optim/host_one_pass.py``, the kernel in ``csrc/host_adam.cpp`` and ``csrc/state_codes.h``).
 Persistent chunks are stepped on the device with fp32 moments (``optimizer: adamw_8bit``
-is the device's 8-bit state); the device step of offloaded chunks (``n_device_step``),
-torch's fallback without the kernel, and several ranks run fp32 state only, and refuse the
-others. The functions below are the kernel's arithmetic in torch, bit for bit: the tests'
+is the device's 8-bit state); the device step of offloaded chunks (``n_device_step``) and
+torch's fallback without the kernel run fp32 state only, and refuse the others. With several
+ranks each rank's pass steps the elements it holds: a sharded parameter's 8-bit blocks start
+at the rank's first element of it, and its bf16 bits are drawn by the offset in the shard; a
+checkpoint holds the moments decoded to fp32 (:func:`reencode_state` encodes them back). The
+functions below are the kernel's arithmetic in torch, bit for bit: the tests'
 reference, and the conversion of a checkpoint's state where a plan moves a parameter
 between the device and the host.
 """
@@ -222,6 +225,21 @@ def decode_state(state_format: str, st: dict) -> tuple[torch.Tensor, torch.Tenso
             dequantize_blockwise(st["exp_avg_sq"], st["exp_avg_sq_absmax"], False),
         )
     return st["exp_avg"].reshape(-1).float(), st["exp_avg_sq"].reshape(-1).float()
+
+
+def reencode_state(state_format: str, step, m: torch.Tensor, v: torch.Tensor) -> dict:
+    """:func:`encode_state` of moments decoded from this format: the same codes again where
+    they are laid over the same elements (bf16: exact; 8-bit: each block's absmax element
+    decodes to the absmax times the code's 1.0, so the block keeps its absmax, and any other
+    code's value divided by it lands within an ulp of the code, far from the midpoints),
+    with a ``-0.0`` of ``exp_avg`` given the sign bit (code 0x80, a negative value under the
+    least magnitude, decodes to ``-0.0``, which the kernel's rule ``x < 0`` encodes as 0).
+    Over other elements (another world size's shards), a fresh encoding of the values."""
+    out = encode_state(state_format, step, m, v)
+    if state_format == "8bit":
+        negative_zero = (m.reshape(-1) == 0) & torch.signbit(m.reshape(-1))
+        out["exp_avg"] = torch.where(negative_zero, out["exp_avg"] | 0x80, out["exp_avg"])
+    return out
 
 
 def encode_state(state_format: str, step, m: torch.Tensor, v: torch.Tensor) -> dict:

@@ -184,9 +184,9 @@ class Trainable(abc.ABC):
         return self.optimizer.state_dict()
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Load what `optimizer_state` returned (the chunked engine's compact host moments
-        refused: read as fp32 moments they would be garbage)."""
-        check_saved_format(state, "fp32", "run")
+        """Load what `optimizer_state` returned (another host-moment format refused: the
+        chunked engine's compact moments read as fp32 ones would be garbage)."""
+        check_saved_format(state, getattr(self.optimizer, "state_format", "fp32"), "run")
         self.optimizer.load_state_dict(state)
 
     @abc.abstractmethod

@@ -24,6 +24,7 @@ import torch
 
 from protrain.distributed.dcp_flat import FlatPiece, load_pieces, saved_keys
 from protrain.distributed.dcp_state import model_key, optim_key
+from protrain.optim.state_format import decode_state
 from protrain.train.checkpoint import plain as ckpt
 from protrain.train.checkpoint import sharded
 from protrain.train.checkpoint.directory import CHECKPOINT_RE, SHARDED, checkpoint_format, verify
@@ -78,7 +79,12 @@ def _to_plain(src: Path, output_dir: Path) -> Path:
     }
     if "loss_scaler" in meta:
         optimizer_state["loss_scaler"] = meta["loss_scaler"]
-    optimizer_state.update({k: meta[k] for k in MARKERS if k in meta})
+    if "optimizer" in meta:
+        optimizer_state["optimizer"] = meta["optimizer"]
+    fmt = meta.get("optimizer_state", "fp32")
+    optimizer_state["optimizer_state"] = fmt
+    if fmt != "fp32":  # the sharded format holds compact moments decoded to fp32
+        optimizer_state["moments_gathered"] = True
     # save_checkpoint writes this process's RNG states: make them the saved rank 0's
     torch.set_rng_state(rng_tensors["torch_cpu"])
     sharded.set_host_rng(state["rng"][0])
@@ -106,13 +112,17 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
             "(a checkpoint written before they were recorded); resume it and save once, then "
             "convert the new checkpoint"
         )
-    _check_fp32_moments(src, plain.optimizer_state)
     pieces = []
     for name, t in plain.model_state.items():
         flat = t.detach().to(torch.float32).reshape(-1).contiguous()
         pieces.append(FlatPiece(model_key(name), flat, 0, flat.numel()))
+    fmt = plain.optimizer_state.get("optimizer_state", "fp32")
     for index, st in plain.optimizer_state["state"].items():
         name = names[int(index)]
+        if fmt != "fp32" and st["exp_avg"].dtype != torch.float32:  # compact: decoded
+            m, v = decode_state(fmt, st)
+            st = {"step": st["step"], "exp_avg": m, "exp_avg_sq": v}
+        _check_fp32_adam(src, st)
         for k, v in st.items():
             flat = torch.as_tensor(v, dtype=torch.float32).reshape(-1).contiguous()
             pieces.append(FlatPiece(optim_key(name, k), flat, 0, flat.numel()))
@@ -123,9 +133,9 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     optimizer_meta: dict[str, Any] = {"param_groups": groups, "param_names": names}
     if "loss_scaler" in plain.optimizer_state:
         optimizer_meta["loss_scaler"] = plain.optimizer_state["loss_scaler"]
-    optimizer_meta.update(
-        {k: plain.optimizer_state[k] for k in MARKERS if k in plain.optimizer_state}
-    )
+    optimizer_meta["optimizer_state"] = fmt
+    if "optimizer" in plain.optimizer_state:
+        optimizer_meta["optimizer"] = plain.optimizer_state["optimizer"]
     state = {
         "mode": "single",
         "parameters": {k: list(v.shape) for k, v in plain.model_state.items()},
@@ -139,27 +149,16 @@ def _to_sharded(src: Path, output_dir: Path) -> Path:
     return path
 
 
-MARKERS = ("optimizer", "optimizer_state")  # the optimizer choice and host-moment format
 _FP32_ADAM_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 
 
-def _check_fp32_moments(src: Path, optimizer_state: dict[str, Any]) -> None:
-    """The sharded format holds torch's fp32 Adam moments of each parameter's shape: a
-    checkpoint with bitsandbytes' 8-bit state or compact host moments is refused, not
-    written as garbage floats."""
-    for st in optimizer_state["state"].values():
-        other = set(st) - _FP32_ADAM_KEYS
-        compact = any(
-            torch.is_tensor(st.get(k)) and st[k].dtype != torch.float32
-            for k in ("exp_avg", "exp_avg_sq")
+def _check_fp32_adam(src: Path, st: dict[str, Any]) -> None:
+    """The sharded format holds torch's fp32 Adam moments of each parameter's shape (compact
+    host moments decoded to them): bitsandbytes' 8-bit state is refused, not written as
+    garbage floats."""
+    if set(st) - _FP32_ADAM_KEYS:
+        raise OutputDirError(
+            f"convert-checkpoint: {src} holds bitsandbytes' 8-bit optimizer state "
+            f"({', '.join(sorted(set(st) - _FP32_ADAM_KEYS))}), which the sharded format does "
+            "not carry (it holds fp32 Adam moments); resume it in the plain format as it is"
         )
-        if other or compact:
-            what = (
-                f"optimizer_state={optimizer_state.get('optimizer_state', 'fp32')!r} moments"
-                if compact
-                else "bitsandbytes' 8-bit optimizer state"
-            )
-            raise OutputDirError(
-                f"convert-checkpoint: {src} holds {what}, which the sharded format does not "
-                "carry (it holds fp32 Adam moments); resume it in the plain format as it is"
-            )
