@@ -4,6 +4,8 @@ unsupported 'sdpa' is refused by transformers, named in one line)."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from tests.families.configs import build
 
@@ -71,3 +73,20 @@ def test_a_forced_sdpa_kernel_needs_sdpa_support(saved, tmp_path):
     )
     model = build_model(_cfg(tmp_path, saved / "llama", sdpa_backend="math"), None).model
     assert model.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize(
+    ("attn", "needle"),
+    [
+        ("flex_attention", "model.attn_implementation = 'flex_attention' needs a CUDA GPU: "
+                           "torch has no flex_attention backward on cpu"),
+        ("flash_attention_2", "model.attn_implementation = 'flash_attention_2' needs the "
+                              "flash_attn package, which is not installed"),
+    ],
+)  # fmt: skip
+def test_an_explicit_kernel_that_cannot_train_here_is_one_line(saved, tmp_path, attn, needle):
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ConfigError) as err:
+        build_model(_cfg(tmp_path, saved / "llama", attn_implementation=attn), None)
+    assert str(err.value).startswith(needle) and "\n" not in str(err.value)

@@ -30,6 +30,7 @@ the compute dtype; `default` keeps torch's choice.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 
 import torch
 import transformers
@@ -85,6 +86,7 @@ def choose_attn_implementation(
     flex. One line is logged saying which and why.
     """
     if requested is not None:
+        _check_requested(requested, device)
         return requested
     if model_class is None:
         logger.info(
@@ -120,6 +122,24 @@ def choose_attn_implementation(
         _transformers_version(),
     )
     return "eager"
+
+
+_KERNEL_PACKAGES = {"flash_attention_2": "flash_attn", "flash_attention_3": "flash_attn_interface"}
+
+
+def _check_requested(requested: str, device: torch.device | None) -> None:
+    """An explicit implementation that cannot train here is one line, not a traceback."""
+    if requested == "flex_attention" and device is not None and device.type != "cuda":
+        raise ConfigError(
+            f"model.attn_implementation = 'flex_attention' needs a CUDA GPU: torch has no "
+            f"flex_attention backward on {device.type}; use 'sdpa' or leave it unset"
+        )
+    package = _KERNEL_PACKAGES.get(requested)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError(
+            f"model.attn_implementation = {requested!r} needs the {package} package, which "
+            "is not installed; leave it unset (sdpa where the model supports it) or install it"
+        )
 
 
 def _flex_fits(model_class: type, config, device: torch.device | None) -> bool:

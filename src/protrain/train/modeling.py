@@ -349,7 +349,7 @@ def _attn_implementation(cfg: TrainConfig, auto_class: type, config) -> str | No
         found,
         config,
         packing=cfg.sample_packing,
-        device=resolve_device(cfg.device) if cfg.sample_packing else None,
+        device=resolve_device(cfg.device),
     )
     problem = packing_problem(config, attn) if cfg.sample_packing else None
     if problem is not None:
