@@ -234,7 +234,9 @@ def reencode_state(state_format: str, step, m: torch.Tensor, v: torch.Tensor) ->
     code's value divided by it lands within an ulp of the code, far from the midpoints),
     with a ``-0.0`` of ``exp_avg`` given the sign bit (code 0x80, a negative value under the
     least magnitude, decodes to ``-0.0``, which the kernel's rule ``x < 0`` encodes as 0).
-    Over other elements (another world size's shards), a fresh encoding of the values."""
+    Over other elements (another world size's or chunk layout's shards), a fresh encoding of
+    the values (exact for bf16; for 8-bit the blocks move). A block already holding inf or
+    NaN does not come back code for code (its moments have diverged)."""
     out = encode_state(state_format, step, m, v)
     if state_format == "8bit":
         negative_zero = (m.reshape(-1) == 0) & torch.signbit(m.reshape(-1))
