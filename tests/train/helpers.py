@@ -76,3 +76,12 @@ def run_script(script: str, tmp_path: Path, env: dict[str, str] | None = None):
         timeout=300,
         check=False,
     )
+
+
+def save_families(root: Path, *names: str) -> Path:
+    """Tiny random checkpoints of the family matrix's ``names`` under ``root/<name>``."""
+    from tests.families.configs import build  # the family matrix: only the tests that save
+
+    for name in names:
+        build(name).save_pretrained(root / name)
+    return root

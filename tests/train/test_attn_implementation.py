@@ -7,22 +7,18 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from tests.families.configs import build
 
 from protrain.train.config import TrainConfig, validate_config
 from protrain.train.errors import ConfigError
 from protrain.train.modeling import build_model
 
-from .helpers import tiny_config
+from .helpers import save_families, tiny_config
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Tiny saved checkpoints: Llama (SDPA) and Gemma 2 (no SDPA in transformers 5.24)."""
-    root = tmp_path_factory.mktemp("models")
-    for name in ("llama", "gemma2"):
-        build(name).save_pretrained(root / name)
-    return root
+    return save_families(tmp_path_factory.mktemp("models"), "llama", "gemma2")
 
 
 def _cfg(tmp_path, model_dir, **model):

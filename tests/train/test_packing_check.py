@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.families.configs import build
 from transformers import AutoConfig
 
 from protrain.train.config import validate_config
@@ -14,7 +13,7 @@ from protrain.train.errors import ConfigError
 from protrain.train.modeling import build_model
 from protrain.train.packing_check import packing_problem
 
-from .helpers import tiny_config
+from .helpers import save_families, tiny_config
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "gemma3_text", "gpt2"])
@@ -44,10 +43,7 @@ def test_the_probe_leaves_the_runs_random_numbers_alone():
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    for name in ("llama", "mamba"):
-        build(name).save_pretrained(root / name)
-    return root
+    return save_families(tmp_path_factory.mktemp("models"), "llama", "mamba")
 
 
 def _cfg(tmp_path, model_dir):

@@ -122,13 +122,21 @@ def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
     that a checkpoint writes each tensor under its own name. torch's state is unchanged."""
     sd = opt.state_dict()
     state = {}
-    is_8bit = type(opt).__module__.startswith("bitsandbytes")
     for i, st in sd["state"].items():
         flat = {k: v for k, v in st.items() if not isinstance(v, dict)}
         for nested in (v for v in st.values() if isinstance(v, dict)):
             flat.update(nested)
         state[i] = {k: v.clone() if k in QMAP_KEYS else v for k, v in flat.items()}
-    return {**sd, "state": state, "optimizer": "adamw_8bit" if is_8bit else "adamw"}
+    return {**sd, "state": state, "optimizer": optimizer_choice(opt)}
+
+
+def optimizer_choice(opt: torch.optim.Optimizer) -> str:
+    """The ``optimizer`` choice a checkpoint names: the engine's own, else bitsandbytes'
+    8-bit AdamW or torch's."""
+    choice = getattr(opt, "optimizer_name", None)
+    if choice is not None:
+        return choice
+    return "adamw_8bit" if type(opt).__module__.startswith("bitsandbytes") else "adamw"
 
 
 def check_saved_optimizer(sd: dict, optimizer: str) -> None:

@@ -63,6 +63,7 @@ from protrain.distributed.dcp_state import (
     plan_engine_load,
 )
 from protrain.distributed.fsdp2.checkpoint import fsdp2_pieces_to_save, plan_fsdp2_load
+from protrain.optim.adamw_8bit import optimizer_choice
 from protrain.train.checkpoint import directory
 from protrain.train.checkpoint.directory import (
     MANIFEST,
@@ -432,11 +433,10 @@ def _optimizer_meta(optimizer, model) -> dict[str, Any]:
 
 def _optimizer_markers(optimizer) -> dict[str, str]:
     """The optimizer choice and the host moments' format, as the plain format names them."""
-    choice = getattr(optimizer, "optimizer_name", None)
-    if choice is None:
-        is_8bit = type(optimizer).__module__.startswith("bitsandbytes")
-        choice = "adamw_8bit" if is_8bit else "adamw"
-    return {"optimizer": choice, "optimizer_state": getattr(optimizer, "state_format", "fp32")}
+    return {
+        "optimizer": optimizer_choice(optimizer),
+        "optimizer_state": getattr(optimizer, "state_format", "fp32"),
+    }
 
 
 def _check_markers(optimizer, meta: dict[str, Any], path: Path) -> None:
