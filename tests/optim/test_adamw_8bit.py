@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain
 from protrain import wrap
-from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, state_bytes_8bit
+from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, optimizer_choice, state_bytes_8bit
 from protrain.plan.memory import device_optimizer_bytes
 from protrain.profile.chunk_table import chunk_table
 
@@ -212,6 +212,18 @@ def test_a_checkpoint_of_the_other_optimizer_choice_is_refused():
     with pytest.raises(ValueError, match="optimizer='adamw_8bit' keeps"):
         opt.load_state_dict(legacy)
     protrain.close(model)
+
+
+def test_each_optimizer_names_its_own_choice():
+    # bitsandbytes' optimizers carry an optimizer_name of their own ("adam"): the choice a
+    # checkpoint records must still be the run's "adamw_8bit".
+    p = [torch.nn.Parameter(torch.zeros(8))]
+    assert optimizer_choice(bnb.optim.AdamW8bit(p)) == "adamw_8bit"
+    assert optimizer_choice(torch.optim.AdamW(p)) == "adamw"
+    for choice in ("adamw", "adamw_8bit"):
+        model, opt, _ = _wrap(optimizer=choice)
+        assert optimizer_choice(opt) == choice
+        protrain.close(model)
 
 
 @pytest.mark.parametrize("before,after", [(None, 0), (0, None)])

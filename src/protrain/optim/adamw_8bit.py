@@ -133,10 +133,9 @@ def plain_state_dict(opt: torch.optim.Optimizer) -> dict:
 def optimizer_choice(opt: torch.optim.Optimizer) -> str:
     """The ``optimizer`` choice a checkpoint names: the engine's own, else bitsandbytes'
     8-bit AdamW or torch's."""
-    choice = getattr(opt, "optimizer_name", None)
-    if choice is not None:
-        return choice
-    return "adamw_8bit" if type(opt).__module__.startswith("bitsandbytes") else "adamw"
+    if type(opt).__module__.startswith("bitsandbytes"):  # its own optimizer_name is "adam"
+        return "adamw_8bit"
+    return getattr(opt, "optimizer_name", "adamw")
 
 
 def check_saved_optimizer(sd: dict, optimizer: str) -> None:
