@@ -94,3 +94,31 @@ def test_capability_is_torchs(kernel):
 def test_fallback_is_forced_by_the_environment(monkeypatch):
     monkeypatch.setenv(host_adam_ext.ENV_VAR, "torch")
     assert host_adam_ext.kernel() is None
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_copies_land_at_any_alignment_and_nowhere_else(kernel, out_dtype):
+    # The copies are streamed in aligned 32-byte stores with ordinary stores around them
+    # ([Note: streamed copies]): views of one buffer at every offset, of lengths that end
+    # inside and past a store, get the master rounded, and the elements between them keep
+    # their sentinel.
+    sizes = [1, 5, 16, 17, 31, 64, 100, 1500, 2049]
+    torch.manual_seed(0)
+    masters = [torch.randn(n) for n in sizes]
+    buf = torch.full((sum(sizes) + 3 * len(sizes) + 64,), 7.0, dtype=out_dtype)
+    outs, at = [], 0
+    for i, n in enumerate(sizes):
+        at += 1 + i % 3  # a gap of one to three sentinels before each view
+        outs.append(buf[at : at + n])
+        at += n
+    gaps = torch.ones_like(buf, dtype=torch.bool)
+    for o in outs:
+        gaps[o.storage_offset() : o.storage_offset() + o.numel()] = False
+    kernel.adamw_step(
+        masters, [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes],
+        [torch.randn(n).to(torch.bfloat16) for n in sizes], outs, [1.0] * len(sizes),
+        LR, *BETAS, 0.1, EPS, None, None,
+    )  # fmt: skip
+    for i, (o, p) in enumerate(zip(outs, masters)):
+        assert torch.equal(o, p.to(out_dtype)), f"copy {i} is not the master rounded"
+    assert bool((buf[gaps] == 7.0).all()), "a store reached past a copy"

@@ -11,8 +11,9 @@ next gather copies as it is. The Adam state is :class:`~protrain.optim.flat_adam
 [Note: host bytes of the one pass]
 A parameter of bf16 weights stepped after one micro-batch moves 32 bytes of host memory a
 step: the device's copy writes its gradient (2), the pass reads it (2), reads and writes
-master and moments (24) and writes the weights (2), and the next gather's copy reads them
-(2). torch's fused AdamW with the cast on the device moved about 40: the fp32 gradient
+master and moments (24) and writes the weights (2, in non-temporal stores: an ordinary
+store would read each line first, [Note: streamed copies] in ``csrc/host_adam.cpp``), and
+the next gather's copy reads them (2). torch's fused AdamW with the cast on the device moved about 40: the fp32 gradient
 written by the copy (4) and read (4), the 24 of the update, a pass each for unscaling and
 clipping (8 each, when on), and the fp32 master read by the gather (4) with the cast weights
 written back (2). The counters ``host_update_bytes`` and ``host_update_params`` count the
