@@ -237,7 +237,23 @@ class Engine:
             self.optimizer._release()
             if getattr(self.model, "_protrain_engine", None) is self:
                 del self.model._protrain_engine
+            if getattr(self.model.__dict__.get("zero_grad"), "_protrain_route", False):
+                del self.model.__dict__["zero_grad"]
             self.closed = True
+
+
+def _route_zero_grad(model: nn.Module, optimizer: HybridAdamW) -> None:
+    """``model.zero_grad()`` clears the engine's gradients too, as torch's idiom expects after
+    ``step()``: they live in the chunks' accumulators, not in ``param.grad``, so
+    ``nn.Module.zero_grad`` alone would leave them for the next backward to add onto."""
+    module_zero_grad = type(model).zero_grad
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        optimizer.zero_grad(set_to_none=set_to_none)
+        module_zero_grad(model, set_to_none)  # what the engine does not hold
+
+    zero_grad._protrain_route = True
+    model.__dict__["zero_grad"] = zero_grad
 
 
 def _give_back(model: nn.Module, manager, worker, hooks, originals=None) -> None:
@@ -370,8 +386,32 @@ def wrap_target(
     if grad_reduce not in ("mean", "sum"):
         raise ValueError(f"grad_reduce={grad_reduce!r} is not allowed: use 'mean' or 'sum'")
     if compute_dtype is None:
-        compute_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        compute_dtype = default_compute_dtype(model, device)
     return WrapTarget(device, compute_dtype, ctx)
+
+
+def default_compute_dtype(model: nn.Module, device: torch.device) -> torch.dtype:
+    """bfloat16 for a model whose floating parameters are all bfloat16 (it computes as it
+    would unwrapped); otherwise bfloat16 on CUDA and float32 elsewhere. An fp16 model is not
+    followed: fp16 compute needs the loss scaled (``optimizer.scale_loss``), which a caller
+    asks for by naming ``compute_dtype``."""
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    if dtypes == {torch.bfloat16} or device.type == "cuda":
+        return torch.bfloat16
+    return torch.float32
+
+
+def _say_masters(params) -> None:
+    """Low-precision trainable parameters are stepped through fp32 masters: say so once, as
+    an AdamW over the parameters themselves would step them in their own dtype."""
+    low = sorted({str(p.dtype).removeprefix("torch.") for _, p in params
+                  if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16)})  # fmt: skip
+    if low:
+        log.info(
+            "protrain.wrap: trainable parameters in %s are stepped through fp32 masters and "
+            "moments (mixed precision), not in their own dtype as an AdamW over them would",
+            " and ".join(low),
+        )
 
 
 def wrap(
@@ -394,8 +434,8 @@ def wrap(
 
     ``n_persist``: chunks kept on the compute device (None: all). ``n_buffer``: offloaded
     chunks resident at once (None: a small default, at least what one module or block
-    needs). ``compute_dtype``: float32 (default on CPU), bfloat16 (default on CUDA) or
-    float16; trainable parameters keep fp32 masters either way.
+    needs). ``compute_dtype``: float32, bfloat16 or float16 (None: :func:`default_compute_dtype`);
+    trainable parameters keep fp32 masters either way (logged where they are not fp32).
     float16 comes with dynamic loss scaling: back-propagate ``optimizer.scale_loss(loss)``;
     ``loss_scaling`` takes ``torch.amp.GradScaler``'s ``init_scale`` (2**16),
     ``growth_factor`` (2), ``backoff_factor`` (0.5) and ``growth_interval`` (2000), the
@@ -440,6 +480,7 @@ def wrap(
             "(e.g. model.to_empty(device='cpu') and initialize) before wrapping"
         )
     trainable = [p for _, p in params if p.requires_grad]
+    _say_masters(params)
     groups = _normalize_groups(model, optim.param_groups, trainable)
     hyper = dict(lr=optim.lr, betas=optim.betas, eps=optim.eps, weight_decay=optim.weight_decay)
     check_hyperparameters(hyper, groups)
@@ -482,6 +523,7 @@ def wrap(
         raise
     engine = Engine(model, manager, hooks, worker, optimizer, layout)
     engine.plan = plan
+    _route_zero_grad(model, optimizer)
     optimizer._close_fn = engine.close
     model._protrain_engine = engine
     log.info("protrain.wrap: %s", layout)

@@ -68,3 +68,43 @@ def test_a_parameter_without_a_gradient_after_zero_grad_keeping_zeros_is_refused
     with pytest.raises(RuntimeError, match=r"lm_head.weight .* zero_grad\(set_to_none=False\)"):
         optimizer.step()
     protrain.close(model)
+
+
+def test_model_zero_grad_clears_the_engine_gradients_as_torch():
+    # torch's idiom after step(): the gradients live in the engine's chunks, not in
+    # param.grad, and the module's zero_grad clears them there too.
+    reference, model, optimizer = _wrapped()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    for batch in batches("llama", 3):
+        for m, opt in ((reference, ref_opt), (model, optimizer)):
+            m(**batch).loss.backward()
+            opt.step()
+            m.zero_grad()
+    state = protrain.state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
+    protrain.close(model)
+    assert "zero_grad" not in vars(model), "close() leaves the module's own zero_grad"
+
+
+def test_a_parameter_unfrozen_after_wrap_is_refused_at_step():
+    model = build("llama")
+    frozen = model.model.layers[0].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    model, optimizer, _ = protrain.wrap(model, n_persist=0, lr=1e-2, device="cpu")
+    frozen.requires_grad_(True)  # torch's optimizer over it would train it from here on
+    model(**batches("llama", 1)[0]).loss.backward()
+    with pytest.raises(RuntimeError, match=r"layers\.0\.mlp\.up_proj\.weight .* was frozen"):
+        optimizer.step()
+    protrain.close(model)
+
+
+def test_a_bf16_model_computes_in_bf16_and_says_its_masters_are_fp32(caplog):
+    plain = build("llama").to(torch.bfloat16)
+    batch = batches("llama", 1)[0]
+    expected = plain(**batch).loss
+    with caplog.at_level("INFO", logger="protrain.engine"):
+        model, _, _ = protrain.wrap(copy.deepcopy(plain), n_persist=0, device="cpu")
+    assert "bfloat16 are stepped through fp32 masters" in caplog.text
+    assert torch.equal(model(**batch).loss, expected)
+    protrain.close(model)

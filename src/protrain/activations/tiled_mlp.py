@@ -25,7 +25,9 @@ not tokens, and are left alone.
 
 [Note: what tiling rounds differently]
 In fp32 the tiled forward is bit for bit the untiled one where a row's matmul result does
-not depend on the other rows (so on the CPU, measured on Llama). Backward differs only in the order of fp32 sums: a weight's
+not depend on the other rows (so on the CPU, measured on Llama), and where the MLP has no
+active dropout: each tile draws its own mask, of the same distribution as the untiled call's
+but not the same draws (recomputation replays each tile's, so backward matches forward). Backward differs only in the order of fp32 sums: a weight's
 gradient is summed per tile and then over tiles, and a tiled norm's input gradient is
 grouped ``r + (a + b)`` (residual, then the tile's two uses inside the norm) where the
 untiled graph adds ``(r + a) + b``; in bf16 and fp16 the norm's upcast isolates its uses

@@ -604,6 +604,7 @@ class HybridAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._flush_grads()
         self._refuse_kept_zero_without_grad()
+        self._refuse_unfrozen()
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
         if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
@@ -764,6 +765,20 @@ class HybridAdamW(torch.optim.Optimizer):
                 "zero_grad(set_to_none=False): torch would step it with a zero gradient "
                 "(decay and momentum), ProTrain steps only parameters with a gradient; call "
                 "zero_grad() with set_to_none=True (the default)"
+            )
+
+    def _refuse_unfrozen(self) -> None:
+        """A parameter frozen at wrap and unfrozen since has no master, moments or gradient
+        hook: torch's optimizer over it would train it, this one would leave it as it is."""
+        unfrozen = [
+            s.name for s in self._manager.slots() if s.master is None and s.param.requires_grad
+        ]
+        if unfrozen:
+            raise RuntimeError(
+                f"protrain: {unfrozen[0]} (and {len(unfrozen) - 1} more) was frozen when "
+                "protrain.wrap placed it and requires a gradient now: the engine trains only "
+                "the parameters that required one at wrap; set requires_grad before wrapping "
+                "(protrain.close(model), unfreeze, wrap again)"
             )
 
     # ---- state --------------------------------------------------------------------------
