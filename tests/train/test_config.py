@@ -284,3 +284,42 @@ def test_what_needs_bitsandbytes_is_refused_when_the_config_is_read(monkeypatch)
     with pytest.raises(ConfigError, match="adapter.type = 'qlora' needs bitsandbytes"):
         load_config(None, ["adapter.type=qlora"])
     assert load_config(None).optimizer == "adamw_torch"  # nothing needs it: read as before
+
+
+def test_evaluation_without_evaluation_data_is_refused(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        validate_config(tiny_config(tmp_path, eval={"steps": 4}))
+    assert "eval.steps = 4 set with no evaluation data: set val_set_size" in str(err.value)
+    validate_config(tiny_config(tmp_path, eval={"steps": 4}, val_set_size=0.05))
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused(tmp_path, seed):
+    # torch seeds with 64 bits, and each epoch's data order adds its number to the seed
+    with pytest.raises(ConfigError, match=f"seed = {seed} is not allowed"):
+        validate_config(tiny_config(tmp_path, seed=seed))
+    validate_config(tiny_config(tmp_path, seed=2**63 - 1))
+
+
+@pytest.mark.parametrize(
+    "scheduler,kwargs,says",
+    [
+        ("cosine_with_min_lr", {}, "One of min_lr or min_lr_rate should be set"),
+        ("warmup_stable_decay", {}, "missing 1 required positional argument: 'num_decay_steps'"),
+        ("linear", {"bogus": 1}, "unexpected keyword argument 'bogus'"),
+    ],
+)
+def test_a_schedule_without_the_arguments_it_needs_is_refused(tmp_path, scheduler, kwargs, says):
+    raw = tiny_config(tmp_path, lr_scheduler=scheduler, lr_scheduler_kwargs=kwargs)
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw)
+    assert f"lr_scheduler = {scheduler!r}" in str(err.value) and says in str(err.value)
+
+
+def test_a_schedule_takes_its_arguments(tmp_path):
+    cfg = validate_config(
+        tiny_config(
+            tmp_path, lr_scheduler="cosine_with_min_lr", lr_scheduler_kwargs={"min_lr": 1e-5}
+        )
+    )
+    assert cfg.lr_scheduler_kwargs == {"min_lr": 1e-5}

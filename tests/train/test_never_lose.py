@@ -270,8 +270,17 @@ def test_resume_refuses_when_no_checkpoint_is_intact(tmp_path, six_steps):
     message = str(info.value)
     assert message.startswith(f"--resume: no intact checkpoint in output_dir {str(run)!r} (")
     assert "checkpoint-6: model.safetensors does not match its sha256" in message
+    # the finished run's final/ stays, and a new run is refused beside it: say where to go
+    assert message.endswith("start a new run in another output_dir (this one keeps the "
+                            "finished run's final/)")  # fmt: skip
     assert "\n" not in message
     assert checkpoint_dirs(run) == []
+    shutil.rmtree(run / "final")
+    for step in (2, 4, 6):
+        shutil.copytree(source / f"checkpoint-{step}", run / f"checkpoint-{step}")
+        _random_bytes(run / f"checkpoint-{step}" / "model.safetensors")
+    with pytest.raises(OutputDirError, match="start a new run without --resume$"):
+        train(cfg, resume=True)
 
 
 # -- 3. kill -9 at random moments, saves and prunes included ------------------------------

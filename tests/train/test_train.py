@@ -418,3 +418,39 @@ def test_qlora_through_the_engine_matches_qlora_without_it(tmp_path):
     assert all(p.is_floating_point() for p in base.parameters())  # shipped unquantized
     model = PeftModel.from_pretrained(base, straight.final_dir)
     assert model(input_ids=torch.tensor([[1, 5, 6, 7]])).logits.shape == (1, 4, 512)
+
+
+def test_a_resume_trains_with_the_learning_rate_and_decay_of_its_config(tmp_path, protrain_log):
+    # load_state_dict brings back the checkpoint's values; the config given wins, as it does
+    # for the schedule's other keys
+    straight = train(validate_config(tiny_config(tmp_path / "a", max_steps=6, save_steps=3)))
+    cfg = validate_config(tiny_config(tmp_path / "b", max_steps=6, save_steps=3))
+    first = train(cfg)
+    shutil.rmtree(first.output_dir / "checkpoint-6")
+    shutil.rmtree(first.final_dir)
+    changed = tiny_config(tmp_path / "b", max_steps=6, save_steps=3, learning_rate=5e-4)
+    protrain_log.clear()
+    train(validate_config({**changed, "weight_decay": 0.1}), resume=True)
+    said = "\n".join(protrain_log)
+    assert "--resume: learning_rate, weight_decay from this config from step 4 on" in said
+    lrs = {r["step"]: r["lr"] for r in read_metrics(straight.output_dir) if "lr" in r}
+    resumed = {r["step"]: r["lr"] for r in read_metrics(first.output_dir) if "lr" in r}
+    for step in (4, 5):
+        assert resumed[step] == pytest.approx(lrs[step] / 2, rel=1e-12)
+
+
+def test_held_out_rows_without_evaluation_are_named_and_too_few_are_refused(tmp_path, protrain_log):
+    train(validate_config(tiny_config(tmp_path / "a", max_steps=1, val_set_size=0.05)))
+    said = "\n".join(protrain_log)
+    assert "40 evaluation rows are held out but eval.steps is unset" in said
+    none_held = tiny_config(tmp_path / "b", max_steps=1, val_set_size=1e-4, eval={"steps": 1})
+    with pytest.raises(ConfigError, match="eval.steps = 1 but the evaluation data has no rows"):
+        train(validate_config(none_held))
+    assert not list((tmp_path / "b" / "run").glob("checkpoint-*"))
+
+
+def test_a_schedule_with_its_own_arguments_trains_to_them(tmp_path):
+    raw = tiny_config(tmp_path, max_steps=4, lr_scheduler="cosine_with_min_lr")
+    run = train(validate_config({**raw, "lr_scheduler_kwargs": {"min_lr": 1e-4}}))
+    lrs = [r["lr"] for r in read_metrics(run.output_dir) if "lr" in r]
+    assert lrs[-1] == pytest.approx(1e-4)

@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+import torch
 import yaml
 from pydantic import (
     BaseModel,
@@ -547,6 +548,11 @@ class TrainConfig(DataSettings, TrackingSettings):
 
     learning_rate: float = Field(2e-4, gt=0.0)
     lr_scheduler: Literal[LR_SCHEDULERS] = "cosine"  # type: ignore[valid-type]
+    lr_scheduler_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The schedule's own arguments (transformers' get_scheduler): min_lr or "
+        "min_lr_rate for cosine_with_min_lr, num_decay_steps for warmup_stable_decay, ...",
+    )
     warmup_steps: int | None = Field(None, ge=0)
     warmup_ratio: float | None = Field(None, ge=0.0, lt=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
@@ -575,7 +581,13 @@ class TrainConfig(DataSettings, TrackingSettings):
     )
     gradient_checkpointing: bool = False
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
-    seed: int = 42
+    seed: int = Field(
+        42,
+        ge=-(2**63),
+        lt=2**63,
+        description="Seeds the weights' initialization, data order and dropout (torch takes "
+        "64 bits; each epoch's order adds its number to it).",
+    )
 
     output_dir: str = "outputs/run"
     save_steps: int | None = Field(None, gt=0)
@@ -637,6 +649,7 @@ class TrainConfig(DataSettings, TrackingSettings):
         self._check_fsdp()
         self._check_optimizer_state()
         self._check_bitsandbytes()
+        self._check_scheduler()
         if self.warmup_steps is not None and self.warmup_ratio is not None:
             raise ValueError("set warmup_steps or warmup_ratio, not both")
         if self.gradient_checkpointing and self.memory.auto:
@@ -649,6 +662,11 @@ class TrainConfig(DataSettings, TrackingSettings):
             raise ValueError(
                 "gradient_checkpointing = true and memory.n_swap/n_checkpoint both set: use "
                 "one (memory.n_checkpoint chooses which blocks are recomputed)"
+            )
+        if self.eval.steps and not (self.val_set_size or self.eval_datasets):
+            raise ValueError(
+                f"eval.steps = {self.eval.steps} set with no evaluation data: set val_set_size "
+                "(the rows held out of training) or eval_datasets, or remove eval.steps"
             )
         if self.memory.offload_checkpoint and not self.memory.n_checkpoint:
             raise ValueError("memory.offload_checkpoint = true needs memory.n_checkpoint > 0")
@@ -686,6 +704,26 @@ class TrainConfig(DataSettings, TrackingSettings):
                 "pip install 'protrain[qlora]', or use optimizer = 'adamw_torch' and "
                 "adapter.type = 'lora'"
             )
+
+    def _check_scheduler(self) -> None:
+        """The schedule is built once on a stand-in parameter, so that arguments it lacks
+        or does not take are refused when the config is read, not after the data work.
+        transformers is imported here, not at the top: reading a config (the CLI's first
+        step) does not load it otherwise."""
+        from transformers import get_scheduler
+
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.learning_rate)
+        try:
+            get_scheduler(
+                self.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=2,
+                scheduler_specific_kwargs=self.lr_scheduler_kwargs,
+            )  # fmt: skip
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"lr_scheduler = {self.lr_scheduler!r} with lr_scheduler_kwargs = "
+                f"{self.lr_scheduler_kwargs}: {exc}; set the schedule's arguments in "
+                "lr_scheduler_kwargs"
+            ) from None
 
     def _check_optimizer_state(self) -> None:
         if self.optimizer_state == "fp32":

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pydantic_core
 import torch
 import yaml
 from tqdm.auto import tqdm
@@ -249,6 +250,10 @@ class Run:
         self.collate = build_collator(
             self.tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing
         )
+        try:
+            _check_eval_rows(cfg, self.eval_data)
+        except ConfigError as exc:  # every rank holds the same rows
+            raise alike(exc) from None
         self.stream = MicroBatchStream(len(self.train_data), cfg.micro_batch_size, cfg.seed)
         self.total_steps = _total_steps(cfg, self.stream, self.window)
         logger.info(
@@ -304,9 +309,11 @@ class Run:
 
     def _resume_from_checkpoint(self, new_global_batch: bool) -> None:
         cfg, window, resume_from = self.cfg, self.window, self.resume_from
+        asked = _hyperparameters(self.trainable.optimizer), list(self.scheduler.base_lrs)
         step, trainer_state, scheduler_state = _resume(
             resume_from, self.trainable, self.ranks, self.data_order, new_global_batch
         )
+        optimizer = self.trainable.optimizer
         saved_window = _saved_window(trainer_state) or window  # older checkpoints: unknown
         if saved_window != window and cfg.max_steps is None:
             # the steps left are those of the new window over the micro-batches left
@@ -317,9 +324,18 @@ class Run:
             self.total_steps = step + left // window
             self.scheduler = _make_scheduler(cfg, self.trainable.optimizer, self.total_steps)
         self.scheduler.load_state_dict(scheduler_state)
-        if saved_window != window:  # this step's learning rate on the new schedule
-            for group, lr in zip(self.trainable.optimizer.param_groups, self.scheduler.get_lr()):
+        taken = _take_config_hyperparameters(optimizer, self.scheduler, *asked)
+        if taken:
+            logger.warning(
+                "--resume: %s from this config from step %d on, not the checkpoint's (its "
+                "moments, step counts and place in the schedule are kept)",
+                ", ".join(taken),
+                step + 1,
+            )
+        if saved_window != window or taken:  # this step's learning rate on the schedule
+            for group, lr in zip(optimizer.param_groups, _lr_now(self.scheduler)):
                 group["lr"] = lr
+        if saved_window != window:
             logger.warning(
                 "--new-global-batch: %d micro-batches per step from step %d (the checkpoint's "
                 "%d), %d steps in all",
@@ -899,6 +915,47 @@ class _NoMetrics:
         pass
 
 
+_CONFIG_KEYS = {"weight_decay": "weight_decay", "betas": "adam_beta1/2", "eps": "adam_epsilon"}
+
+
+def _hyperparameters(optimizer) -> list[dict[str, Any]]:
+    """Each group's AdamW hyperparameters as this run's config made them."""
+    return [{k: g[k] for k in _CONFIG_KEYS} for g in optimizer.param_groups]
+
+
+def _take_config_hyperparameters(optimizer, scheduler, hyper, base_lrs) -> list[str]:
+    """Put this run's learning rate and AdamW hyperparameters back over the checkpoint's
+    (``load_state_dict`` brings back the values it was written with, as the schedule's
+    ``base_lrs``): a resume trains with the config it is given, as it does for the other
+    keys. The config keys whose values changed."""
+    changed = []
+    for key, name in _CONFIG_KEYS.items():
+        saved = [g[key] for g in optimizer.param_groups]
+        if [_plain(v) for v in saved] != [_plain(h[key]) for h in hyper]:
+            changed.append(name)
+            for g, h in zip(optimizer.param_groups, hyper):
+                g[key] = h[key]
+    if [float(b) for b in scheduler.base_lrs] != [float(b) for b in base_lrs]:
+        changed.insert(0, "learning_rate")
+        scheduler.base_lrs = list(base_lrs)
+        for g, b in zip(optimizer.param_groups, base_lrs):
+            g["initial_lr"] = b
+    return changed
+
+
+def _plain(value):
+    """A hyperparameter as a comparable value (betas come back from a checkpoint as a list)."""
+    return tuple(float(v) for v in value) if isinstance(value, (list, tuple)) else float(value)
+
+
+def _lr_now(scheduler) -> list[float]:
+    """The learning rates at the schedule's place now (every schedule here is a LambdaLR;
+    its ``get_lr`` warns when called outside ``step``)."""
+    return [
+        base * f(scheduler.last_epoch) for f, base in zip(scheduler.lr_lambdas, scheduler.base_lrs)
+    ]
+
+
 def _resume(path: Path, trainable, ranks: Ranks, data_order: dict, new_global_batch: bool):
     """Load a checkpoint of either format (one process wrote it, or several ranks) into
     this run, at any world size and mode; the step, trainer state and scheduler state it
@@ -1008,6 +1065,24 @@ def _check_data_order(
     )
 
 
+def _check_eval_rows(cfg: TrainConfig, eval_data) -> None:
+    """Evaluation asked for with no rows to read is refused before training; rows held out
+    that no evaluation reads are named (they train nothing either)."""
+    n = 0 if eval_data is None else len(eval_data)
+    if cfg.eval.steps and not n:
+        raise ConfigError(
+            f"eval.steps = {cfg.eval.steps} but the evaluation data has no rows "
+            f"(val_set_size = {cfg.val_set_size} of the training rows): raise val_set_size, "
+            "set eval_datasets, or remove eval.steps"
+        )
+    if n and not cfg.eval.steps:
+        logger.warning(
+            "%d evaluation rows are held out but eval.steps is unset, so none is evaluated: "
+            "set eval.steps to evaluate them, or val_set_size: 0 to train on them",
+            n,
+        )
+
+
 def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
     """Keep the run's recorded config; say which keys this resume changes."""
     if not path.exists():
@@ -1016,12 +1091,23 @@ def _note_config_changes(path: Path, cfg: TrainConfig) -> None:
         return
     before = yaml.safe_load(path.read_text()) or {}
     now = json.loads(cfg.model_dump_json())
-    changed = sorted(k for k in set(before) | set(now) if before.get(k) != now.get(k))
+    changed = sorted(
+        k for k in set(before) | set(now) if before.get(k, _default_json(k)) != now.get(k)
+    )
     if changed:
         logger.warning(
             "resuming with changed config keys: %s (config.yaml keeps the original)",
             ", ".join(changed),
         )
+
+
+def _default_json(key: str) -> Any:
+    """A key's default as config.yaml writes it: a key the recorded config lacks (written
+    before the key existed) took its default then."""
+    field = TrainConfig.model_fields.get(key)
+    if field is None:
+        return None
+    return json.loads(pydantic_core.to_json(field.get_default(call_default_factory=True)))
 
 
 def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
@@ -1030,8 +1116,9 @@ def _make_scheduler(cfg: TrainConfig, optimizer, total_steps: int):
     else:
         warmup = math.ceil((cfg.warmup_ratio or 0.0) * total_steps)
     return get_scheduler(
-        cfg.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps
-    )
+        cfg.lr_scheduler, optimizer, num_warmup_steps=warmup, num_training_steps=total_steps,
+        scheduler_specific_kwargs=cfg.lr_scheduler_kwargs,
+    )  # fmt: skip
 
 
 def _yaml(cfg: TrainConfig) -> str:

@@ -177,9 +177,12 @@ def find_resume_checkpoint(output_dir: Path) -> Path:
             f"--resume: no checkpoint-* directory in output_dir {str(output_dir)!r} to resume from"
         )
     names = "; ".join(f"{name}: {problem}" for name, problem, _ in damaged)
+    finished = (output_dir / "final").exists()  # a new run there is refused while it stays
+    fresh = "in another output_dir" if finished else "without --resume"
     raise OutputDirError(
         f"--resume: no intact checkpoint in output_dir {str(output_dir)!r} ({names}); they "
-        f"were moved to {DAMAGED_PREFIX}*; start a new run without --resume"
+        f"were moved to {DAMAGED_PREFIX}*; start a new run {fresh}"
+        + (" (this one keeps the finished run's final/)" if finished else "")
     )
 
 
