@@ -45,6 +45,17 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, OutputDirError)
 
 
+def _at_least_one(text: str) -> int:
+    """argparse type: a whole number of at least 1 (argparse prints the message in one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: at least 1")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="protrain", description="Memory-aware fine-tuning of LLMs and VLMs."
@@ -128,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect-data", help="print rendered samples with the trained tokens marked"
     )
     add_config_args(p_inspect)
-    p_inspect.add_argument("-n", "--num-samples", type=int, default=3)
+    p_inspect.add_argument("-n", "--num-samples", type=_at_least_one, default=3)
     p_inspect.add_argument("--color", action="store_true", help="mark trained tokens in colour")
 
     p_convert = sub.add_parser(

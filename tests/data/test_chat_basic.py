@@ -319,6 +319,35 @@ def test_answer_equal_to_a_header_word(tmp_path, chatml_tok):
     assert item["labels"] == expected_labels(chatml_tok, pieces)[2]
 
 
+@pytest.mark.parametrize("body", ["user", "er", "tool"])
+def test_a_trained_body_equal_to_its_header_word_trains_the_body(tmp_path, chatml_tok, body):
+    # the role name is plain text in the header: a user or tool body that is (part of) it
+    # is the text that closes the turn, not the header's
+    messages = [
+        {"role": "user", "content": body},
+        {"role": "assistant", "content": "Yo", "tool_calls": None},
+        {"role": "tool", "content": "o"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    roles = ["user", "tool", "assistant"]
+    ds = build_train_dataset(
+        _settings(path, roles_to_train=roles), chatml_tok, sequence_len=512, seed=0
+    )
+    pieces = [
+        ("<|im_start|>user\n", False),
+        (f"{body}<|im_end|>", True),
+        ("\n<|im_start|>assistant\n", False),
+        ("Yo<|im_end|>", True),
+        ("\n<|im_start|>tool\n", False),
+        ("o<|im_end|>", True),
+        ("\n<|im_start|>assistant\n", False),
+        ("ok<|im_end|>", True),
+        ("\n", False),
+    ]
+    assert ds[0]["labels"] == expected_labels(chatml_tok, pieces)[2]
+
+
 def test_template_that_rewrites_content_is_a_data_error(tmp_path, chatml_tok):
     upper = CHATML.replace("message['content']", "message['content'] | upper")
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVO[1:3]}])

@@ -211,3 +211,34 @@ def test_hub_dataset_goes_through_datasets(monkeypatch):
         read_rows(DatasetConfig(path="org/missing"))
     assert "dataset 'org/missing', field 'path': cannot load hub dataset" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_json_lines_end_at_newlines_only_and_a_byte_order_mark_is_not_data(tmp_path):
+    # U+2028, U+2029 and U+0085 may stand raw inside JSON strings (json.dumps with
+    # ensure_ascii=False writes them so); str.splitlines would cut a row there
+    rows = [_chat(0), _chat(1)]
+    rows[0]["messages"][1]["content"] = "a\u2028b\u2029c\x85d"
+    path = tmp_path / "x.jsonl"
+    text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    assert read_rows(DatasetConfig(path=str(path))) == rows
+    array = tmp_path / "x.json"
+    array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    assert read_rows(DatasetConfig(path=str(array))) == rows
+
+
+def test_rows_longer_than_sequence_len_are_dropped_or_refused_when_asked(tmp_path, tok):
+    long_answer = {"role": "assistant", "content": "a" * 60}
+    long_row = {"messages": [{"role": "user", "content": "q"}, long_answer]}
+    path = write_jsonl(tmp_path / "d.jsonl", [_chat(0), long_row, _chat(2)])
+
+    def build(strategy):
+        settings = DataSettings(
+            datasets=[{"path": str(path)}], chat_template="chatml", excess_length_strategy=strategy
+        )
+        return build_train_dataset(settings, tok, sequence_len=40, seed=0)
+
+    assert len(build("truncate")) == 3
+    assert len(build("drop")) == 2
+    with pytest.raises(DataError, match=r"row 1.*longer than sequence_len = 40"):
+        build("raise")

@@ -239,3 +239,23 @@ def test_a_cache_is_keyed_by_the_media_processor(tmp_path, tok):
 
     assert fp(None) != fp(first) != fp(second)
     assert fp(first) == fp(gemma3_processor())
+
+
+def test_a_cache_is_keyed_by_the_contents_of_a_template_file(tmp_path, tok):
+    """A chat template named by its file renders every row: editing the file (same path)
+    makes a new cache, not a stale one."""
+    from protrain.train.data.prepared import fingerprint
+    from protrain.train.data.templates import BUILTIN_TEMPLATES
+
+    path = write_jsonl(tmp_path / "c.jsonl", _rows(2))
+    template = tmp_path / "t.jinja"
+    template.write_text(BUILTIN_TEMPLATES["chatml"])
+    settings = DataSettings(datasets=[{"path": str(path)}], chat_template=str(template))
+
+    def fp():
+        return fingerprint(settings, tok, sequence_len=64, seed=1)
+
+    before = fp()
+    assert fp() == before
+    template.write_text("{{ 'Be terse.' }}" + BUILTIN_TEMPLATES["chatml"])
+    assert fp() != before

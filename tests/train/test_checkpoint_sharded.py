@@ -70,6 +70,10 @@ def test_convert_refuses_what_it_cannot_do(runs, tmp_path, capsys):
         convert_checkpoint(runs / "straight" / "checkpoint-2", runs / "sharded")
     with pytest.raises(OutputDirError, match="is not a checkpoint-<step> folder"):
         convert_checkpoint(runs / "straight", tmp_path)
+    inside = runs / "straight" / "checkpoint-2" / "converted"  # rotation would delete it
+    with pytest.raises(OutputDirError, match="is inside the checkpoint .* it converts"):
+        convert_checkpoint(runs / "straight" / "checkpoint-2", inside)
+    assert not inside.exists()
     live = tmp_path / "live"
     in_use = pytest.raises(OutputDirError, match="convert-checkpoint: output_dir .* is in use")
     with RunLock(live), in_use:  # a run trains there: it would prune what the conversion writes

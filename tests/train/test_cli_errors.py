@@ -92,6 +92,15 @@ def test_inspect_data_marks_trained_spans():
     assert "<|im_end|>]]" in proc.stdout
 
 
+@pytest.mark.parametrize("n", ["0", "-2"])
+def test_inspect_data_wants_at_least_one_sample(n):
+    proc = run_cli("inspect-data", "-n", n)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(
+        f"argument -n/--num-samples: {n} is not allowed: at least 1"
+    )
+
+
 def test_version():
     proc = run_cli("--version")
     assert proc.returncode == 0 and proc.stdout.startswith("protrain ")

@@ -45,6 +45,12 @@ def convert_checkpoint(src: Path, output_dir: Path) -> Path:
     problem = verify(src)
     if problem is not None:
         raise OutputDirError(f"convert-checkpoint: {src} is damaged ({problem}); nothing written")
+    if output_dir.resolve().is_relative_to(src.resolve()):  # rotation would delete it with src
+        raise OutputDirError(
+            f"convert-checkpoint: the output {str(output_dir)!r} is inside the checkpoint "
+            f"{str(src)!r} it converts; choose a directory outside it (the run's output_dir, "
+            "or a new one)"
+        )
     try:
         lock = RunLock(output_dir).acquire()
     except OutputDirError as exc:

@@ -235,6 +235,12 @@ class DataSettings(BaseModel):
     )
     sample_packing: bool = False
     skip_bad_rows: bool = False
+    excess_length_strategy: Literal["truncate", "drop", "raise"] = Field(
+        default="truncate",
+        description="a row longer than sequence_len: truncate (cut at sequence_len: a cut "
+        "answer trains without its end), drop (axolotl's default), or raise (an error naming "
+        "the row); rows with media are dropped unless raise",
+    )
     processor_type: str | None = None
     processor_kwargs: dict[str, Any] = Field(default_factory=dict)
     role_boundaries: list[RoleBoundary] | None = Field(

@@ -52,6 +52,7 @@ class DatasetReport:
     kept: int = 0
     skipped: list[str] = field(default_factory=list)  # one reason per skipped row
     truncated: int = 0
+    dropped_long: int = 0
     too_long_media: int = 0
     no_trained_tokens: int = 0
 
@@ -66,9 +67,18 @@ class DatasetReport:
             )
         if self.truncated:
             logger.warning(
-                "dataset %r: %d sample(s) longer than sequence_len were truncated",
+                "dataset %r: %d sample(s) longer than sequence_len were truncated (their "
+                "tokens past it, answers included, do not train; excess_length_strategy: drop "
+                "leaves them out)",
                 self.path,
                 self.truncated,
+            )
+        if self.dropped_long:
+            logger.warning(
+                "dataset %r: %d sample(s) longer than sequence_len were dropped "
+                "(excess_length_strategy: drop)",
+                self.path,
+                self.dropped_long,
             )
         if self.too_long_media:
             logger.warning(
@@ -160,12 +170,23 @@ class DatasetEncoder:
         return Encoded(ids, labels, text)
 
 
-def _truncate(enc: Encoded, sequence_len: int, report: DatasetReport) -> bool:
-    """Cut a text sample to `sequence_len`; False for a media sample that is too long."""
+def _fit(enc: Encoded, sequence_len: int, strategy: str, report: DatasetReport, row: int) -> bool:
+    """A sample within `sequence_len`, as `excess_length_strategy` says: cut to it (text),
+    or False to drop it; raise names the row."""
     if len(enc.input_ids) <= sequence_len:
         return True
+    if strategy == "raise":
+        raise DataError(
+            f"{len(enc.input_ids)} tokens, longer than sequence_len = {sequence_len} "
+            "(excess_length_strategy: raise; truncate or drop allow it)",
+            dataset=report.path,
+            row=row,
+        )
     if any(isinstance(v, torch.Tensor) for v in enc.extras.values()):
         report.too_long_media += 1  # its media tokens cannot be cut from their pixels
+        return False
+    if strategy == "drop":
+        report.dropped_long += 1
         return False
     report.truncated += 1
     enc.input_ids = enc.input_ids[:sequence_len]
@@ -198,7 +219,7 @@ def encode_dataset(
                 raise
             report.skipped.append(str(e))
             continue
-        if not _truncate(enc, sequence_len, report):
+        if not _fit(enc, sequence_len, settings.excess_length_strategy, report, row_index):
             continue
         if all(label == IGNORE_INDEX for label in enc.labels[1:]):
             report.no_trained_tokens += 1
@@ -216,6 +237,9 @@ def encode_dataset(
             else "",
             f"{report.too_long_media} with media longer than sequence_len"
             if report.too_long_media
+            else "",
+            f"{report.dropped_long} longer than sequence_len (excess_length_strategy: drop)"
+            if report.dropped_long
             else "",
             f"{len(report.skipped)} bad, first: {report.skipped[0]}" if report.skipped else "",
         ]

@@ -55,7 +55,7 @@ def _read_text(path: Path, dataset: str) -> str:
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}", dataset=dataset) from e
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8-sig")  # a leading byte-order mark is not part of the data
     except UnicodeDecodeError as e:
         raise DataError(
             f"{path} is not UTF-8 text at {not_utf8_place(data, e)}; save it as UTF-8",
@@ -94,7 +94,9 @@ def _read_json_file(path: Path, dataset: str) -> list[dict[str, Any]]:
 
 def _read_json_lines(text: str, path: Path, dataset: str) -> list[Any]:
     rows = []
-    for line_no, line in enumerate(text.splitlines()):
+    # lines end at \n only: str.splitlines also splits at U+2028, U+0085, ..., which JSON
+    # strings may hold as they are
+    for line_no, line in enumerate(text.split("\n")):
         if not line.strip():
             continue
         try:

@@ -23,6 +23,7 @@ import torch
 from protrain.train.data.config import DataSettings
 from protrain.train.data.errors import DataError
 from protrain.train.data.items import ArrowItems, TokenizedDataset
+from protrain.train.data.templates import template_file
 
 logger = logging.getLogger("protrain.train.data")
 
@@ -40,6 +41,11 @@ def _file_stamps(settings: DataSettings) -> list[Any]:
             if f.is_file():
                 st = f.stat()
                 stamps.append([str(f), st.st_size, st.st_mtime_ns])
+    # a chat template named by its file renders every row: an edit to it is a new cache
+    specs = [settings.chat_template]
+    specs += [cfg.chat_template for cfg in [*settings.datasets, *settings.eval_datasets]]
+    for f in filter(None, map(template_file, specs)):
+        stamps.append([str(f), hashlib.sha256(f.read_bytes()).hexdigest()])
     return stamps
 
 

@@ -215,6 +215,15 @@ def _looks_like_jinja(text: str) -> bool:
     return "{{" in text or "{%" in text
 
 
+def template_file(spec: str | None) -> Path | None:
+    """The Jinja file a `chat_template` value names, or None (a built-in name, a Jinja
+    string, the tokenizer's own)."""
+    if spec is None or spec in BUILTIN_TEMPLATES or _looks_like_jinja(spec):
+        return None
+    path = Path(spec).expanduser()
+    return path if path.is_file() else None
+
+
 def check_template_spec(spec: str | None) -> str | None:
     """Config-time check of a `chat_template` value; the message says what is allowed."""
     if spec is None or spec in BUILTIN_TEMPLATES or _looks_like_jinja(spec):
