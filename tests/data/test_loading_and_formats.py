@@ -225,6 +225,10 @@ def test_json_lines_end_at_newlines_only_and_a_byte_order_mark_is_not_data(tmp_p
     array = tmp_path / "x.json"
     array.write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
     assert read_rows(DatasetConfig(path=str(array))) == rows
+    bad = tmp_path / "bad.jsonl"  # the place of a bad byte counts from after the mark
+    bad.write_bytes(b'\xef\xbb\xbf{"text": "ok"}\n\xff{"text": "x"}\n')
+    with pytest.raises(DataError, match="line 2, column 1"):
+        read_rows(DatasetConfig(path=str(bad)))
 
 
 def test_rows_longer_than_sequence_len_are_dropped_or_refused_when_asked(tmp_path, tok):

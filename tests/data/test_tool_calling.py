@@ -575,6 +575,26 @@ def test_tool_results_trained_with_the_tool_role(tmp_path):
     assert "Weather in Paris?" not in trained
 
 
+@pytest.mark.parametrize("result,call_id", [("20", "id2000001"), ("1", "abcdefgh1")])
+def test_a_tool_result_is_trained_where_the_template_writes_it(tmp_path, result, call_id):
+    # Mistral writes the call id after the result: text equal to the result there is not it
+    tok = byte_tokenizer(**SPECIALS["mistral"])
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None,
+         "tool_calls": [call("get_weather", {"city": "Paris"}, call_id)]},
+        {"role": "tool", "content": result, "tool_call_id": call_id},
+        {"role": "assistant", "content": "Fine."},
+    ]  # fmt: skip
+    row = {"messages": messages, "tools": []}
+    item = _encode(tmp_path, tok, [row], "mistral_v0_3", roles_to_train=["tool"])[0]
+    ids, labels = item["input_ids"], item["labels"]
+    first = next(i for i, t in enumerate(labels) if t != IGNORE_INDEX)
+    before = tok.decode(ids[:first])
+    assert before.endswith('[TOOL_RESULTS] {"content": '), before[-40:]
+    assert tok.decode([t for t in labels if t != IGNORE_INDEX]).startswith(result)
+
+
 def test_bad_train_on_tool_calls_value():
     with pytest.raises(ValueError, match="train_on_tool_calls"):
         DataSettings(train_on_tool_calls="sometimes")

@@ -108,3 +108,23 @@ def test_a_bf16_model_computes_in_bf16_and_says_its_masters_are_fp32(caplog):
     assert "bfloat16 are stepped through fp32 masters" in caplog.text
     assert torch.equal(model(**batch).loss, expected)
     protrain.close(model)
+
+
+def test_a_parameter_unfrozen_under_step_in_backward_is_refused_without_a_half_step():
+    model = build("llama")
+    frozen = model.model.layers[0].mlp.up_proj.weight
+    frozen.requires_grad_(False)
+    model, optimizer, _ = protrain.wrap(model, n_persist=0, lr=1e-2, device="cpu")
+    batch = batches("llama", 1)[0]
+    frozen.requires_grad_(True)
+    with pytest.raises(RuntimeError, match="was frozen when protrain.wrap placed it"):
+        optimizer.step_in_backward()  # refused before any update begins
+    frozen.requires_grad_(False)
+    optimizer.step_in_backward()
+    frozen.requires_grad_(True)  # unfrozen once the updates are armed
+    model(**batch).loss.backward()
+    with pytest.raises(RuntimeError, match="this step was taken without it"):
+        optimizer.step()
+    optimizer.zero_grad()  # the step is complete: the optimizer is usable again
+    assert protrain.state_dict(model)  # not "call step() first"
+    protrain.close(model)

@@ -17,7 +17,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import protrain
 from protrain import wrap
-from protrain.optim.adamw_8bit import MIN_8BIT_SIZE, optimizer_choice, state_bytes_8bit
+from protrain.optim.adamw_8bit import (
+    MIN_8BIT_SIZE,
+    check_saved_optimizer,
+    optimizer_choice,
+    plain_state_dict,
+    state_bytes_8bit,
+)
 from protrain.plan.memory import device_optimizer_bytes
 from protrain.profile.chunk_table import chunk_table
 
@@ -224,6 +230,10 @@ def test_each_optimizer_names_its_own_choice():
         model, opt, _ = _wrap(optimizer=choice)
         assert optimizer_choice(opt) == choice
         protrain.close(model)
+    saved = {**plain_state_dict(bnb.optim.AdamW8bit(p)), "optimizer": "adam"}  # bnb's own name
+    check_saved_optimizer(saved, "adamw_8bit")  # read as the choice it stands for
+    with pytest.raises(ValueError, match="saved with optimizer='adamw_8bit'"):
+        check_saved_optimizer(saved, "adamw")
 
 
 @pytest.mark.parametrize("before,after", [(None, 0), (0, None)])

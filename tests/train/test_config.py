@@ -306,7 +306,9 @@ def test_a_seed_beyond_64_bits_is_refused(tmp_path, seed):
     [
         ("cosine_with_min_lr", {}, "One of min_lr or min_lr_rate should be set"),
         ("warmup_stable_decay", {}, "missing 1 required positional argument: 'num_decay_steps'"),
-        ("linear", {"bogus": 1}, "unexpected keyword argument 'bogus'"),
+        ("linear", {"bogus": 1}, "['bogus'] are not allowed"),
+        ("linear", {"last_epoch": 3}, "['last_epoch'] are not allowed"),
+        ("constant", {"min_lr": 1e-5}, "it takes none"),  # transformers would drop it
     ],
 )
 def test_a_schedule_without_the_arguments_it_needs_is_refused(tmp_path, scheduler, kwargs, says):

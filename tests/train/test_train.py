@@ -9,6 +9,7 @@ import textwrap
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError
@@ -442,9 +443,12 @@ def test_a_resume_trains_with_the_learning_rate_and_decay_of_its_config(tmp_path
 def test_held_out_rows_without_evaluation_are_named_and_too_few_are_refused(tmp_path, protrain_log):
     train(validate_config(tiny_config(tmp_path / "a", max_steps=1, val_set_size=0.05)))
     said = "\n".join(protrain_log)
-    assert "40 evaluation rows are held out but eval.steps is unset" in said
+    assert "40 evaluation rows (held out of training) but eval.steps is unset" in said
     none_held = tiny_config(tmp_path / "b", max_steps=1, val_set_size=1e-4, eval={"steps": 1})
-    with pytest.raises(ConfigError, match="eval.steps = 1 but the evaluation data has no rows"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval.steps = 1 but the evaluation data \(val_set_size = 0.0001\) has no rows",
+    ):
         train(validate_config(none_held))
     assert not list((tmp_path / "b" / "run").glob("checkpoint-*"))
 
@@ -454,3 +458,24 @@ def test_a_schedule_with_its_own_arguments_trains_to_them(tmp_path):
     run = train(validate_config({**raw, "lr_scheduler_kwargs": {"min_lr": 1e-4}}))
     lrs = [r["lr"] for r in read_metrics(run.output_dir) if "lr" in r]
     assert lrs[-1] == pytest.approx(1e-4)
+
+
+def test_a_resume_under_another_schedule_steps_on_it_from_its_first_step(tmp_path):
+    # the learning rate each step runs with, as the optimizer sees it when it steps
+    seen = []
+    hook = register_optimizer_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"])
+    )
+    try:
+        linear = tiny_config(tmp_path / "a", max_steps=6, save_steps=3, lr_scheduler="linear")
+        train(validate_config(linear))
+        straight, seen[:] = seen[:], []
+        cfg = tiny_config(tmp_path / "b", max_steps=6, save_steps=3)  # cosine
+        first = train(validate_config(cfg))
+        shutil.rmtree(first.output_dir / "checkpoint-6")
+        shutil.rmtree(first.final_dir)
+        seen.clear()
+        train(validate_config({**cfg, "lr_scheduler": "linear"}), resume=True)
+    finally:
+        hook.remove()
+    assert len(straight) == 6 and seen == straight[3:]

@@ -138,12 +138,18 @@ def optimizer_choice(opt: torch.optim.Optimizer) -> str:
     return getattr(opt, "optimizer_name", "adamw")
 
 
+def saved_choice(name: str | None) -> str | None:
+    """The ``optimizer`` choice a checkpoint's marker names: "adam", bitsandbytes' own
+    ``optimizer_name`` for its AdamW8bit, which some checkpoints carry, is "adamw_8bit"."""
+    return "adamw_8bit" if name == "adam" else name
+
+
 def check_saved_optimizer(sd: dict, optimizer: str) -> None:
     """Refuse a plain optimizer state dict saved with the other ``optimizer`` choice (the
     choice :func:`plain_state_dict` names; older checkpoints: told by their state's keys).
     bitsandbytes' ``load_state_dict`` takes torch's AdamW state and fails at the first step."""
     check_saved_format(sd, "fp32", "run")  # the chunked engine's compact host moments
-    saved = sd.get("optimizer")
+    saved = saved_choice(sd.get("optimizer"))
     if saved is None and sd.get("state"):
         saved = "adamw_8bit" if any("state1" in st for st in sd["state"].values()) else "adamw"
     if saved is not None and saved != optimizer:

@@ -489,6 +489,7 @@ class HybridAdamW(torch.optim.Optimizer):
             )
         if self._armed_hyper is not None:
             raise RuntimeError("protrain: step_in_backward() was already called for this step")
+        self._refuse_unfrozen(self._unfrozen())  # before any update begins
         _refuse_if_discarded(self._manager, "step_in_backward()")
         if self._sink is None:
             raise RuntimeError("protrain: this optimizer was built without a gradient sink")
@@ -604,7 +605,14 @@ class HybridAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._flush_grads()
         self._refuse_kept_zero_without_grad()
-        self._refuse_unfrozen()
+        unfrozen = self._unfrozen()
+        if self._armed_hyper is None:  # else refused once the started updates are complete
+            self._refuse_unfrozen(unfrozen)
+        loss = self._step(loss)
+        self._refuse_unfrozen(unfrozen, stepped=True)
+        return loss
+
+    def _step(self, loss):
         hyper = [{k: g[k] for k in _HYPER} for g in self.param_groups]
         manager = self._manager
         if any(s.has_grad for c in manager.offloaded for s in c.trainable_slots):
@@ -767,19 +775,26 @@ class HybridAdamW(torch.optim.Optimizer):
                 "zero_grad() with set_to_none=True (the default)"
             )
 
-    def _refuse_unfrozen(self) -> None:
-        """A parameter frozen at wrap and unfrozen since has no master, moments or gradient
-        hook: torch's optimizer over it would train it, this one would leave it as it is."""
-        unfrozen = [
-            s.name for s in self._manager.slots() if s.master is None and s.param.requires_grad
-        ]
-        if unfrozen:
-            raise RuntimeError(
-                f"protrain: {unfrozen[0]} (and {len(unfrozen) - 1} more) was frozen when "
-                "protrain.wrap placed it and requires a gradient now: the engine trains only "
-                "the parameters that required one at wrap; set requires_grad before wrapping "
-                "(protrain.close(model), unfreeze, wrap again)"
-            )
+    def _unfrozen(self) -> list[str]:
+        """Parameters frozen at wrap that require a gradient now: they have no master,
+        moments or gradient hook, so torch's optimizer over them would train them and this
+        one would leave them as they are."""
+        return [s.name for s in self._manager.slots() if s.master is None and s.param.requires_grad]
+
+    def _refuse_unfrozen(self, unfrozen: list[str], stepped: bool = False) -> None:
+        if not unfrozen:
+            return
+        taken = (
+            "; this step was taken without it (its updates had begun in backward)"
+            if stepped
+            else ""
+        )
+        raise RuntimeError(
+            f"protrain: {unfrozen[0]} (and {len(unfrozen) - 1} more) was frozen when "
+            "protrain.wrap placed it and requires a gradient now: the engine trains only the "
+            f"parameters that required one at wrap{taken}; set requires_grad before wrapping "
+            "(protrain.close(model), unfreeze, wrap again)"
+        )
 
     # ---- state --------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import inspect
 import math
 import re
 from pathlib import Path
@@ -277,6 +278,10 @@ class AdapterConfig(StrictModel):
     @property
     def all_names(self) -> list[str]:
         return [self.name] + [e.name for e in self.extra]
+
+
+# The schedule's arguments the run sets (get_scheduler's own and the resume's place).
+_SET_BY_THE_RUN = {"optimizer", "num_warmup_steps", "num_training_steps", "last_epoch"}
 
 
 class EvalConfig(StrictModel):
@@ -710,15 +715,27 @@ class TrainConfig(DataSettings, TrackingSettings):
         or does not take are refused when the config is read, not after the data work.
         transformers is imported here, not at the top: reading a config (the CLI's first
         step) does not load it otherwise."""
-        from transformers import get_scheduler
+        from transformers import SchedulerType, get_scheduler
+        from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
+        schedule = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(self.lr_scheduler)]
+        # what the run sets itself, and what get_scheduler would drop without a word
+        # (constant schedules take none)
+        takes = set(inspect.signature(schedule).parameters) - _SET_BY_THE_RUN
+        unknown = sorted(set(self.lr_scheduler_kwargs) - takes)
+        if unknown:
+            raise ValueError(
+                f"lr_scheduler_kwargs {unknown} are not allowed with lr_scheduler = "
+                f"{self.lr_scheduler!r}: it takes {sorted(takes) or 'none'} (the run sets "
+                f"{sorted(_SET_BY_THE_RUN - {'optimizer'})} itself)"
+            )
         optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=self.learning_rate)
         try:
             get_scheduler(
                 self.lr_scheduler, optimizer, num_warmup_steps=0, num_training_steps=2,
                 scheduler_specific_kwargs=self.lr_scheduler_kwargs,
             )  # fmt: skip
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # a bad value: whatever the schedule's own check raises
             raise ValueError(
                 f"lr_scheduler = {self.lr_scheduler!r} with lr_scheduler_kwargs = "
                 f"{self.lr_scheduler_kwargs}: {exc}; set the schedule's arguments in "

@@ -251,7 +251,7 @@ class Run:
             self.tokenizer, sequence_len=cfg.sequence_len, packing=cfg.sample_packing
         )
         try:
-            _check_eval_rows(cfg, self.eval_data)
+            _check_eval_rows(cfg, self.eval_data, warn=self.ranks.is_main)
         except ConfigError as exc:  # every rank holds the same rows
             raise alike(exc) from None
         self.stream = MicroBatchStream(len(self.train_data), cfg.micro_batch_size, cfg.seed)
@@ -325,16 +325,17 @@ class Run:
             self.scheduler = _make_scheduler(cfg, self.trainable.optimizer, self.total_steps)
         self.scheduler.load_state_dict(scheduler_state)
         taken = _take_config_hyperparameters(optimizer, self.scheduler, *asked)
-        if taken:
+        if taken and self.ranks.is_main:
             logger.warning(
                 "--resume: %s from this config from step %d on, not the checkpoint's (its "
                 "moments, step counts and place in the schedule are kept)",
                 ", ".join(taken),
                 step + 1,
             )
-        if saved_window != window or taken:  # this step's learning rate on the schedule
-            for group, lr in zip(optimizer.param_groups, _lr_now(self.scheduler)):
-                group["lr"] = lr
+        # this step's learning rate on this config's schedule (the same value where neither
+        # the schedule nor its base changed: LambdaLR's step computes it so)
+        for group, lr in zip(optimizer.param_groups, _lr_now(self.scheduler)):
+            group["lr"] = lr
         if saved_window != window:
             logger.warning(
                 "--new-global-batch: %d micro-batches per step from step %d (the checkpoint's "
@@ -1065,21 +1066,24 @@ def _check_data_order(
     )
 
 
-def _check_eval_rows(cfg: TrainConfig, eval_data) -> None:
+def _check_eval_rows(cfg: TrainConfig, eval_data, warn: bool) -> None:
     """Evaluation asked for with no rows to read is refused before training; rows held out
     that no evaluation reads are named (they train nothing either)."""
     n = 0 if eval_data is None else len(eval_data)
     if cfg.eval.steps and not n:
+        source = "eval_datasets" if cfg.eval_datasets else f"val_set_size = {cfg.val_set_size}"
         raise ConfigError(
-            f"eval.steps = {cfg.eval.steps} but the evaluation data has no rows "
-            f"(val_set_size = {cfg.val_set_size} of the training rows): raise val_set_size, "
-            "set eval_datasets, or remove eval.steps"
+            f"eval.steps = {cfg.eval.steps} but the evaluation data ({source}) has no rows: "
+            "give it rows (raise val_set_size, or set eval_datasets), or remove eval.steps"
         )
-    if n and not cfg.eval.steps:
+    if n and not cfg.eval.steps and warn:
+        fix = "val_set_size: 0 to train on them" if cfg.val_set_size else "remove eval_datasets"
         logger.warning(
-            "%d evaluation rows are held out but eval.steps is unset, so none is evaluated: "
-            "set eval.steps to evaluate them, or val_set_size: 0 to train on them",
+            "%d evaluation rows (%s) but eval.steps is unset, so none is evaluated: set "
+            "eval.steps to evaluate them, or %s",
             n,
+            "held out of training" if cfg.val_set_size else "eval_datasets",
+            fix,
         )
 
 

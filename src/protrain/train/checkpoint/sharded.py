@@ -63,7 +63,7 @@ from protrain.distributed.dcp_state import (
     plan_engine_load,
 )
 from protrain.distributed.fsdp2.checkpoint import fsdp2_pieces_to_save, plan_fsdp2_load
-from protrain.optim.adamw_8bit import optimizer_choice
+from protrain.optim.adamw_8bit import optimizer_choice, saved_choice
 from protrain.train.checkpoint import directory
 from protrain.train.checkpoint.directory import (
     MANIFEST,
@@ -443,7 +443,7 @@ def _check_markers(optimizer, meta: dict[str, Any], path: Path) -> None:
     """Refuse a checkpoint of another optimizer choice or host-moment format before
     anything loads (older checkpoints carry no markers: fp32, choice unchecked)."""
     have = _optimizer_markers(optimizer)
-    for key, saved in (("optimizer", meta.get("optimizer")),
+    for key, saved in (("optimizer", saved_choice(meta.get("optimizer"))),
                        ("optimizer_state", meta.get("optimizer_state", "fp32"))):  # fmt: skip
         if saved is not None and saved != have[key]:
             raise CheckpointMismatch(

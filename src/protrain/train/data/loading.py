@@ -9,6 +9,7 @@ raises its `DataError`, which `skip_bad_rows` counts and skips as any other bad 
 
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 import random
@@ -54,8 +55,9 @@ def _read_text(path: Path, dataset: str) -> str:
         data = path.read_bytes()
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}", dataset=dataset) from e
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark is not part of the data
     try:
-        return data.decode("utf-8-sig")  # a leading byte-order mark is not part of the data
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(
             f"{path} is not UTF-8 text at {not_utf8_place(data, e)}; save it as UTF-8",

@@ -595,13 +595,8 @@ class ChatRenderer:
             # Tool results may be written as JSON strings (Llama 3.x: `content | tojson`).
             forms.append((_json_inner(first), _json_inner(last)))
         for k, (a, z) in enumerate(forms):
-            if message["role"] == "assistant":
-                pos = self._find_text(text, a, start, end)
-                stop = self._find_text(text, z, pos, end) if pos >= 0 else -1
-            else:  # the body closes the turn: its header may hold the same text ("user")
-                stop = self._find_text(text, z, start, end, last=True)
-                pos = self._find_text(text, a, start, stop + len(z), last=True) if stop >= 0 else -1
-                stop = stop if 0 <= pos <= stop else -1
+            pos = self._find_text(text, a, self._past_role_word(text, message, a, start, end), end)
+            stop = self._find_text(text, z, pos, end) if pos >= 0 else -1
             if stop >= 0:
                 stop += len(z)
                 if k and text[pos - 1 : pos] == text[stop : stop + 1] == '"':
@@ -627,10 +622,27 @@ class ChatRenderer:
             i, "the chat template does not render this message's content verbatim"
         )
 
-    def _find_text(self, text: str, needle: str, lo: int, hi: int, last: bool = False) -> int:
-        """First (``last``: last) occurrence of `needle` in `text[lo:hi]` that is not a piece
-        of a special token (a system prompt "S" is not the S of `[INST]`)."""
-        pos = text.rfind(needle, lo, hi) if last else text.find(needle, lo, hi)
+    def _past_role_word(
+        self, text: str, message: dict[str, Any], needle: str, lo: int, hi: int
+    ) -> int:
+        """Where to look for a user, system or tool body: past its header's role word (plain
+        text between special tokens in most templates: ChatML's `<|im_start|>user`) when the
+        body's first occurrence starts inside that word ("user", "er", the "o" of "tool");
+        else `lo`. A body the template writes elsewhere is found as before."""
+        role = message["role"]
+        if role == "assistant":
+            return lo
+        word = text.find(role, lo, hi)
+        pos = self._find_text(text, needle, lo, hi)
+        if word < 0 or not word <= pos < word + len(role):
+            return lo
+        later = word + len(role)
+        return later if self._find_text(text, needle, later, hi) >= 0 else lo
+
+    def _find_text(self, text: str, needle: str, lo: int, hi: int) -> int:
+        """First occurrence of `needle` in `text[lo:hi]` that is not a piece of a special token
+        (a system prompt "S" is not the S of `[INST]`)."""
+        pos = text.find(needle, lo, hi)
         while pos >= 0 and self._special_re is not None:
             window = self._special_re.finditer(
                 text, max(0, pos - self._longest_special), pos + len(needle)
@@ -640,11 +652,7 @@ class ChatRenderer:
                 for m in window
             ):
                 break
-            pos = (
-                text.rfind(needle, lo, pos + len(needle) - 1)
-                if last
-                else text.find(needle, pos + 1, hi)
-            )
+            pos = text.find(needle, pos + 1, hi)
         return pos
 
     def _last_eot(self, text: str, lo: int, hi: int) -> tuple[int, int] | None:
