@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from protrain.train.checkpoint.directory import verify
 from protrain.train.config import validate_config
 from protrain.train.errors import ConfigError
 from protrain.train.loop import train
@@ -367,3 +368,19 @@ def test_a_plan_check_after_the_last_step_keeps_the_finished_run(tmp_path, monke
     assert (run.output_dir / "checkpoint-3").is_dir() and (run.output_dir / "final").is_dir()
     records = [r for r in read_metrics(run.output_dir) if "plan_check" in r]
     assert records and records[0]["plan_corrected"] is False
+
+
+def test_a_plan_refused_after_a_step_keeps_that_step(tmp_path, monkeypatch):
+    # the steps trained are sound, only the plan for the next ones is refused: they are
+    # saved before the run ends (save_minutes alone would have saved none of them)
+    def refuse(self, step, total_steps):
+        if self.checker.due(step, total_steps):
+            raise ConfigError("after the first steps, with the measured peak: no plan fits")
+
+    monkeypatch.setattr(AutoTrainable, "check_plan", refuse)
+    memory = {"auto": True, "gpu_budget": BUDGET}
+    cfg = validate_config(fast_config(tmp_path, memory=memory))
+    with pytest.raises(ConfigError, match=r"no plan fits; checkpoint-(\d+) holds step \1"):
+        train(cfg)
+    (saved,) = sorted((tmp_path / "run").glob("checkpoint-*"))
+    assert verify(saved) is None

@@ -1,4 +1,5 @@
 import importlib.util
+import re
 
 import pytest
 
@@ -325,3 +326,29 @@ def test_a_schedule_takes_its_arguments(tmp_path):
         )
     )
     assert cfg.lr_scheduler_kwargs == {"min_lr": 1e-5}
+
+
+@pytest.mark.parametrize(
+    "budget,says",
+    [
+        (True, "a number is needed here, not true or false"),
+        (0, "a size of more than 0 bytes is needed"),
+        ("0.5B", "a size of more than 0 bytes is needed"),
+        (24.5, "24.5 bytes is not a whole number: give a size with its unit ('24.5GiB'"),
+    ],
+)
+def test_a_budget_is_a_size_of_more_than_nothing(tmp_path, budget, says):
+    memory = {"auto": True, "gpu_budget": budget}
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        validate_config(tiny_config(tmp_path, memory=memory))
+
+
+def test_a_budget_in_bytes_may_be_written_with_an_exponent(tmp_path):
+    for budget in ("1e9", 1e9):  # YAML 1.1 reads 1e9 as a string
+        memory = {"auto": True, "gpu_budget": budget}
+        assert validate_config(tiny_config(tmp_path, memory=memory)).memory.gpu_budget == 10**9
+
+
+def test_compact_state_under_fsdp2_names_fsdp_version(tmp_path):
+    with pytest.raises(ConfigError, match="needs the chunked engine, not fsdp_version = 2"):
+        validate_config(tiny_config(tmp_path, optimizer_state="bf16", fsdp_version=2))

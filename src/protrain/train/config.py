@@ -71,7 +71,8 @@ def _not_a_bool(cls: type[BaseModel], value: Any, info) -> Any:
         return value
     annotation = cls.model_fields[info.field_name].annotation
     kinds = set(get_args(annotation)) | {annotation}
-    if bool not in kinds and kinds & {int, float}:
+    numbers = [k for k in kinds if isinstance(k, type) and issubclass(k, (int, float))]
+    if bool not in kinds and numbers:  # ByteSize too (an int)
         raise ValueError("a number is needed here, not true or false")
     return value
 
@@ -354,6 +355,29 @@ class MemoryConfig(StrictModel):
         description="Several GPUs (torchrun): offloaded chunks split across the ranks "
         "(sharded, the default) or whole on every rank (replicated).",
     )
+
+    @field_validator("gpu_budget", "cpu_budget", "chunk_size", mode="before")
+    @classmethod
+    def _size_in_bytes(cls, value: Any) -> Any:
+        """A size is a whole number of bytes or a number with its unit ('24GiB'); a bare
+        fraction or a number written in YAML's exponent form reads as bytes, or is refused."""
+        if isinstance(value, str) and re.fullmatch(r"\s*[0-9.]+[eE][+-]?[0-9]+\s*", value):
+            value = float(value)  # YAML 1.1 reads 1e9 as a string
+        if isinstance(value, float):
+            if not value.is_integer():
+                raise ValueError(
+                    f"{value} bytes is not a whole number: give a size with its unit "
+                    f"('{value:g}GiB', '512MiB') or whole bytes"
+                )
+            value = int(value)
+        return value
+
+    @field_validator("gpu_budget", "cpu_budget", "chunk_size")
+    @classmethod
+    def _positive_size(cls, value: int | None) -> int | None:
+        if value is not None and value <= 0:
+            raise ValueError("a size of more than 0 bytes is needed ('24GiB', '512MiB')")
+        return value
 
     @model_validator(mode="after")
     def _check_auto(self) -> MemoryConfig:
@@ -746,9 +770,13 @@ class TrainConfig(DataSettings, TrackingSettings):
         if self.optimizer_state == "fp32":
             return
         where = (
-            "the chunked engine: set memory.n_persist or memory.auto (the offloaded chunks' "
-            "host state is what it compresses)"
-            if not self.memory.engine_enabled or self.fsdp_version is not None
+            "the chunked engine, not fsdp_version = 2: remove fsdp_version and set "
+            "memory.n_persist or memory.auto (the offloaded chunks' host state is what it "
+            "compresses)"
+            if self.fsdp_version is not None
+            else "the chunked engine: set memory.n_persist or memory.auto (the offloaded "
+            "chunks' host state is what it compresses)"
+            if not self.memory.engine_enabled
             else "memory.n_device_step = 0 (the device step streams fp32 moments)"
             if self.memory.n_device_step or self.memory.device_step_search
             else None

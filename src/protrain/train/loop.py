@@ -336,7 +336,7 @@ class Run:
         # the schedule nor its base changed: LambdaLR's step computes it so)
         for group, lr in zip(optimizer.param_groups, _lr_now(self.scheduler)):
             group["lr"] = lr
-        if saved_window != window:
+        if saved_window != window and self.ranks.is_main:
             logger.warning(
                 "--new-global-batch: %d micro-batches per step from step %d (the checkpoint's "
                 "%d), %d steps in all",
@@ -539,7 +539,14 @@ class Run:
         cfg, ranks, step, total_steps = self.cfg, self.ranks, self.step, self.total_steps
         # A planned placement compares its prediction with the first steps once; a
         # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
-        plan_record = self.trainable.check_plan(step, total_steps)
+        try:
+            plan_record = self.trainable.check_plan(step, total_steps)
+        except ConfigError as exc:  # the step is sound: only the plan for the next is refused
+            self._save_now()
+            raise ConfigError(
+                f"{exc}; {self.last_saved.name} holds step {step}: resume from it (--resume) "
+                "with that budget"
+            ) from None
         if plan_record is not None:
             self.metrics.write(step, plan_record)
             self.scheduler.optimizer = self.trainable.optimizer
