@@ -595,6 +595,33 @@ def test_a_tool_result_is_trained_where_the_template_writes_it(tmp_path, result,
     assert tok.decode([t for t in labels if t != IGNORE_INDEX]).startswith(result)
 
 
+@pytest.mark.parametrize(
+    "template,body,tools",
+    [
+        ("qwen2_5", "Weather", [WEATHER]),  # also in the tool list the template writes first
+        ("llama3_1", "Weather", [WEATHER]),  # the tool list folded into the user turn
+        ("llama3_1", "December", None),  # the date header before the first user turn
+        ("qwen2_5", "s", None),  # the default system prompt written before it
+        ("deepseek_v3", "er", None),  # a piece of the special token <｜User｜> before it
+        ("phi3_5", "user", None),  # the header's role word
+    ],
+)
+def test_a_trained_user_body_is_the_body_whatever_the_template_writes_before_it(
+    tmp_path, template, body, tools
+):
+    family = {"qwen2_5": "qwen", "llama3_1": "llama3", "deepseek_v3": "deepseek", "phi3_5": "phi"}
+    tok = byte_tokenizer(**SPECIALS[family[template]])
+    row = {"messages": [{"role": "user", "content": body}, {"role": "assistant", "content": "ok"}]}
+    if tools is not None:
+        row["tools"] = tools
+    item = _encode(tmp_path, tok, [row], template, roles_to_train=["user"])[0]
+    ids, labels = item["input_ids"], item["labels"]
+    first = next(i for i, t in enumerate(labels) if t != IGNORE_INDEX)
+    trained = tok.decode([t for t in labels if t != IGNORE_INDEX])
+    assert trained.startswith(body) and body not in trained[len(body) :], trained
+    assert tok.decode(ids[first : first + len(tok.encode(body, add_special_tokens=False))]) == body
+
+
 def test_bad_train_on_tool_calls_value():
     with pytest.raises(ValueError, match="train_on_tool_calls"):
         DataSettings(train_on_tool_calls="sometimes")

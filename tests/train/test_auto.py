@@ -9,7 +9,7 @@ import torch
 
 from protrain.train.checkpoint.directory import verify
 from protrain.train.config import validate_config
-from protrain.train.errors import ConfigError
+from protrain.train.errors import ConfigError, PlanRefusedError
 from protrain.train.loop import train
 from protrain.train.metrics import read_metrics
 from protrain.train.plan_checker import PlanChecker
@@ -375,7 +375,7 @@ def test_a_plan_refused_after_a_step_keeps_that_step(tmp_path, monkeypatch):
     # saved before the run ends (save_minutes alone would have saved none of them)
     def refuse(self, step, total_steps):
         if self.checker.due(step, total_steps):
-            raise ConfigError("after the first steps, with the measured peak: no plan fits")
+            raise PlanRefusedError("after the first steps, with the measured peak: no plan fits")
 
     monkeypatch.setattr(AutoTrainable, "check_plan", refuse)
     memory = {"auto": True, "gpu_budget": BUDGET}
@@ -384,3 +384,17 @@ def test_a_plan_refused_after_a_step_keeps_that_step(tmp_path, monkeypatch):
         train(cfg)
     (saved,) = sorted((tmp_path / "run").glob("checkpoint-*"))
     assert verify(saved) is None
+    step = int(saved.name.removeprefix("checkpoint-"))
+    logged = [r["step"] for r in read_metrics(tmp_path / "run") if "loss" in r]
+    assert logged[-1] == step  # its record is written before it is saved
+
+
+def test_a_replan_that_fails_is_its_own_error_not_a_save(tmp_path, monkeypatch):
+    def fail(self, step, total_steps):
+        if self.checker.due(step, total_steps):
+            raise ConfigError("memory: the corrected plan could not be applied")
+
+    monkeypatch.setattr(AutoTrainable, "check_plan", fail)
+    memory = {"auto": True, "gpu_budget": BUDGET}
+    with pytest.raises(ConfigError, match="^memory: the corrected plan could not be applied$"):
+        train(validate_config(fast_config(tmp_path, memory=memory)))

@@ -335,6 +335,7 @@ def test_a_schedule_takes_its_arguments(tmp_path):
         (0, "a size of more than 0 bytes is needed"),
         ("0.5B", "a size of more than 0 bytes is needed"),
         (24.5, "24.5 bytes is not a whole number: give a size with its unit ('24.5GiB'"),
+        ("1.5", "1.5 bytes is not a whole number"),
     ],
 )
 def test_a_budget_is_a_size_of_more_than_nothing(tmp_path, budget, says):

@@ -361,8 +361,10 @@ class MemoryConfig(StrictModel):
     def _size_in_bytes(cls, value: Any) -> Any:
         """A size is a whole number of bytes or a number with its unit ('24GiB'); a bare
         fraction or a number written in YAML's exponent form reads as bytes, or is refused."""
-        if isinstance(value, str) and re.fullmatch(r"\s*[0-9.]+[eE][+-]?[0-9]+\s*", value):
-            value = float(value)  # YAML 1.1 reads 1e9 as a string
+        if isinstance(value, str) and re.fullmatch(
+            r"\s*[0-9_]*\.?[0-9_]+([eE][+-]?[0-9]+)?\s*", value
+        ):
+            value = float(value)  # a number without a unit (YAML 1.1 reads 1e9 as a string)
         if isinstance(value, float):
             if not value.is_integer():
                 raise ValueError(

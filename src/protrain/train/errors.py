@@ -10,3 +10,8 @@ class ConfigError(ValueError):
 
 class OutputDirError(RuntimeError):
     """The output directory cannot be used as asked (it would overwrite earlier work)."""
+
+
+class PlanRefusedError(ConfigError):
+    """No memory plan fits the peak measured over the first steps: the steps run are sound
+    (the run saves them before it ends), only the budget is too small for the next."""

@@ -57,7 +57,7 @@ from protrain.train.data import (
     build_train_dataset,
     describe_masking,
 )
-from protrain.train.errors import ConfigError, OutputDirError
+from protrain.train.errors import ConfigError, OutputDirError, PlanRefusedError
 from protrain.train.fsdp2_trainable import check_layer_classes
 from protrain.train.host_memory import check_host_memory_for_loading, checkpoint_numel
 from protrain.train.log import logger, setup_logging
@@ -541,9 +541,10 @@ class Run:
         # corrected plan re-wraps the model, and the scheduler follows the new optimizer.
         try:
             plan_record = self.trainable.check_plan(step, total_steps)
-        except ConfigError as exc:  # the step is sound: only the plan for the next is refused
+        except PlanRefusedError as exc:  # the step is sound: only the plan for the next is not
+            self._log(grad_norm)
             self._save_now()
-            raise ConfigError(
+            raise PlanRefusedError(
                 f"{exc}; {self.last_saved.name} holds step {step}: resume from it (--resume) "
                 "with that budget"
             ) from None

@@ -31,7 +31,7 @@ from protrain.plan import NoPlanFits, Plan
 from protrain.planned_wrap import apply_plan
 from protrain.planned_wrap import wrap as protrain_wrap
 from protrain.train.config import ENGINE_OPTIMIZERS, TrainConfig
-from protrain.train.errors import ConfigError
+from protrain.train.errors import ConfigError, PlanRefusedError
 from protrain.train.log import logger, warn_once
 from protrain.train.loss import loss_sum, unwrap_causal_lm
 from protrain.train.plan_checker import PlanChecker
@@ -542,7 +542,9 @@ class AutoTrainable(EngineTrainable):
             if last:  # the run's steps are done: they are saved and exported all the same
                 logger.warning("memory plan check after the last step: %s", message)
                 return {"plan_check": "no plan fits the measured peak", "plan_corrected": False}
-            raise ConfigError(f"after the first steps, with the measured peak: {message}") from None
+            raise PlanRefusedError(
+                f"after the first steps, with the measured peak: {message}"
+            ) from None
         if check.corrected is not None and not last:
             self.replan(check.corrected)
             record["plan_corrected"] = True

@@ -188,6 +188,11 @@ def _needles(message: dict[str, Any]) -> tuple[str, str]:
     return first, last
 
 
+# A body no template writes for itself and no tokenizer merges with what precedes it: where a
+# rendering with it stops agreeing with the real one, the real body begins.
+_STAND_IN = "\ue000protrain-stand-in\ue000"
+
+
 def _json_inner(text: str) -> str:
     """`text` as it appears inside a JSON string."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
@@ -224,6 +229,8 @@ class _Placement:
     text: str
     prefixes: list[str | None] = field(default_factory=list)  # render(messages[:i])
     prompts: list[str | None] = field(default_factory=list)  # same, with the generation prompt
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    kwargs: dict[str, Any] | None = None
 
 
 class ChatRenderer:
@@ -484,7 +491,7 @@ class ChatRenderer:
     def _renderings(
         self, messages: list[dict[str, Any]], kwargs: dict[str, Any] | None, text: str
     ) -> _Placement:
-        placement = _Placement(text)
+        placement = _Placement(text, messages=messages, kwargs=kwargs)
         for i in range(len(messages) + 1):
             prefix = messages[:i]
             try:
@@ -558,7 +565,7 @@ class ChatRenderer:
         if role == "assistant":
             header = self._generation_header(i, placed)
             start = b + self._backoff(_lcp(header, text[b:end]), header, text[b:end])
-        content = self._find_content(i, message, text, start, end)
+        content = self._find_content(i, message, text, start, end, placed)
         if names:
             missing = [name for name in names if name not in text[start:end]]
             if missing:
@@ -584,7 +591,7 @@ class ChatRenderer:
         return Turn(role, start, content_end, eot, b, end, names)
 
     def _find_content(
-        self, i: int, message: dict[str, Any], text: str, start: int, end: int
+        self, i: int, message: dict[str, Any], text: str, start: int, end: int, placed: _Placement
     ) -> tuple[int, int] | None:
         """Where the message's content lies in its own text (system: anywhere), or None."""
         first, last = _needles(message)
@@ -595,7 +602,7 @@ class ChatRenderer:
             # Tool results may be written as JSON strings (Llama 3.x: `content | tojson`).
             forms.append((_json_inner(first), _json_inner(last)))
         for k, (a, z) in enumerate(forms):
-            pos = self._find_text(text, a, self._past_role_word(text, message, a, start, end), end)
+            pos = self._find_text(text, a, self._body_start(i, placed, a, start, end), end)
             stop = self._find_text(text, z, pos, end) if pos >= 0 else -1
             if stop >= 0:
                 stop += len(z)
@@ -622,30 +629,33 @@ class ChatRenderer:
             i, "the chat template does not render this message's content verbatim"
         )
 
-    def _past_role_word(
-        self, text: str, message: dict[str, Any], needle: str, lo: int, hi: int
-    ) -> int:
-        """Where to look for a user, system or tool body: past its header's role word (plain
-        text between special tokens in most templates: ChatML's `<|im_start|>user`) when the
-        body's first occurrence starts inside that word ("user", "er", the "o" of "tool");
-        else `lo`. A body the template writes elsewhere is found as before."""
-        role = message["role"]
-        if role == "assistant":
+    def _body_start(self, i: int, placed: _Placement, needle: str, lo: int, hi: int) -> int:
+        """Where a user, system or tool body of message ``i`` may start in its turn
+        ``[lo, hi)``: where the text stops agreeing with a rendering of the conversation up to
+        it with a stand-in body. What the template writes before the body (its header's role
+        word, a default system prompt, a tool list, a date) may hold the body's own words;
+        the body lies past all of it. Rendered only where the body's text occurs twice."""
+        message = placed.messages[i] if i < len(placed.messages) else None
+        first = self._find_text(placed.text, needle, lo, hi)
+        if message is None or message["role"] == "assistant" or first < 0:
             return lo
-        word = text.find(role, lo, hi)
-        pos = self._find_text(text, needle, lo, hi)
-        if word < 0 or not word <= pos < word + len(role):
+        if self._find_text(placed.text, needle, first + 1, hi) < 0:
+            return lo  # one occurrence: it is the body
+        stand_in = {**message, "content": _STAND_IN}
+        try:
+            rendered = self.render([*placed.messages[:i], stand_in], kwargs=placed.kwargs)
+        except TemplateRenderError:
             return lo
-        later = word + len(role)
-        return later if self._find_text(text, needle, later, hi) >= 0 else lo
+        at = self._common(placed.text, rendered)
+        return at if lo <= at < hi and self._find_text(placed.text, needle, at, hi) >= 0 else lo
 
     def _find_text(self, text: str, needle: str, lo: int, hi: int) -> int:
         """First occurrence of `needle` in `text[lo:hi]` that is not a piece of a special token
         (a system prompt "S" is not the S of `[INST]`)."""
         pos = text.find(needle, lo, hi)
         while pos >= 0 and self._special_re is not None:
-            window = self._special_re.finditer(
-                text, max(0, pos - self._longest_special), pos + len(needle)
+            window = self._special_re.finditer(  # tokens that start before or end after it too
+                text, max(0, pos - self._longest_special), pos + len(needle) + self._longest_special
             )
             if not any(
                 m.start() < pos + len(needle) and pos < m.end() and m.group() not in needle
