@@ -26,7 +26,10 @@ renderings of its prefixes, never from a search for its content alone:
 - Cut points never fall inside a special token: `<|endoftext|>` and `<|assistant|>` share `<|`.
 
 Content is still searched, inside the message's own text only, to check the placement and to
-find where user, system and tool bodies start. System messages may be moved anywhere by the
+find where user, system and tool bodies start. Where a body's text occurs more than once in its
+turn (the header's role word, a default system prompt, a tool list, a date may hold it), the
+search starts where a rendering with a stand-in body stops agreeing with `T`: the body lies past
+everything the template writes before it. System messages may be moved anywhere by the
 template (Gemma folds them into the first user turn), so they are searched in the whole text.
 """
 
