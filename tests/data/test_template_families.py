@@ -250,6 +250,19 @@ def test_gemma_system_prompt_trained_inside_the_user_turn(tmp_path):
     assert item["labels"] == expected_labels(tok, pieces)[2]
 
 
+def test_a_folded_system_prompt_equal_to_the_role_word_is_placed_on_itself(tmp_path):
+    # Gemma writes the system prompt after the user header: "user" there is the body
+    tok = _tokenizer("gemma")
+    messages = [{"role": "system", "content": "user"}, *CONVO[1:3]]
+    item = _encode(tmp_path, tok, messages, "gemma", roles_to_train=["system"])
+    pieces = [
+        ("<bos><start_of_turn>user\n", False),
+        ("user", True),
+        ("\n\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n", False),
+    ]
+    assert item["labels"] == expected_labels(tok, pieces)[2]
+
+
 def test_qwen2_5_default_system_prompt_never_trained(tmp_path):
     tok = _tokenizer("qwen")
     item = _encode(

@@ -596,22 +596,28 @@ def test_a_tool_result_is_trained_where_the_template_writes_it(tmp_path, result,
 
 
 @pytest.mark.parametrize(
-    "template,body,tools",
+    "template,body,tools,system",
     [
-        ("qwen2_5", "Weather", [WEATHER]),  # also in the tool list the template writes first
-        ("llama3_1", "Weather", [WEATHER]),  # the tool list folded into the user turn
-        ("llama3_1", "December", None),  # the date header before the first user turn
-        ("qwen2_5", "s", None),  # the default system prompt written before it
-        ("deepseek_v3", "er", None),  # a piece of the special token <｜User｜> before it
-        ("phi3_5", "user", None),  # the header's role word
+        ("qwen2_5", "Weather", [WEATHER], None),  # also in the tool list written first
+        ("llama3_1", "Weather", [WEATHER], None),  # the tool list folded into the user turn
+        ("llama3_1", "December", None, None),  # the date header before the first user turn
+        ("qwen2_5", "s", None, None),  # the default system prompt written before it
+        ("deepseek_v3", "er", None, None),  # a piece of the special token <｜User｜> before it
+        ("phi3_5", "user", None, None),  # the header's role word
+        # Mistral writes the system prompt into the last user turn only: a rendering that
+        # ends at this message would differ from the row before the body
+        ("mistral_v0_3", "Weather", [WEATHER], "Weather first."),
     ],
 )
 def test_a_trained_user_body_is_the_body_whatever_the_template_writes_before_it(
-    tmp_path, template, body, tools
+    tmp_path, template, body, tools, system
 ):
-    family = {"qwen2_5": "qwen", "llama3_1": "llama3", "deepseek_v3": "deepseek", "phi3_5": "phi"}
+    family = {"qwen2_5": "qwen", "llama3_1": "llama3", "deepseek_v3": "deepseek",
+              "phi3_5": "phi", "mistral_v0_3": "mistral"}  # fmt: skip
     tok = byte_tokenizer(**SPECIALS[family[template]])
     row = {"messages": [{"role": "user", "content": body}, {"role": "assistant", "content": "ok"}]}
+    if system is not None:
+        row["messages"].insert(0, {"role": "system", "content": system})
     if tools is not None:
         row["tools"] = tools
     item = _encode(tmp_path, tok, [row], template, roles_to_train=["user"])[0]

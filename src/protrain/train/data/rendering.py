@@ -196,6 +196,20 @@ def _needles(message: dict[str, Any]) -> tuple[str, str]:
 _STAND_IN = "\ue000protrain-stand-in\ue000"
 
 
+def _with_stand_in(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with ``_STAND_IN`` for its first text (a list of parts keeps its other
+    parts, so that a template that takes only lists renders it, and media stay in place)."""
+    content = message.get("content")
+    if not isinstance(content, list):
+        return {**message, "content": _STAND_IN}
+    parts = list(content)
+    for j, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") == "text" and str(part.get("text")).strip():
+            parts[j] = {**part, "text": _STAND_IN}
+            break
+    return {**message, "content": parts}
+
+
 def _json_inner(text: str) -> str:
     """`text` as it appears inside a JSON string."""
     return json.dumps(text, ensure_ascii=False)[1:-1]
@@ -612,8 +626,10 @@ class ChatRenderer:
                 if k and text[pos - 1 : pos] == text[stop : stop + 1] == '"':
                     pos, stop = pos - 1, stop + 1  # the whole JSON string
                 return pos, stop
-        if message["role"] == "system":
-            pos = self._find_text(text, first, 0, len(text))
+        if message["role"] == "system":  # moved by the template: anywhere in the text
+            pos = self._find_text(
+                text, first, self._body_start(i, placed, first, 0, len(text)), len(text)
+            )
             stop = self._find_text(text, last, pos, len(text)) if pos >= 0 else -1
             if stop >= 0:
                 return pos, stop + len(last)
@@ -634,23 +650,39 @@ class ChatRenderer:
 
     def _body_start(self, i: int, placed: _Placement, needle: str, lo: int, hi: int) -> int:
         """Where a user, system or tool body of message ``i`` may start in its turn
-        ``[lo, hi)``: where the text stops agreeing with a rendering of the conversation up to
-        it with a stand-in body. What the template writes before the body (its header's role
-        word, a default system prompt, a tool list, a date) may hold the body's own words;
-        the body lies past all of it. Rendered only where the body's text occurs twice."""
-        message = placed.messages[i] if i < len(placed.messages) else None
-        first = self._find_text(placed.text, needle, lo, hi)
+        ``[lo, hi)``. What the template writes before the body (its header's role word, a
+        default system prompt, a tool list, a date) may hold the body's own words: where they
+        occur twice, the conversation is rendered again with a stand-in for the body's first
+        text, and the body lies where that rendering holds the stand-in, the two texts
+        agreeing up to there. Where that rendering fails or disagrees earlier, past the
+        header's role word when the first match starts inside it."""
+        messages, text = placed.messages, placed.text
+        message = messages[i] if i < len(messages) else None
+        first = self._find_text(text, needle, lo, hi)
         if message is None or message["role"] == "assistant" or first < 0:
             return lo
-        if self._find_text(placed.text, needle, first + 1, hi) < 0:
+        if self._find_text(text, needle, first + 1, hi) < 0:
             return lo  # one occurrence: it is the body
-        stand_in = {**message, "content": _STAND_IN}
+        stand_in = _with_stand_in(message)
         try:
-            rendered = self.render([*placed.messages[:i], stand_in], kwargs=placed.kwargs)
+            rendered = self.render(
+                [*messages[:i], stand_in, *messages[i + 1 :]], kwargs=placed.kwargs
+            )
         except TemplateRenderError:
+            rendered = ""
+        at = _lcp(text, rendered)
+        agrees = lo <= at < hi and rendered.startswith(_STAND_IN, at)
+        if agrees and self._find_text(text, needle, at, hi) >= 0:
+            return at
+        return self._past_role_word(text, message["role"], first, lo, hi)
+
+    def _past_role_word(self, text: str, role: str, first: int, lo: int, hi: int) -> int:
+        """Past the header's role word (ChatML's `<|im_start|>user`) where the body's first
+        match ``first`` starts inside it ("user", "er"), else ``lo``."""
+        word = text.find(role, lo, hi)
+        if word < 0 or not word <= first < word + len(role):
             return lo
-        at = self._common(placed.text, rendered)
-        return at if lo <= at < hi and self._find_text(placed.text, needle, at, hi) >= 0 else lo
+        return word + len(role)
 
     def _find_text(self, text: str, needle: str, lo: int, hi: int) -> int:
         """First occurrence of `needle` in `text[lo:hi]` that is not a piece of a special token
