@@ -741,6 +741,7 @@ class TrainConfig(DataSettings, TrackingSettings):
         or does not take are refused when the config is read, not after the data work.
         transformers is imported here, not at the top: reading a config (the CLI's first
         step) does not load it otherwise."""
+        # CLI start-up time: transformers loads here, where a config names its schedule
         from transformers import SchedulerType, get_scheduler
         from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION
 
