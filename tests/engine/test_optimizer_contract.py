@@ -24,6 +24,23 @@ def _wrapped():
     return reference, wrapped, optimizer
 
 
+def _train_both_and_compare(clear) -> torch.nn.Module:
+    """Three steps of torch's AdamW and of the engine, each clearing its gradients with
+    ``clear(model, optimizer)`` after the step; the weights agree. The closed wrapped model."""
+    reference, model, optimizer = _wrapped()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    for batch in batches("llama", 3):
+        for m, opt in ((reference, ref_opt), (model, optimizer)):
+            m(**batch).loss.backward()
+            opt.step()
+            clear(m, opt)
+    state = protrain.state_dict(model)
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
+    protrain.close(model)
+    return model
+
+
 def test_a_second_clip_before_zero_grad_is_refused():
     _, model, optimizer = _wrapped()
     data = batches("llama", 2)
@@ -42,17 +59,7 @@ def test_a_second_clip_before_zero_grad_is_refused():
 
 
 def test_zero_grad_keeping_zeros_trains_as_torch_where_every_parameter_has_a_gradient():
-    reference, model, optimizer = _wrapped()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
-    for batch in batches("llama", 3):
-        for m, opt in ((reference, ref_opt), (model, optimizer)):
-            m(**batch).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=False)
-    state = protrain.state_dict(model)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
-    protrain.close(model)
+    _train_both_and_compare(lambda m, opt: opt.zero_grad(set_to_none=False))
 
 
 def test_a_parameter_without_a_gradient_after_zero_grad_keeping_zeros_is_refused():
@@ -73,17 +80,7 @@ def test_a_parameter_without_a_gradient_after_zero_grad_keeping_zeros_is_refused
 def test_model_zero_grad_clears_the_engine_gradients_as_torch():
     # torch's idiom after step(): the gradients live in the engine's chunks, not in
     # param.grad, and the module's zero_grad clears them there too.
-    reference, model, optimizer = _wrapped()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
-    for batch in batches("llama", 3):
-        for m, opt in ((reference, ref_opt), (model, optimizer)):
-            m(**batch).loss.backward()
-            opt.step()
-            m.zero_grad()
-    state = protrain.state_dict(model)
-    for name, value in reference.state_dict().items():
-        torch.testing.assert_close(state[name], value, atol=1e-6, rtol=1e-6, msg=name)
-    protrain.close(model)
+    model = _train_both_and_compare(lambda m, opt: m.zero_grad())
     assert "zero_grad" not in vars(model), "close() leaves the module's own zero_grad"
 
 
